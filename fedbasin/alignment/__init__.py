@@ -1,0 +1,25 @@
+"""Exact Transformer symmetries, canonical forms and model alignment (no Flower imports here)."""
+
+from .adapters import Adapter, fedbasin_adapter
+from .canonical import Canonical, canonicalize, is_canonical, to_gauge
+from .group import (
+    GroupElement,
+    HeadMap,
+    NeuronMap,
+    apply_group,
+    compose,
+    random_group_element,
+    random_orthogonal,
+)
+from .interpolation import Curve, interpolate, interpolation_curve, lambda_grid, loss_barrier
+from .matching import MatchResult, weight_match
+from .merge import MergeResult, average_states, merge
+from .spec import AttentionSpec, Linear, MLPSpec, Norm, SymmetrySpec, check_compatible
+
+__all__ = [
+    "Adapter", "AttentionSpec", "Canonical", "Curve", "GroupElement", "HeadMap", "Linear", "MLPSpec",
+    "MatchResult", "MergeResult", "NeuronMap", "Norm", "SymmetrySpec", "apply_group", "average_states",
+    "canonicalize", "check_compatible", "compose", "fedbasin_adapter", "interpolate", "interpolation_curve",
+    "is_canonical", "lambda_grid", "loss_barrier", "merge", "random_group_element", "random_orthogonal",
+    "to_gauge", "weight_match",
+]

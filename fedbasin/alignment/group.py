@@ -1,0 +1,305 @@
+"""Elements of an architecture's symmetry group and their (exact) action on a state dict.
+
+Row-vector math (``y = x W``), torch layout for storage. With residual map O (d×d'), head
+permutation π, per-head maps A_h (QK) and B_h (OV), neuron permutation p and scales s:
+
+* residual:  every residual axis ``X ← X ×_axis O`` (writers ``W O``, readers ``Oᵀ W``);
+* heads:     head h of the result is head π[h] of the input, then
+             ``W_Q,h ← W_Q,h A_h``, ``W_K,h ← W_K,h A_h⁻ᵀ``, ``W_V,h ← W_V,h B_h``,
+             ``W_O,h ← B_h⁻¹ W_O,h`` (biases alike);
+* neurons:   unit i of the result is unit p[i] of the input, ``W_1[:, i] *= s_i``,
+             ``W_2[i, :] /= s_i`` (s only for ReLU).
+
+Orthogonal A, B need no separate inverse; non-orthogonal maps (RoPE plane scalings) carry
+their dual ``A⁻ᵀ`` explicitly. The residual map needs a canonical state (norm gains 1,
+see ``canonical.py``): ``LN(x O) = LN(x) O`` only holds for unit gains and ``O·1 = 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .spec import AttentionSpec, MLPSpec, SymmetrySpec
+
+
+@dataclass
+class HeadMap:
+    """Per-layer head symmetry: ``perm`` (H,), ``qk``/``ov`` (H, d_h, d_h) or None (identity).
+
+    ``qk_dual``/``ov_dual`` are ``A⁻ᵀ``/``B⁻ᵀ``; None means the map is orthogonal (dual = map).
+    """
+
+    perm: torch.Tensor
+    qk: torch.Tensor | None = None
+    ov: torch.Tensor | None = None
+    qk_dual: torch.Tensor | None = None
+    ov_dual: torch.Tensor | None = None
+
+
+@dataclass
+class NeuronMap:
+    """Per-layer MLP symmetry: ``perm`` (n,), optional positive ``scale`` (n,) (ReLU only)."""
+
+    perm: torch.Tensor
+    scale: torch.Tensor | None = None
+
+
+@dataclass
+class GroupElement:
+    """One element of the group; None entries are identities."""
+
+    residual: torch.Tensor | None = None
+    heads: list[HeadMap | None] = field(default_factory=list)
+    neurons: list[NeuronMap | None] = field(default_factory=list)
+
+    @classmethod
+    def identity(cls, spec: SymmetrySpec) -> "GroupElement":
+        return cls(None, [None] * len(spec.attention), [None] * len(spec.mlp))
+
+
+# ---------------------------------------------------------------------------------------------
+# random elements
+
+
+def random_orthogonal(d: int, generator: torch.Generator, dtype=torch.float64, fix_ones: bool = False):
+    """Haar-random orthogonal d×d matrix; with ``fix_ones`` it satisfies ``O·1 = 1``."""
+    if fix_ones:
+        basis = ones_complement(d, dtype)
+        inner = random_orthogonal(d - 1, generator, dtype) if d > 1 else torch.ones(0, 0, dtype=dtype)
+        return torch.full((d, d), 1.0 / d, dtype=dtype) + basis @ inner @ basis.T
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).to(dtype)
+
+
+def ones_complement(d: int, dtype=torch.float64) -> torch.Tensor:
+    """Orthonormal basis (d, d−1) of the complement of the all-ones vector."""
+    m = torch.eye(d, dtype=torch.float64)
+    m[:, 0] = 1.0
+    q, _ = torch.linalg.qr(m)
+    return q[:, 1:].to(dtype)
+
+
+def random_permutation_matrix(d: int, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:
+    return torch.eye(d, dtype=dtype)[torch.randperm(d, generator=generator)]
+
+
+def rotary_planes(head_dim: int, layout: str) -> torch.Tensor:
+    """(d_h/2, 2) index pairs of the rotary planes: (j, j+d_h/2) for "half", (2j, 2j+1) otherwise."""
+    half = head_dim // 2
+    j = torch.arange(half)
+    return torch.stack([j, j + half], 1) if layout == "half" else torch.stack([2 * j, 2 * j + 1], 1)
+
+
+def plane_rotations(angles: torch.Tensor, head_dim: int, layout: str, scales: torch.Tensor | None = None):
+    """Block matrices (..., d_h, d_h) acting on each rotary plane as ``s·[[cos, −sin], [sin, cos]]``.
+
+    Every such block commutes with the position rotations, so QK stays exact under RoPE.
+    """
+    planes = rotary_planes(head_dim, layout)
+    a, b = planes[:, 0], planes[:, 1]
+    c, s = torch.cos(angles), torch.sin(angles)
+    if scales is not None:
+        c, s = c * scales, s * scales
+    out = torch.zeros(*angles.shape[:-1], head_dim, head_dim, dtype=angles.dtype)
+    out[..., a, a], out[..., a, b], out[..., b, a], out[..., b, b] = c, -s, s, c
+    return out
+
+
+def random_group_element(
+    spec: SymmetrySpec,
+    generator: torch.Generator | int = 0,
+    mode: str = "orthogonal",
+    dtype: torch.dtype = torch.float64,
+    scales: bool = False,
+    state: dict | None = None,
+) -> GroupElement:
+    """A random element: ``orthogonal`` (Haar maps) or ``permutation`` (permutation matrices only).
+
+    ``scales=True`` adds the optional non-orthogonal freedoms: positive neuron scalings (ReLU)
+    and per-plane scalings of the QK map (RoPE). MLP widths come from the spec or ``state``.
+    """
+    if isinstance(generator, int):
+        generator = torch.Generator().manual_seed(generator)
+    d = spec.width
+    if mode == "orthogonal":
+        residual = random_orthogonal(d, generator, dtype, fix_ones=spec.norm_kind == "layernorm")
+    elif mode == "permutation":
+        residual = random_permutation_matrix(d, generator, dtype)
+    else:
+        raise ValueError(f"mode must be 'orthogonal' or 'permutation', got {mode!r}")
+    heads = [_random_head_map(a, generator, mode, dtype, scales) for a in spec.attention]
+    neurons = []
+    for m in spec.mlp:
+        n = _mlp_width(m, state)
+        scale = None
+        if scales and m.activation == "relu":
+            scale = torch.exp(0.5 * torch.randn(n, generator=generator, dtype=torch.float64)).to(dtype)
+        neurons.append(NeuronMap(torch.randperm(n, generator=generator), scale))
+    return GroupElement(residual, heads, neurons)
+
+
+def _mlp_width(m: MLPSpec, state: dict | None) -> int:
+    if m.hidden:
+        return m.hidden
+    if state is None:
+        raise ValueError(f"the spec does not record the width of {m.up.weight}: pass state=")
+    return state[m.up.weight].shape[0]
+
+
+def _random_head_map(a: AttentionSpec, generator, mode: str, dtype, scales: bool) -> HeadMap:
+    H, dh = a.num_heads, a.head_dim
+    perm = torch.randperm(H, generator=generator)
+    if mode == "permutation":
+        ov = torch.stack([random_permutation_matrix(dh, generator, dtype) for _ in range(H)])
+        qk = None if a.rotary else torch.stack([random_permutation_matrix(dh, generator, dtype) for _ in range(H)])
+        return HeadMap(perm, qk, ov)
+    ov = torch.stack([random_orthogonal(dh, generator, dtype) for _ in range(H)])
+    if not a.rotary:
+        qk = torch.stack([random_orthogonal(dh, generator, dtype) for _ in range(H)])
+        return HeadMap(perm, qk, ov)
+    angles = (torch.rand(H, dh // 2, generator=generator, dtype=torch.float64) * 2 - 1) * torch.pi
+    plane_scales = torch.exp(0.5 * torch.randn(H, dh // 2, generator=generator, dtype=torch.float64)) if scales else None
+    qk = plane_rotations(angles, dh, a.rotary, plane_scales).to(dtype)
+    dual = None
+    if scales:
+        dual = plane_rotations(angles, dh, a.rotary, 1.0 / plane_scales).to(dtype)
+    return HeadMap(perm, qk, ov, qk_dual=dual)
+
+
+# ---------------------------------------------------------------------------------------------
+# action on state dicts
+
+
+def contract_axis(x: torch.Tensor, axis: int, m: torch.Tensor) -> torch.Tensor:
+    """``x ×_axis m``: index i along ``axis`` becomes j with weight m[i, j]."""
+    moved = x.movedim(axis, -1)
+    return (moved @ m.to(x.dtype)).movedim(-1, axis)
+
+
+def scale_axis(x: torch.Tensor, axis: int, s: torch.Tensor) -> torch.Tensor:
+    """Multiply ``x`` by the vector ``s`` along ``axis``."""
+    shape = [1] * x.dim()
+    shape[axis] = -1
+    return x * s.to(x.dtype).reshape(shape)
+
+
+def _dual(m: torch.Tensor | None, dual: torch.Tensor | None) -> torch.Tensor | None:
+    return m if dual is None else dual
+
+
+def apply_head_map(a: AttentionSpec, state: dict, hm: HeadMap) -> None:
+    """In place on the dict (new tensors): permute heads, then apply A_h to Q/K, B_h to V/O."""
+    H, dh = a.num_heads, a.head_dim
+    perm = hm.perm.to(state[a.q.weight].device)
+    for lin, m in ((a.q, hm.qk), (a.k, _dual(hm.qk, hm.qk_dual)), (a.v, hm.ov)):
+        w = state[lin.weight]
+        w = w.reshape(H, dh, -1)[perm]
+        if m is not None:  # torch layout of W_h m is mᵀ W_hᵀ... rows: new[h] = m_hᵀ @ w[h]
+            w = torch.einsum("hij,hjd->hid", m.to(w).transpose(1, 2), w)
+        state[lin.weight] = w.reshape(H * dh, -1)
+        if lin.bias:
+            b = state[lin.bias].reshape(H, dh)[perm]
+            if m is not None:
+                b = torch.einsum("hi,hij->hj", b, m.to(b))
+            state[lin.bias] = b.reshape(H * dh)
+    w = state[a.o.weight]
+    w = w.reshape(w.shape[0], H, dh)[:, perm]
+    dual = _dual(hm.ov, hm.ov_dual)
+    if dual is not None:  # W_O,h ← B⁻¹ W_O,h, i.e. torch columns: o[:, h] @ B⁻ᵀ
+        w = torch.einsum("dhi,hij->dhj", w, dual.to(w))
+    state[a.o.weight] = w.reshape(w.shape[0], H * dh)
+
+
+def apply_neuron_map(m: MLPSpec, state: dict, nm: NeuronMap) -> None:
+    """In place on the dict (new tensors): permute hidden units, scale W_1 columns by s, W_2 rows by 1/s."""
+    perm = nm.perm.to(state[m.up.weight].device)
+    if nm.scale is not None and m.activation != "relu":
+        raise ValueError(f"{m.up.weight}: neuron scaling is only exact for ReLU MLPs")
+    for lin in (m.up, m.gate):
+        if lin is None:
+            continue
+        state[lin.weight] = state[lin.weight][perm]
+        if lin.bias:
+            state[lin.bias] = state[lin.bias][perm]
+        if nm.scale is not None:
+            state[lin.weight] = scale_axis(state[lin.weight], 0, nm.scale)
+            if lin.bias:
+                state[lin.bias] = state[lin.bias] * nm.scale.to(state[lin.bias])
+    down = state[m.down.weight][:, perm]
+    state[m.down.weight] = down if nm.scale is None else scale_axis(down, 1, 1.0 / nm.scale)
+
+
+def apply_residual_map(spec: SymmetrySpec, state: dict, o: torch.Tensor) -> None:
+    """In place on the dict (new tensors): ``X ← X ×_axis O`` on every residual axis."""
+    for norm in spec.norms:
+        if norm.weight is not None and not torch.all(state[norm.weight] == 1):
+            raise ValueError(
+                f"{norm.weight}: residual maps need a canonical model (unit norm gains); "
+                "call canonicalize() first"
+            )
+    for key, axis in spec.residual:
+        state[key] = contract_axis(state[key], axis, o.to(state[key].device))
+    if o.shape[0] != o.shape[1]:  # width change: unit gains of the new width
+        for norm in spec.norms:
+            if norm.weight is not None:
+                state[norm.weight] = torch.ones(o.shape[1], dtype=state[norm.weight].dtype,
+                                                device=state[norm.weight].device)
+
+
+def apply_group(spec: SymmetrySpec, state: dict, g: GroupElement) -> dict:
+    """Return a new state dict transformed by ``g`` (the input is not modified)."""
+    out = dict(state)
+    for a, hm in zip(spec.attention, g.heads):
+        if hm is not None:
+            apply_head_map(a, out, hm)
+    for m, nm in zip(spec.mlp, g.neurons):
+        if nm is not None:
+            apply_neuron_map(m, out, nm)
+    if g.residual is not None:
+        apply_residual_map(spec, out, g.residual)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# composition
+
+
+def _compose_maps(m1, m2, perm2):
+    """Map of ``first m1 then m2`` on head h: ``m1[perm2[h]] @ m2[h]`` (None = identity)."""
+    if m1 is None:
+        return m2
+    m1 = m1[perm2]
+    return m1 if m2 is None else m1 @ m2.to(m1)
+
+
+def compose(first: GroupElement, then: GroupElement) -> GroupElement:
+    """The element acting as ``first`` followed by ``then``."""
+    if first.residual is None or then.residual is None:
+        residual = then.residual if first.residual is None else first.residual
+    else:
+        residual = first.residual @ then.residual.to(first.residual)
+    heads = []
+    for h1, h2 in zip(first.heads, then.heads):
+        if h1 is None or h2 is None:
+            heads.append(h2 if h1 is None else h1)
+            continue
+        p2 = h2.perm.to(h1.perm.device)
+        qk_dual = ov_dual = None
+        if h1.qk_dual is not None or h2.qk_dual is not None:
+            qk_dual = _compose_maps(_dual(h1.qk, h1.qk_dual), _dual(h2.qk, h2.qk_dual), p2)
+        if h1.ov_dual is not None or h2.ov_dual is not None:
+            ov_dual = _compose_maps(_dual(h1.ov, h1.ov_dual), _dual(h2.ov, h2.ov_dual), p2)
+        heads.append(HeadMap(h1.perm[p2], _compose_maps(h1.qk, h2.qk, p2), _compose_maps(h1.ov, h2.ov, p2),
+                             qk_dual, ov_dual))
+    neurons = []
+    for n1, n2 in zip(first.neurons, then.neurons):
+        if n1 is None or n2 is None:
+            neurons.append(n2 if n1 is None else n1)
+            continue
+        p2 = n2.perm.to(n1.perm.device)
+        s1 = None if n1.scale is None else n1.scale[p2]
+        scale = s1 if n2.scale is None else (n2.scale if s1 is None else s1 * n2.scale)
+        neurons.append(NeuronMap(n1.perm[p2], scale))
+    return GroupElement(residual, heads, neurons)

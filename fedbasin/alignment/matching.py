@@ -1,0 +1,355 @@
+"""Data-free weight matching: coordinate ascent on ``J(g) = Σ_p w_p ⟨θ_ref,p, (g·θ)_p⟩ / P``.
+
+With ``weighting="cosine"`` each tensor p gets ``w_p = 1 / (‖θ_ref,p‖ ‖θ_p‖)`` so that J is the
+mean cosine similarity over the P matched tensors (1 for a perfect match) and no single matrix
+dominates. Each step maximises J exactly over one factor of the group, the others fixed, so the
+recorded objective never decreases:
+
+1. residual map O: ``max tr(Oᵀ C)``, ``C = Σ_p w_p unfold(θ_p)ᵀ unfold(θ_ref,p)`` — Procrustes
+   ``O = U Vᵀ`` (LayerNorm: within the complement of 1), or Hungarian on C (``permutation``);
+2. heads per layer: Hungarian on QK/OV circuit similarities ``⟨W_Q W_Kᵀ, ·⟩ + ⟨W_V W_O, ·⟩``
+   computed from d_h×d_h factor products, then per-head Procrustes for A (QK; RoPE: one angle
+   per rotary plane) and B (OV). If the circuit assignment would lower J, the exact assignment
+   (Hungarian on the Procrustes values ``‖M_ij‖_*``) is taken instead;
+3. MLP per layer: Hungarian on ``w₁ W_1,ref W_1ᵀ + w_b b_1,ref b_1ᵀ + w₂ W_2,refᵀ W_2`` (gate included).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from .canonical import canonicalize, to_gauge
+from .group import (
+    GroupElement,
+    HeadMap,
+    NeuronMap,
+    apply_group,
+    compose,
+    ones_complement,
+    rotary_planes,
+)
+from .spec import AttentionSpec, MLPSpec, SymmetrySpec, check_compatible
+
+MODES = ("orthogonal", "permutation")
+
+
+@dataclass
+class MatchResult:
+    """Aligned candidate and how it was found.
+
+    state: the candidate aligned to the reference, in the reference's gauge (same function).
+    canonical: the aligned candidate in canonical form (unit gains).
+    transform: the group element g with ``canonical = g · canonicalize(candidate)``.
+    objective: J after the start and after every iteration (non-decreasing).
+    initial_objective: J of the unaligned candidate.
+    """
+
+    state: dict
+    canonical: dict
+    transform: GroupElement
+    objective: list[float]
+    initial_objective: float
+    seconds: float
+    iterations: int = 0
+    start: str = "identity"
+    steps: list[str] = field(default_factory=list)
+
+
+def hungarian(score: torch.Tensor) -> torch.Tensor:
+    """Permutation p maximising ``Σ_i score[i, p[i]]`` (rows: reference, columns: candidate)."""
+    rows, cols = linear_sum_assignment(score.detach().double().cpu().numpy(), maximize=True)
+    perm = np.empty_like(cols)
+    perm[rows] = cols
+    return torch.as_tensor(perm, dtype=torch.long)
+
+
+def procrustes(m: torch.Tensor) -> torch.Tensor:
+    """Orthogonal O maximising ``tr(Oᵀ M)``: ``O = U Vᵀ`` for ``M = U Σ Vᵀ`` (batched)."""
+    u, _, vh = torch.linalg.svd(m.double())
+    return (u @ vh).to(m.dtype)
+
+
+def plane_procrustes(m: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best per-plane rotations for ``max tr(Aᵀ M)`` with A block-rotational on rotary planes.
+
+    For the plane (a, b): ``tr = cos θ (M_aa + M_bb) + sin θ (M_ba − M_ab)``, maximised at
+    ``θ = atan2(M_ba − M_ab, M_aa + M_bb)`` with value ``hypot(·, ·)``. Returns (A, value per head).
+    """
+    planes = rotary_planes(m.shape[-1], layout).to(m.device)
+    a, b = planes[:, 0], planes[:, 1]
+    cos_part = m[..., a, a] + m[..., b, b]
+    sin_part = m[..., b, a] - m[..., a, b]
+    theta = torch.atan2(sin_part, cos_part)
+    out = torch.zeros_like(m)
+    c, s = torch.cos(theta), torch.sin(theta)
+    out[..., a, a], out[..., a, b], out[..., b, a], out[..., b, b] = c, -s, s, c
+    return out, torch.hypot(cos_part, sin_part).sum(-1)
+
+
+def _unfold(x: torch.Tensor, axis: int) -> torch.Tensor:
+    return x.movedim(axis, -1).reshape(-1, x.shape[axis])
+
+
+class _Objective:
+    """Weights w_p and the objective J for one reference."""
+
+    def __init__(self, spec: SymmetrySpec, ref: dict, cand: dict, weighting: str):
+        gains = {n.weight for n in spec.norms if n.weight}
+        self.keys = sorted(k for k in spec.keys() if k not in gains)
+        self.ref = ref
+        self.w = {}
+        for k in self.keys:
+            if weighting == "cosine":
+                denom = float(ref[k].double().norm() * cand[k].double().norm())
+                self.w[k] = 1.0 / denom if denom > 0 else 0.0
+            elif weighting == "uniform":
+                self.w[k] = 1.0
+            else:
+                raise ValueError(f"weighting must be 'cosine' or 'uniform', got {weighting!r}")
+        self.norm = float(len(self.keys)) if weighting == "cosine" else 1.0
+
+    def contribution(self, key: str, tensor: torch.Tensor) -> float:
+        ref = self.ref[key].to(tensor).reshape(-1)
+        return self.w[key] * float(torch.dot(ref, tensor.reshape(-1)))
+
+    def __call__(self, state: dict, previous: dict | None = None) -> tuple[float, dict]:
+        """(J, per-key terms); with ``previous`` = (old state, old terms) only changed keys are recomputed."""
+        if previous is None:
+            terms = {k: self.contribution(k, state[k]) for k in self.keys}
+        else:
+            old_state, old_terms = previous
+            terms = {
+                k: old_terms[k] if state[k] is old_state[k] else self.contribution(k, state[k]) for k in self.keys
+            }
+        return sum(terms.values()) / self.norm, terms
+
+
+class _Matcher:
+    def __init__(self, spec: SymmetrySpec, ref: dict, objective: _Objective, mode: str):
+        self.spec, self.ref, self.J, self.mode = spec, ref, objective, mode
+        w = objective.w
+        block = set()
+        for a in spec.attention:
+            block |= {a.q.weight, a.k.weight, a.v.weight, a.o.weight}
+        for m in spec.mlp:
+            block |= {lin.weight for lin in (m.up, m.gate, m.down) if lin}
+        self.free_axes = [(k, ax) for k, ax in spec.residual if k not in block]
+        self.fixed_ones = spec.norm_kind == "layernorm"
+        self.w = w
+
+    # -- residual ---------------------------------------------------------------------------
+    def residual_step(self, state: dict, axes=None) -> torch.Tensor:
+        axes = self.spec.residual if axes is None else axes
+        d = self.spec.width
+        c = None
+        for key, axis in axes:
+            if self.w[key] == 0:
+                continue
+            term = _unfold(state[key], axis).T @ _unfold(self.ref[key], axis).to(state[key])
+            c = term * self.w[key] if c is None else c + term * self.w[key]
+        if c is None:
+            return torch.eye(d, dtype=state[axes[0][0]].dtype)
+        if self.mode == "permutation":
+            perm = hungarian(c.T)  # reference dim j takes candidate dim perm[j]
+            o = torch.zeros_like(c)
+            o[perm, torch.arange(d)] = 1.0
+            return o
+        if self.fixed_ones:
+            q = ones_complement(d, torch.float64).to(c.device)
+            r = procrustes(q.T @ c.double() @ q)
+            return (torch.full((d, d), 1.0 / d, dtype=torch.float64, device=c.device) + q @ r @ q.T).to(c.dtype)
+        return procrustes(c)
+
+    # -- heads ------------------------------------------------------------------------------
+    def _head_factors(self, a: AttentionSpec, state: dict, which: dict):
+        H, dh = a.num_heads, a.head_dim
+
+        def rows(lin, src):  # per head (H, d_h, d_in), plus bias as an extra input column
+            w = src[lin.weight].reshape(H, dh, -1) * (self.w[lin.weight] ** 0.5)
+            if lin.bias:
+                w = torch.cat([w, (src[lin.bias].reshape(H, dh, 1) * (self.w[lin.bias] ** 0.5))], -1)
+            return w
+
+        o_w = lambda src: (src[a.o.weight].reshape(-1, H, dh).permute(1, 2, 0) * (self.w[a.o.weight] ** 0.5))  # noqa
+        return {name: (rows(getattr(a, name), which) if name != "o" else o_w(which)) for name in "qkvo"}
+
+    def head_step(self, a: AttentionSpec, state: dict) -> HeadMap:
+        ref = self._head_factors(a, state, self.ref)
+        cand = self._head_factors(a, state, state)
+        ref = {k: v.to(cand[k]) for k, v in ref.items()}
+        # M[i, j] = Σ (candidate head j)ᵀ-products with reference head i: the d_h×d_h Procrustes matrices
+        pair = lambda x, y: torch.einsum("jad,ibd->ijab", y, x)  # noqa: E731  (cand j rows) · (ref i rows)ᵀ
+        m_qk = pair(ref["q"], cand["q"]) + pair(ref["k"], cand["k"])
+        m_ov = pair(ref["v"], cand["v"]) + pair(ref["o"], cand["o"])
+        circuit = self._circuit_score(ref, cand)
+        best_perm = None
+        proposals = [hungarian(circuit)]
+        value_qk, fit_qk = self._within_head(m_qk, a.rotary, allow=self.mode == "orthogonal" or not a.rotary)
+        value_ov, fit_ov = self._within_head(m_ov, None, allow=True)
+        exact = hungarian(value_qk + value_ov)
+        proposals.append(exact)
+        total = value_qk + value_ov
+        scores = [float(total[torch.arange(len(p)), p].sum()) for p in proposals]
+        best_perm = proposals[int(np.argmax(scores))]
+        idx = torch.arange(a.num_heads)
+        qk = None if fit_qk is None else fit_qk[idx, best_perm]
+        ov = fit_ov[idx, best_perm]
+        return HeadMap(best_perm, qk, ov)
+
+    def _circuit_score(self, ref: dict, cand: dict) -> torch.Tensor:
+        """Normalised ⟨QKᵀ_ref,i, QKᵀ_j⟩ + ⟨VO_ref,i, VO_j⟩ from factor products (biases included)."""
+
+        def gram(x, y):  # (H, d_h, n) × (H, d_h, n) → (H_ref, H_cand, d_h, d_h)
+            return torch.einsum("iad,jbd->ijab", x, y)
+
+        qk = (gram(ref["q"], cand["q"]) * gram(ref["k"], cand["k"])).sum((-1, -2))
+        ov = (gram(ref["v"], cand["v"]) * gram(ref["o"], cand["o"])).sum((-1, -2))
+        scale = lambda s: s / s.abs().max().clamp_min(1e-30)  # noqa: E731
+        return scale(qk) + scale(ov)
+
+    def _within_head(self, m: torch.Tensor, rotary, allow: bool):
+        """Best within-head maps for every (ref i, cand j) pair and their objective values."""
+        if not allow:  # permutation mode with RoPE: no within-head freedom
+            return torch.diagonal(m, dim1=-2, dim2=-1).sum(-1), None
+        if self.mode == "permutation":
+            H = m.shape[0]
+            value = torch.empty(H, H, dtype=m.dtype)
+            fit = torch.zeros_like(m)
+            for i in range(H):
+                for j in range(H):
+                    p = hungarian(m[i, j].T)  # ref dim b ← cand dim p[b]
+                    fit[i, j, p, torch.arange(m.shape[-1])] = 1.0
+                    value[i, j] = m[i, j][p, torch.arange(m.shape[-1])].sum()
+            return value, fit
+        if rotary:
+            fit, value = plane_procrustes(m, rotary)
+            return value, fit
+        fit = procrustes(m)
+        return torch.linalg.svdvals(m.double()).sum(-1).to(m.dtype), fit
+
+    # -- MLP --------------------------------------------------------------------------------
+    def neuron_step(self, m: MLPSpec, state: dict) -> NeuronMap:
+        score = None
+        for lin in (m.up, m.gate):
+            if lin is None:
+                continue
+            term = self.w[lin.weight] * (self.ref[lin.weight].to(state[lin.weight]) @ state[lin.weight].T)
+            score = term if score is None else score + term
+            if lin.bias:
+                score = score + self.w[lin.bias] * torch.outer(self.ref[lin.bias].to(state[lin.bias]), state[lin.bias])
+        score = score + self.w[m.down.weight] * (self.ref[m.down.weight].to(state[m.down.weight]).T @ state[m.down.weight])
+        return NeuronMap(hungarian(score))
+
+
+def weight_match(
+    spec: SymmetrySpec,
+    reference: dict,
+    candidate: dict,
+    mode: str = "orthogonal",
+    iterations: int = 20,
+    tol: float = 1e-6,
+    weighting: str = "cosine",
+    progress: bool = False,
+) -> MatchResult:
+    """Align ``candidate`` to ``reference`` (raw state dicts of the same architecture).
+
+    Returns the candidate transformed by an exact group element (same function), in the
+    reference's gauge, with the objective record. Stops when the relative gain of J over an
+    iteration is below ``tol`` or after ``iterations`` iterations. Runs on the tensors' device.
+    """
+    if mode not in MODES:
+        raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
+    t0 = time.perf_counter()
+    check_compatible(spec, reference, candidate)
+    ref_c = canonicalize(spec, reference, "reference")
+    cand_c = canonicalize(spec, candidate, "candidate")
+    device = next(iter(cand_c.state.values())).device
+    ref_state = {k: v.to(device) for k, v in ref_c.state.items()}
+    J = _Objective(spec, ref_state, cand_c.state, weighting)
+    matcher = _Matcher(spec, ref_state, J, mode)
+    initial, _ = J(cand_c.state)
+
+    def iterate(point: _Point) -> _Point:
+        for i, a in enumerate(spec.attention):
+            step = GroupElement.identity(spec)
+            step.heads[i] = matcher.head_step(a, point.state)
+            point = point.try_step(spec, J, step)
+        for i, m in enumerate(spec.mlp):
+            step = GroupElement.identity(spec)
+            step.neurons[i] = matcher.neuron_step(m, point.state)
+            point = point.try_step(spec, J, step)
+        step = GroupElement.identity(spec)
+        step.residual = matcher.residual_step(point.state)
+        return point.try_step(spec, J, step)
+
+    # two starts: identity, and O from the tensors without head/neuron axes; keep the better
+    starts = []
+    for name in ("identity", "free-residual"):
+        g0 = GroupElement.identity(spec)
+        if name == "free-residual":
+            if not matcher.free_axes:
+                continue
+            g0.residual = matcher.residual_step(cand_c.state, matcher.free_axes)
+        state0 = apply_group(spec, cand_c.state, g0)
+        point = _Point(state0, g0, *J(state0))
+        first = point.value
+        point = iterate(point)
+        starts.append((name, point, [first, point.value]))
+    start_name, point, objective = max(starts, key=lambda s: s[1].value)
+
+    bar = _progress(iterations, progress)
+    done = 1
+    while done < iterations:
+        before = point.value
+        point = iterate(point)
+        objective.append(point.value)
+        done += 1
+        if bar is not None:
+            bar.update(1)
+        if point.value - before <= tol * max(abs(before), 1e-12):
+            break
+    if bar is not None:
+        bar.close()
+    state, g = point.state, point.g
+    aligned = to_gauge(spec, state, ref_c.gains)
+    return MatchResult(
+        state=aligned,
+        canonical=state,
+        transform=g,
+        objective=objective,
+        initial_objective=initial,
+        seconds=time.perf_counter() - t0,
+        iterations=done,
+        start=start_name,
+    )
+
+
+@dataclass
+class _Point:
+    """Current candidate state, the group element that produced it, J and its per-key terms."""
+
+    state: dict
+    g: GroupElement
+    value: float
+    terms: dict
+
+    def try_step(self, spec: SymmetrySpec, J: _Objective, step: GroupElement) -> "_Point":
+        """Move by ``step`` only if J does not decrease (exact maximisers can lose to round-off)."""
+        state = apply_group(spec, self.state, step)
+        value, terms = J(state, (self.state, self.terms))
+        if value >= self.value:
+            return _Point(state, compose(self.g, step), value, terms)
+        return self
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=max(total - 1, 0), desc="weight matching", unit="it", leave=False)

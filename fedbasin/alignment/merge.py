@@ -1,0 +1,142 @@
+"""Merging N ≥ 2 models: align each to a reference, average; universe matching iterates this.
+
+Universe matching (DESIGN §8): ``U⁰`` = the reference; repeat ``U^t = Σ_k w_k g_k·θ_k / Σ_k w_k``
+with every ``g_k`` found by weight matching against ``U^{t−1}``, until ``‖U^t − U^{t−1}‖ /
+‖U^{t−1}‖ < tol`` or ``universe_iterations`` rounds. A model with weight 0 only serves as the
+first alignment target (e.g. the previous global model in federated rounds).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .canonical import canonicalize, to_gauge
+from .matching import MatchResult, weight_match
+from .spec import SymmetrySpec, check_compatible
+
+
+@dataclass
+class MergeResult:
+    """state: merged model in the reference's gauge; canonical: the same with unit gains.
+
+    objectives: per universe iteration, the weight-matching records of every model;
+    universe_change: relative change of the merged weights per universe iteration.
+    """
+
+    state: dict
+    canonical: dict
+    matches: list[MatchResult]
+    objectives: list[list[list[float]]] = field(default_factory=list)
+    universe_change: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    untied: bool = False
+
+
+def average_states(states: list[dict], weights: list[float]) -> dict:
+    """``Σ_k w_k θ_k / Σ_k w_k`` for floating tensors; other entries come from the first state."""
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError(f"merge weights must have a positive sum, got {weights}")
+    out = {}
+    for key, first in states[0].items():
+        if not first.is_floating_point():
+            out[key] = first
+            continue
+        acc = torch.zeros_like(first, dtype=torch.float64 if first.dtype == torch.float64 else torch.float32)
+        for s, w in zip(states, weights):
+            if w:
+                acc += s[key].to(acc) * (w / total)
+        out[key] = acc.to(first.dtype)
+    return out
+
+
+def _normalise_weights(weights, n):
+    if weights is None:
+        return [1.0] * n
+    weights = [float(w) for w in weights]
+    if len(weights) != n:
+        raise ValueError(f"got {len(weights)} merge weights for {n} models")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"merge weights must be non-negative with a positive sum, got {weights}")
+    return weights
+
+
+def merge(
+    spec: SymmetrySpec,
+    states: list[dict],
+    weights: list[float] | None = None,
+    reference: int = 0,
+    mode: str = "orthogonal",
+    iterations: int = 20,
+    tol: float = 1e-6,
+    universe_iterations: int = 1,
+    universe_tol: float = 1e-4,
+    align: bool = True,
+    progress: bool = False,
+) -> MergeResult:
+    """Align every model to ``states[reference]`` (then to the running universe) and average.
+
+    ``align=False`` is plain weighted averaging through the same path (FedAvg). The result is
+    returned in the reference's gauge and keeps the architecture (tied tensors come back untied).
+    """
+    t0 = time.perf_counter()
+    if len(states) < 2:
+        raise ValueError(f"merging needs at least 2 models, got {len(states)}")
+    if not 0 <= reference < len(states):
+        raise ValueError(f"reference index {reference} out of range for {len(states)} models")
+    weights = _normalise_weights(weights, len(states))
+    names = [f"model {i}" for i in range(len(states))]
+    for i, s in enumerate(states):
+        check_compatible(spec, states[reference], s, (names[reference], names[i]))
+    ref_c = canonicalize(spec, states[reference], names[reference])
+    canon = [canonicalize(spec, s, names[i]).state for i, s in enumerate(states)]
+    if not align:
+        merged = average_states(canon, weights)
+        return MergeResult(to_gauge(spec, merged, ref_c.gains), merged, [], seconds=time.perf_counter() - t0,
+                           untied=ref_c.untied)
+
+    universe = ref_c.state
+    result = MergeResult({}, {}, [], untied=ref_c.untied)
+    bar = _bar(len(states) * max(universe_iterations, 1), progress)
+    for t in range(max(universe_iterations, 1)):
+        matches = []
+        for k, s in enumerate(canon):
+            if t == 0 and k == reference:
+                matches.append(None)
+            else:
+                matches.append(weight_match(spec, universe, s, mode=mode, iterations=iterations, tol=tol))
+            if bar is not None:
+                bar.update(1)
+        aligned = [canon[k] if m is None else m.canonical for k, m in enumerate(matches)]
+        new_universe = average_states(aligned, weights)
+        change = _relative_change(spec, universe, new_universe)
+        universe = new_universe
+        result.matches = [m for m in matches if m is not None]
+        result.objectives.append([m.objective for m in result.matches])
+        result.universe_change.append(change)
+        if change < universe_tol:
+            break
+    if bar is not None:
+        bar.close()
+    result.canonical = universe
+    result.state = to_gauge(spec, universe, ref_c.gains)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _relative_change(spec: SymmetrySpec, old: dict, new: dict) -> float:
+    keys = sorted(spec.keys())
+    num = sum(float((new[k].double() - old[k].double()).pow(2).sum()) for k in keys)
+    den = sum(float(old[k].double().pow(2).sum()) for k in keys)
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def _bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="aligning", unit="model")

@@ -1,0 +1,158 @@
+"""Symmetry specs: which state-dict entries play which role, declared as data.
+
+Every algorithm (canonicalise, transform, match, merge, refine) reads a :class:`SymmetrySpec`
+and nothing else about the architecture. Tensors follow the torch ``nn.Linear`` layout
+(``weight`` is (out, in)); the spec names the axis of each tensor that lives in the residual
+stream, so any layout can be described. Adapters (see ``adapters.py``) build specs and, when a
+checkpoint stores attention fused or transposed (GPT-2's ``Conv1D``), translate it to and from
+this standard layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Axis = tuple[str, int]  # (state-dict key, axis of that tensor that indexes the residual stream)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A linear map in torch layout: ``weight`` (out, in), optional ``bias`` (out,)."""
+
+    weight: str
+    bias: str | None = None
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A LayerNorm/RMSNorm with gain ``weight`` and bias ``bias`` feeding ``readers``.
+
+    ``readers`` are the residual axes of the tensors that consume this norm's output; folding
+    the gain γ multiplies them by γ along that axis (row-vector math: ``W ← diag(γ) W``).
+    """
+
+    kind: Literal["layernorm", "rmsnorm"]
+    weight: str | None
+    bias: str | None
+    readers: tuple[Axis, ...]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Multi-head attention: q/k/v (H·d_h, d) and o (d, H·d_h) in torch layout.
+
+    ``rotary``: None for absolute positions, ``"half"`` when rotary plane j pairs dims
+    (j, j + d_h/2) (HF Llama, fedbasin GPT), ``"interleaved"`` when it pairs (2j, 2j+1).
+    """
+
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    num_heads: int
+    head_dim: int
+    rotary: Literal["half", "interleaved"] | None = None
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """MLP ``down(act(up(x)) [* gate])``: up/gate (n, d), down (d, n) in torch layout.
+
+    ``activation``: ``"elementwise"`` (GELU, ...: permutations only), ``"relu"`` (positively
+    homogeneous: permutations and positive scalings) or ``"gated"`` (SwiGLU: gate and up share
+    the permutation).
+    """
+
+    up: Linear
+    down: Linear
+    gate: Linear | None = None
+    activation: Literal["elementwise", "relu", "gated"] = "elementwise"
+    hidden: int | None = None  # hidden width n, when known from the config
+
+
+@dataclass(frozen=True)
+class SymmetrySpec:
+    """The symmetry group of one architecture, as a table over state-dict keys.
+
+    width: residual width d.
+    residual: every tensor axis indexing the residual stream (writers, readers, norm biases); the
+        residual map O acts on all of them alike, ``X ← X ×_axis O`` (writers ``W O``, readers
+        ``Oᵀ W`` in row-vector math — the same contraction for orthogonal O).
+    norms: the norms with their readers (for gain folding).
+    attention, mlp: the per-layer blocks carrying head and neuron symmetries.
+    tied: pairs (source, alias) of keys that share storage; canonicalisation unties them.
+    """
+
+    width: int
+    residual: tuple[Axis, ...]
+    norms: tuple[Norm, ...]
+    attention: tuple[AttentionSpec, ...] = ()
+    mlp: tuple[MLPSpec, ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()
+    name: str = "model"
+    embedding_keys: tuple[str, ...] = field(default=())  # residual writers indexed by token id
+
+    @property
+    def norm_kind(self) -> str:
+        """``layernorm`` if any norm centres (then O must fix the all-ones vector)."""
+        return "layernorm" if any(n.kind == "layernorm" for n in self.norms) else "rmsnorm"
+
+    def keys(self) -> set[str]:
+        """Every key the spec mentions."""
+        out = {k for k, _ in self.residual}
+        for n in self.norms:
+            out |= {k for k in (n.weight, n.bias) if k} | {k for k, _ in n.readers}
+        for a in self.attention:
+            out |= {k for lin in (a.q, a.k, a.v, a.o) for k in (lin.weight, lin.bias) if k}
+        for m in self.mlp:
+            out |= {k for lin in (m.up, m.down, m.gate) if lin for k in (lin.weight, lin.bias) if k}
+        return out
+
+    def validate(self, state: dict[str, torch.Tensor], what: str = "model") -> None:
+        """Raise ``ValueError`` naming the offending key if ``state`` does not fit this spec."""
+        missing = sorted(k for k in self.keys() if k not in state)
+        if missing:
+            raise ValueError(f"{what}: missing key(s) required by the {self.name} spec: {missing[:8]}")
+        for key, axis in self.residual:
+            shape = tuple(state[key].shape)
+            if len(shape) <= axis or shape[axis] != self.width:
+                raise ValueError(
+                    f"{what}: {key} has shape {shape}; expected residual width {self.width} on axis {axis}"
+                )
+        for a in self.attention:
+            inner = a.num_heads * a.head_dim
+            for lin, ax in ((a.q, 0), (a.k, 0), (a.v, 0), (a.o, 1)):
+                if state[lin.weight].shape[ax] != inner:
+                    raise ValueError(
+                        f"{what}: {lin.weight} has shape {tuple(state[lin.weight].shape)}; expected "
+                        f"{a.num_heads} heads x {a.head_dim} = {inner} on axis {ax}"
+                    )
+        for m in self.mlp:
+            n = state[m.up.weight].shape[0]
+            if m.hidden and n != m.hidden:
+                raise ValueError(f"{what}: {m.up.weight} has {n} hidden units; the config says {m.hidden}")
+            for lin, ax in ((m.gate, 0), (m.down, 1)):
+                if lin is not None and state[lin.weight].shape[ax] != n:
+                    raise ValueError(
+                        f"{what}: {lin.weight} has shape {tuple(state[lin.weight].shape)}; "
+                        f"expected MLP width {n} on axis {ax}"
+                    )
+        for key in sorted(self.keys()):
+            t = state[key]
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"{what}: {key} contains NaN or infinite values")
+
+
+def check_compatible(spec: SymmetrySpec, reference: dict, candidate: dict, names=("reference", "candidate")):
+    """Both states fit ``spec`` and every spec'd tensor has the same shape in both."""
+    spec.validate(reference, names[0])
+    spec.validate(candidate, names[1])
+    for key in sorted(spec.keys()):
+        if reference[key].shape != candidate[key].shape:
+            raise ValueError(
+                f"{names[1]}: {key} has shape {tuple(candidate[key].shape)} but the {names[0]} has "
+                f"{tuple(reference[key].shape)} (different architectures?)"
+            )

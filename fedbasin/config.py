@@ -1,0 +1,98 @@
+"""The run configuration of the Flower apps: one defaults table, shared by every entry point.
+
+``flwr run .`` reads ``[tool.flwr.app.config]`` from ``pyproject.toml``; ``flwr.simulation.
+run_simulation`` (used by ``fedbasin simulate``) does not, so the ServerApp and the ClientApp
+fall back to :data:`DEFAULT_RUN_CONFIG`, which a test keeps equal to the pyproject table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+
+from fedbasin.models import FAMILIES
+
+DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
+    # rounds and reproducibility
+    "num-server-rounds": 3,
+    "seed": 0,
+    # data (see fedbasin.data.load_task) and partitioning across nodes
+    "data": "digits",
+    "partitioner": "iid",  # iid | dirichlet
+    "dirichlet-alpha": 0.5,
+    "proxy-size": 0,  # examples held back by the server for later refinement
+    "max-train-examples": 0,  # 0: the whole training split
+    "block-size": 64,  # text sources: tokens per example
+    # model: fields of the family's config; 0 or "" keeps the data's/family's default
+    "model.dim": 32,
+    "model.depth": 2,
+    "model.heads": 4,
+    "model.mlp-dim": 64,
+    "model.norm": "layernorm",
+    "model.activation": "gelu",
+    "model.bias": True,
+    "model.patch-size": 0,  # vit only
+    "model.position": "",  # gpt only: learned | rope
+    # local training on each node
+    "init": "server",  # server: start from the broadcast model | client: round 1 from a node seed
+    "local-epochs": 2,
+    "lr": 0.003,
+    "batch-size": 32,
+    "weight-decay": 0.01,
+    "device": "auto",  # auto | cpu | cuda | cuda:N
+    # strategy
+    "alignment": True,
+    "symmetry": "orthogonal",  # orthogonal | permutation
+    "align-iterations": 20,
+    "fraction-train": 1.0,
+    "fraction-evaluate": 1.0,
+    "min-nodes": 2,
+    # server outputs
+    "out-dir": "runs/flower",
+    "resume": False,
+}
+
+CHOICES = {
+    "partitioner": ("iid", "dirichlet"),
+    "init": ("server", "client"),
+    "symmetry": ("orthogonal", "permutation"),
+}
+
+
+def resolve_run_config(run_config: Mapping[str, object] | None = None) -> dict:
+    """``DEFAULT_RUN_CONFIG`` updated by ``run_config``; unknown keys, wrong types and bad choices
+    raise ``ValueError`` naming the key. Ints are accepted where floats are expected."""
+    config = dict(DEFAULT_RUN_CONFIG)
+    for key, value in (run_config or {}).items():
+        if key not in DEFAULT_RUN_CONFIG:
+            raise ValueError(f"unknown run-config key {key!r}; known: {sorted(DEFAULT_RUN_CONFIG)}")
+        expected = type(DEFAULT_RUN_CONFIG[key])
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not expected:
+            raise ValueError(
+                f"run-config {key}={value!r} has type {type(value).__name__}; expected {expected.__name__}"
+            )
+        config[key] = value
+    for key, allowed in CHOICES.items():
+        if config[key] not in allowed:
+            raise ValueError(f"run-config {key}={config[key]!r}; expected one of {allowed}")
+    if config["min-nodes"] < 1:
+        raise ValueError(f"run-config min-nodes={config['min-nodes']} must be at least 1")
+    return config
+
+
+def model_config(family: str, data_overrides: Mapping[str, object], config: Mapping[str, object]) -> dict:
+    """Model config dict: the data's implied fields (``Task.model_overrides``), then every
+    non-empty ``model.<field>`` run-config key (dashes become underscores). A non-empty key that
+    the family's config lacks raises ``ValueError`` naming it."""
+    known = {f.name for f in fields(FAMILIES[family][1])}
+    values = dict(data_overrides)
+    for key, value in config.items():
+        if not key.startswith("model.") or value == "" or (value == 0 and not isinstance(value, bool)):
+            continue
+        name = key.removeprefix("model.").replace("-", "_")
+        if name not in known:
+            raise ValueError(f"run-config {key}={value!r} does not apply to {family} models")
+        values[name] = value
+    return values
