@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import fields
 
-from fedbasin.models import FAMILIES
+from torch import nn
+
+from fedbasin.data import Task, load_task
+from fedbasin.models import FAMILIES, build_model
 
 DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     # rounds and reproducibility
@@ -24,10 +27,10 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "max-train-examples": 0,  # 0: the whole training split
     "block-size": 64,  # text sources: tokens per example
     # model: fields of the family's config; 0 or "" keeps the data's/family's default
-    "model.dim": 32,
+    "model.dim": 64,
     "model.depth": 2,
     "model.heads": 4,
-    "model.mlp-dim": 64,
+    "model.mlp-dim": 128,
     "model.norm": "layernorm",
     "model.activation": "gelu",
     "model.bias": True,
@@ -35,9 +38,9 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "model.position": "",  # gpt only: learned | rope
     # local training on each node
     "init": "server",  # server: start from the broadcast model | client: round 1 from a node seed
-    "local-epochs": 2,
-    "lr": 0.003,
-    "batch-size": 32,
+    "local-epochs": 5,
+    "lr": 0.002,
+    "batch-size": 16,
     "weight-decay": 0.01,
     "device": "auto",  # auto | cpu | cuda | cuda:N
     # strategy
@@ -96,3 +99,19 @@ def model_config(family: str, data_overrides: Mapping[str, object], config: Mapp
             raise ValueError(f"run-config {key}={value!r} does not apply to {family} models")
         values[name] = value
     return values
+
+
+def task_from_config(config: Mapping[str, object]) -> Task:
+    """The run's data (cached per process, so every round of a node reuses it)."""
+    return load_task(
+        config["data"],
+        seed=config["seed"],
+        proxy_size=config["proxy-size"],
+        max_train_examples=config["max-train-examples"],
+        block_size=config["block-size"],
+    )
+
+
+def model_from_config(task: Task, config: Mapping[str, object], seed: int) -> nn.Module:
+    """A freshly initialised model of the task's family, shaped by the data and ``model.*``."""
+    return build_model(task.family, model_config(task.family, task.model_overrides, config), seed=seed)

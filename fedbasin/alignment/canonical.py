@@ -30,12 +30,13 @@ def is_canonical(spec: SymmetrySpec, state: dict) -> bool:
     return all(n.weight is None or bool(torch.all(state[n.weight] == 1)) for n in spec.norms)
 
 
-def canonicalize(spec: SymmetrySpec, state: dict, what: str = "model") -> Canonical:
+def canonicalize(spec: SymmetrySpec, state: dict, what: str = "model", validate: bool = True) -> Canonical:
     """Fold every norm gain into its readers and untie tied tensors (function unchanged).
 
     A zero gain with a non-zero bias at the same index cannot be folded: ``ValueError``.
     """
-    spec.validate(state, what)
+    if validate:
+        spec.validate(state, what)
     out = dict(state)
     untied = False
     for source, alias in spec.tied:

@@ -17,6 +17,7 @@ see ``canonical.py``): ``LN(x O) = LN(x) O`` only holds for unit gains and ``O·
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -75,10 +76,15 @@ def random_orthogonal(d: int, generator: torch.Generator, dtype=torch.float64, f
 
 def ones_complement(d: int, dtype=torch.float64) -> torch.Tensor:
     """Orthonormal basis (d, d−1) of the complement of the all-ones vector."""
+    return _ones_complement(d).to(dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _ones_complement(d: int) -> torch.Tensor:
     m = torch.eye(d, dtype=torch.float64)
     m[:, 0] = 1.0
     q, _ = torch.linalg.qr(m)
-    return q[:, 1:].to(dtype)
+    return q[:, 1:]
 
 
 def random_permutation_matrix(d: int, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -52,7 +53,9 @@ def _as_config(config_or_model):
     if isinstance(config_or_model, torch.nn.Module):
         config = getattr(config_or_model, "config", None)
         if config is None:
-            raise ValueError(f"{type(config_or_model).__name__} is not a Hugging Face model (no .config)")
+            raise ValueError(
+                f"{type(config_or_model).__name__} is not a Hugging Face model (no .config)"
+            )
         model_type = _check_model_type(getattr(config, "model_type", None))
         expected = SUPPORTED_MODEL_TYPES[model_type]
         if type(config_or_model).__name__ != expected:
@@ -88,7 +91,9 @@ def hf_config_class(model_type: str) -> type:
     """The transformers config class of ``model_type`` (``GPT2Config``, ``ViTConfig``)."""
     import transformers
 
-    return {"gpt2": transformers.GPT2Config, "vit": transformers.ViTConfig}[_check_model_type(model_type)]
+    return {"gpt2": transformers.GPT2Config, "vit": transformers.ViTConfig}[
+        _check_model_type(model_type)
+    ]
 
 
 def hf_expected_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -107,8 +112,12 @@ def hf_is_tied(config) -> bool:
 # ----------------------------------------------------------------------------------------------
 # GPT-2: Conv1D (in, out) with fused q|k|v  <->  standard nn.Linear layout
 
-_GPT2_RAW = re.compile(r"^transformer\.h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias)$")
-_GPT2_STD = re.compile(r"^transformer\.h\.(\d+)\.(attn\.q|attn\.k|attn\.v|attn\.o|mlp\.up|mlp\.down)\.(weight|bias)$")
+_GPT2_RAW = re.compile(
+    r"^transformer\.h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias)$"
+)
+_GPT2_STD = re.compile(
+    r"^transformer\.h\.(\d+)\.(attn\.q|attn\.k|attn\.v|attn\.o|mlp\.up|mlp\.down)\.(weight|bias)$"
+)
 _GPT2_RENAME = {"attn.c_proj": "attn.o", "mlp.c_fc": "mlp.up", "mlp.c_proj": "mlp.down"}
 _GPT2_UNRENAME = {v: k for k, v in _GPT2_RENAME.items()}
 
@@ -127,9 +136,15 @@ def _gpt2_to_standard(state: dict) -> dict:
         if module == "attn.c_attn":
             d = value.shape[-1] // 3
             parts = value.split(d, dim=-1)
-            new = {f"{prefix}attn.{n}.{param}": (p.T if param == "weight" else p) for n, p in zip("qkv", parts)}
+            # clone: the three parts must not share storage with each other or the input
+            new = {
+                f"{prefix}attn.{n}.{param}": (p.T if param == "weight" else p).clone()
+                for n, p in zip("qkv", parts)
+            }
         else:
-            new = {f"{prefix}{_GPT2_RENAME[module]}.{param}": value.T if param == "weight" else value}
+            new = {
+                f"{prefix}{_GPT2_RENAME[module]}.{param}": value.T if param == "weight" else value
+            }
         for k, v in new.items():
             if k in out or k in state:
                 raise ValueError(f"{k} appears in both the GPT-2 and the standard layout")
@@ -169,35 +184,19 @@ def _gpt2_from_standard(state: dict) -> dict:
 
 def _gpt2_spec(config) -> SymmetrySpec:
     if getattr(config, "add_cross_attention", False):
-        raise ValueError("GPT-2 with add_cross_attention=True is not supported (cross-attention blocks)")
-    d, heads = config.n_embd, config.n_head
-    if d % heads:
-        raise ValueError(f"GPT-2 n_embd {d} is not divisible by n_head {heads}")
-    act = "relu" if config.activation_function == "relu" else "elementwise"
-    norms, attention, mlp, residual = [], [], [], []
-    for i in range(config.n_layer):
-        p = f"transformer.h.{i}."
-        lin = lambda name: Linear(f"{p}{name}.weight", f"{p}{name}.bias")  # noqa: E731
-        attention.append(AttentionSpec(lin("attn.q"), lin("attn.k"), lin("attn.v"), lin("attn.o"), heads, d // heads))
-        mlp.append(MLPSpec(lin("mlp.up"), lin("mlp.down"), None, act))
-        qkv = tuple((f"{p}attn.{n}.weight", 1) for n in "qkv")
-        norms.append(Norm("layernorm", f"{p}ln_1.weight", f"{p}ln_1.bias", qkv))
-        norms.append(Norm("layernorm", f"{p}ln_2.weight", f"{p}ln_2.bias", ((f"{p}mlp.up.weight", 1),)))
-        residual += list(qkv) + [(f"{p}mlp.up.weight", 1)]
-        residual += [(f"{p}{n}", 0) for n in ("attn.o.weight", "attn.o.bias", "mlp.down.weight", "mlp.down.bias")]
-        residual += [(f"{p}ln_1.bias", 0), (f"{p}ln_2.bias", 0)]
-    norms.append(Norm("layernorm", "transformer.ln_f.weight", "transformer.ln_f.bias", (("lm_head.weight", 1),)))
-    residual += [("transformer.wte.weight", 1), ("transformer.wpe.weight", 1)]
-    residual += [("transformer.ln_f.bias", 0), ("lm_head.weight", 1)]
-    return SymmetrySpec(
+        raise ValueError(
+            "GPT-2 with add_cross_attention=True (cross-attention blocks) is not supported"
+        )
+    d = config.n_embd
+    return _prenorm_spec(
+        _GPT2_TABLE,
+        layers=config.n_layer,
         width=d,
-        residual=tuple(residual),
-        norms=tuple(norms),
-        attention=tuple(attention),
-        mlp=tuple(mlp),
-        tied=(("transformer.wte.weight", "lm_head.weight"),) if hf_is_tied(config) else (),
-        name="hf-gpt2",
-        embedding_keys=("transformer.wte.weight",),
+        heads=config.n_head,
+        hidden=config.n_inner if config.n_inner is not None else 4 * d,
+        activation="relu" if config.activation_function == "relu" else "elementwise",
+        qkv_bias=True,
+        tied=hf_is_tied(config),
     )
 
 
@@ -237,7 +236,9 @@ def _rename_all(state: dict, rename) -> dict:
     for key, value in state.items():
         new = rename(key)
         if new in out:
-            raise ValueError(f"{key} and another key both map to {new} (state mixes two ViT namings?)")
+            raise ValueError(
+                f"{key} and another key both map to {new} (state mixes two ViT namings?)"
+            )
         out[new] = value
     return out
 
@@ -248,8 +249,14 @@ def _vit_module_is_legacy() -> bool:
     import transformers
 
     tiny = transformers.ViTConfig(
-        image_size=2, patch_size=1, num_channels=1, hidden_size=4, num_hidden_layers=1,
-        num_attention_heads=1, intermediate_size=4, num_labels=1,
+        image_size=2,
+        patch_size=1,
+        num_channels=1,
+        hidden_size=4,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        intermediate_size=4,
+        num_labels=1,
     )
     with torch.device("meta"):
         keys = transformers.ViTForImageClassification(tiny).state_dict().keys()
@@ -257,38 +264,110 @@ def _vit_module_is_legacy() -> bool:
 
 
 def _vit_spec(config) -> SymmetrySpec:
-    d, heads = config.hidden_size, config.num_attention_heads
-    if d % heads:
-        raise ValueError(f"ViT hidden_size {d} is not divisible by num_attention_heads {heads}")
     if config.num_labels <= 0:
-        raise ValueError("ViTForImageClassification with num_labels=0 has no classifier to read the residual stream")
-    act = "relu" if config.hidden_act == "relu" else "elementwise"
-    qkv_bias = bool(getattr(config, "qkv_bias", True))
+        raise ValueError(
+            "ViTForImageClassification with num_labels=0 has no classifier reading the stream"
+        )
+    return _prenorm_spec(
+        _VIT_TABLE,
+        layers=config.num_hidden_layers,
+        width=config.hidden_size,
+        heads=config.num_attention_heads,
+        hidden=config.intermediate_size,
+        activation="relu" if config.hidden_act == "relu" else "elementwise",
+        qkv_bias=bool(getattr(config, "qkv_bias", True)),
+        tied=False,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# specs: one table of standard-layout names per architecture, one builder
+
+
+@dataclass(frozen=True)
+class _Table:
+    """Standard-layout names of a pre-norm Transformer (``{i}``: layer index).
+
+    Linear modules are named without ``.weight``/``.bias``; norms have weight and bias.
+    ``writers``: (key, residual axis) of the embeddings; ``head`` reads ``final_norm`` (axis 1).
+    """
+
+    name: str
+    layer: str
+    q: str
+    k: str
+    v: str
+    o: str
+    up: str
+    down: str
+    norm1: str
+    norm2: str
+    final_norm: str
+    head: str
+    writers: tuple[tuple[str, int], ...]
+    embedding: str | None = None  # token embedding (indexed by token id), tied to the head
+
+
+_GPT2_TABLE = _Table(
+    name="hf-gpt2",
+    layer="transformer.h.{i}.",
+    q="attn.q", k="attn.k", v="attn.v", o="attn.o", up="mlp.up", down="mlp.down",
+    norm1="ln_1", norm2="ln_2", final_norm="transformer.ln_f", head="lm_head.weight",
+    writers=(("transformer.wte.weight", 1), ("transformer.wpe.weight", 1)),
+    embedding="transformer.wte.weight",
+)  # fmt: skip
+
+_VIT_TABLE = _Table(
+    name="hf-vit",
+    layer="vit.layers.{i}.",
+    q="attention.q_proj", k="attention.k_proj", v="attention.v_proj", o="attention.o_proj",
+    up="mlp.fc1", down="mlp.fc2", norm1="layernorm_before", norm2="layernorm_after",
+    final_norm="vit.layernorm", head="classifier.weight",
+    writers=(
+        ("vit.embeddings.patch_embeddings.projection.weight", 0),
+        ("vit.embeddings.patch_embeddings.projection.bias", 0),
+        ("vit.embeddings.cls_token", 2),
+        ("vit.embeddings.position_embeddings", 2),
+    ),
+)  # fmt: skip
+
+
+def _prenorm_spec(
+    t: _Table, layers, width, heads, hidden, activation, qkv_bias, tied
+) -> SymmetrySpec:
+    """Spec of ``layers`` LayerNorm pre-norm blocks named by ``t`` (biases on o/up/down)."""
+    if width % heads:
+        raise ValueError(f"{t.name}: width {width} is not divisible by {heads} heads")
     norms, attention, mlp, residual = [], [], [], []
-    for i in range(config.num_hidden_layers):
-        p = f"vit.layers.{i}."
-        lin = lambda name, b=True: Linear(f"{p}{name}.weight", f"{p}{name}.bias" if b else None)  # noqa: E731
-        q, k, v = (lin(f"attention.{n}_proj", qkv_bias) for n in "qkv")
-        attention.append(AttentionSpec(q, k, v, lin("attention.o_proj"), heads, d // heads))
-        mlp.append(MLPSpec(lin("mlp.fc1"), lin("mlp.fc2"), None, act))
-        qkv_readers = tuple((x.weight, 1) for x in (q, k, v))
-        norms.append(Norm("layernorm", f"{p}layernorm_before.weight", f"{p}layernorm_before.bias", qkv_readers))
-        norms.append(Norm("layernorm", f"{p}layernorm_after.weight", f"{p}layernorm_after.bias", ((f"{p}mlp.fc1.weight", 1),)))
-        residual += list(qkv_readers) + [(f"{p}mlp.fc1.weight", 1)]
-        residual += [(f"{p}{n}", 0) for n in ("attention.o_proj.weight", "attention.o_proj.bias", "mlp.fc2.weight", "mlp.fc2.bias")]
-        residual += [(f"{p}layernorm_before.bias", 0), (f"{p}layernorm_after.bias", 0)]
-    norms.append(Norm("layernorm", "vit.layernorm.weight", "vit.layernorm.bias", (("classifier.weight", 1),)))
-    e = "vit.embeddings."
-    residual += [(f"{e}patch_embeddings.projection.weight", 0), (f"{e}patch_embeddings.projection.bias", 0)]
-    residual += [(f"{e}cls_token", 2), (f"{e}position_embeddings", 2)]
-    residual += [("vit.layernorm.bias", 0), ("classifier.weight", 1)]
+    for i in range(layers):
+        p = t.layer.format(i=i)
+        q, k, v = (
+            Linear(f"{p}{n}.weight", f"{p}{n}.bias" if qkv_bias else None) for n in (t.q, t.k, t.v)
+        )
+        o, up, down = (Linear(f"{p}{n}.weight", f"{p}{n}.bias") for n in (t.o, t.up, t.down))
+        attention.append(AttentionSpec(q, k, v, o, heads, width // heads))
+        mlp.append(MLPSpec(up, down, None, activation, hidden))
+        readers1 = ((q.weight, 1), (k.weight, 1), (v.weight, 1))
+        readers2 = ((up.weight, 1),)
+        n1, n2 = f"{p}{t.norm1}", f"{p}{t.norm2}"
+        norms += [
+            Norm("layernorm", f"{n1}.weight", f"{n1}.bias", readers1),
+            Norm("layernorm", f"{n2}.weight", f"{n2}.bias", readers2),
+        ]
+        writers = ((o.weight, 0), (o.bias, 0), (down.weight, 0), (down.bias, 0))
+        residual += [*readers1, *readers2, *writers, (f"{n1}.bias", 0), (f"{n2}.bias", 0)]
+    nf = t.final_norm
+    norms.append(Norm("layernorm", f"{nf}.weight", f"{nf}.bias", ((t.head, 1),)))
+    residual += [*t.writers, (f"{nf}.bias", 0), (t.head, 1)]
     return SymmetrySpec(
-        width=d,
+        width=width,
         residual=tuple(residual),
         norms=tuple(norms),
         attention=tuple(attention),
         mlp=tuple(mlp),
-        name="hf-vit",
+        tied=((t.embedding, t.head),) if tied and t.embedding else (),
+        name=t.name,
+        embedding_keys=(t.embedding,) if t.embedding else (),
     )
 
 
@@ -306,7 +385,11 @@ def hf_adapter(config_or_model) -> Adapter:
     head has been untied (see :func:`hf_config_updates`).
     """
     config, model_type = _as_config(config_or_model)
-    notes = {"model_type": model_type, "hf_class": SUPPORTED_MODEL_TYPES[model_type], "untie_updates": {}}
+    notes = {
+        "model_type": model_type,
+        "hf_class": SUPPORTED_MODEL_TYPES[model_type],
+        "untie_updates": {},
+    }
     if model_type == "gpt2":
         notes["untie_updates"] = {"tie_word_embeddings": False}
         return Adapter(_gpt2_spec(config), _gpt2_to_standard, _gpt2_from_standard, notes)
@@ -330,9 +413,10 @@ def hf_config_updates(config, state: dict) -> dict:
     config, model_type = _as_config(config)
     if model_type == "gpt2" and hf_is_tied(config):
         head, emb = state.get("lm_head.weight"), state.get("transformer.wte.weight")
-        if head is not None and emb is not None and head is not emb:
-            if head.shape != emb.shape or not torch.equal(head, emb):
-                return {"tie_word_embeddings": False}
+        if head is None or emb is None or head is emb:
+            return {}
+        if head.shape != emb.shape or not torch.equal(head, emb):
+            return {"tie_word_embeddings": False}
     return {}
 
 
@@ -346,7 +430,9 @@ def hf_state_from_file(config, stored: dict) -> dict:
     cls = hf_model_class(model_type)
     prefix = f"{cls.base_model_prefix}."
     legacy = _vit_module_is_legacy()
-    ignore = list(_IGNORED_FILE_KEYS[model_type]) + list(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or [])
+    ignore = list(_IGNORED_FILE_KEYS[model_type]) + list(
+        getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []
+    )
     out: dict = {}
     for key, value in stored.items():
         candidates = [key] if key.startswith(prefix) or key in expected else [prefix + key, key]
@@ -358,9 +444,9 @@ def hf_state_from_file(config, stored: dict) -> dict:
         if new in out:
             raise ValueError(f"stored keys {key!r} and another both map to {new!r}")
         out[new] = value
-    if model_type == "gpt2" and hf_is_tied(config) and "lm_head.weight" not in out:
-        if "transformer.wte.weight" in out:
-            out["lm_head.weight"] = out["transformer.wte.weight"]
+    tied_head_missing = hf_is_tied(config) and "lm_head.weight" not in out
+    if model_type == "gpt2" and tied_head_missing and "transformer.wte.weight" in out:
+        out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
 
 
@@ -379,8 +465,8 @@ def hf_state_to_file(config, state: dict) -> dict:
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "hf_adapter",
-    "hf_config_updates",
     "hf_config_class",
+    "hf_config_updates",
     "hf_expected_shapes",
     "hf_model_class",
     "hf_state_from_file",

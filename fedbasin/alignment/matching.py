@@ -61,7 +61,14 @@ class MatchResult:
 
 
 def hungarian(score: torch.Tensor) -> torch.Tensor:
-    """Permutation p maximising ``Σ_i score[i, p[i]]`` (rows: reference, columns: candidate)."""
+    """Permutation p maximising ``Σ_i score[i, p[i]]`` (rows: reference, columns: candidate).
+
+    If the row-wise argmaxes already form a permutation it is optimal (it reaches the upper
+    bound ``Σ_i max_j score[i, j]``) and the O(n³) assignment solver is skipped.
+    """
+    best = score.argmax(1).cpu()
+    if torch.unique(best).numel() == best.numel():
+        return best
     rows, cols = linear_sum_assignment(score.detach().double().cpu().numpy(), maximize=True)
     perm = np.empty_like(cols)
     perm[rows] = cols
@@ -105,7 +112,7 @@ class _Objective:
         self.w = {}
         for k in self.keys:
             if weighting == "cosine":
-                denom = float(ref[k].double().norm() * cand[k].double().norm())
+                denom = float(ref[k].norm()) * float(cand[k].norm())
                 self.w[k] = 1.0 / denom if denom > 0 else 0.0
             elif weighting == "uniform":
                 self.w[k] = 1.0
@@ -229,8 +236,8 @@ class _Matcher:
         if rotary:
             fit, value = plane_procrustes(m, rotary)
             return value, fit
-        fit = procrustes(m)
-        return torch.linalg.svdvals(m.double()).sum(-1).to(m.dtype), fit
+        u, sv, vh = torch.linalg.svd(m)
+        return sv.sum(-1), u @ vh
 
     # -- MLP --------------------------------------------------------------------------------
     def neuron_step(self, m: MLPSpec, state: dict) -> NeuronMap:
@@ -266,8 +273,8 @@ def weight_match(
         raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
     t0 = time.perf_counter()
     check_compatible(spec, reference, candidate)
-    ref_c = canonicalize(spec, reference, "reference")
-    cand_c = canonicalize(spec, candidate, "candidate")
+    ref_c = canonicalize(spec, reference, "reference", validate=False)
+    cand_c = canonicalize(spec, candidate, "candidate", validate=False)
     device = next(iter(cand_c.state.values())).device
     ref_state = {k: v.to(device) for k, v in ref_c.state.items()}
     J = _Objective(spec, ref_state, cand_c.state, weighting)
@@ -287,23 +294,22 @@ def weight_match(
         step.residual = matcher.residual_step(point.state)
         return point.try_step(spec, J, step)
 
-    # two starts: identity, and O from the tensors without head/neuron axes; keep the better
-    starts = []
-    for name in ("identity", "free-residual"):
+    # two starts: identity (right for models fine-tuned from a common parent) and the residual map
+    # fitted on the tensors without head/neuron axes (independent inits); keep the higher J
+    starts = [("identity", GroupElement.identity(spec))]
+    if matcher.free_axes:
         g0 = GroupElement.identity(spec)
-        if name == "free-residual":
-            if not matcher.free_axes:
-                continue
-            g0.residual = matcher.residual_step(cand_c.state, matcher.free_axes)
+        g0.residual = matcher.residual_step(cand_c.state, matcher.free_axes)
+        starts.append(("free-residual", g0))
+    points = []
+    for name, g0 in starts:
         state0 = apply_group(spec, cand_c.state, g0)
-        point = _Point(state0, g0, *J(state0))
-        first = point.value
-        point = iterate(point)
-        starts.append((name, point, [first, point.value]))
-    start_name, point, objective = max(starts, key=lambda s: s[1].value)
+        points.append((name, _Point(state0, g0, *J(state0))))
+    start_name, point = max(points, key=lambda p: p[1].value)
+    objective = [point.value]
 
     bar = _progress(iterations, progress)
-    done = 1
+    done = 0
     while done < iterations:
         before = point.value
         point = iterate(point)
@@ -352,4 +358,4 @@ def _progress(total: int, enabled: bool):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=max(total - 1, 0), desc="weight matching", unit="it", leave=False)
+    return tqdm(total=total, desc="weight matching", unit="it", leave=False)

@@ -91,8 +91,8 @@ def merge(
     names = [f"model {i}" for i in range(len(states))]
     for i, s in enumerate(states):
         check_compatible(spec, states[reference], s, (names[reference], names[i]))
-    ref_c = canonicalize(spec, states[reference], names[reference])
-    canon = [canonicalize(spec, s, names[i]).state for i, s in enumerate(states)]
+    ref_c = canonicalize(spec, states[reference], names[reference], validate=False)
+    canon = [canonicalize(spec, s, names[i], validate=False).state for i, s in enumerate(states)]
     if not align:
         merged = average_states(canon, weights)
         return MergeResult(to_gauge(spec, merged, ref_c.gains), merged, [], seconds=time.perf_counter() - t0,

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import math
+
 import torch
 
 Axis = tuple[str, int]  # (state-dict key, axis of that tensor that indexes the residual stream)
@@ -142,7 +144,7 @@ class SymmetrySpec:
                     )
         for key in sorted(self.keys()):
             t = state[key]
-            if t.is_floating_point() and not torch.isfinite(t).all():
+            if t.is_floating_point() and t.numel() and not all(map(math.isfinite, map(float, t.aminmax()))):
                 raise ValueError(f"{what}: {key} contains NaN or infinite values")
 
 

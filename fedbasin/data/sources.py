@@ -1,0 +1,170 @@
+"""Data sources behind :func:`load_task`: scikit-learn digits, CIFAR-10 (hub or parquet), text.
+
+Source strings::
+
+    digits               scikit-learn's bundled 8x8 digits (offline), 20% held out for test
+    cifar10              Hugging Face hub dataset ``uoft-cs/cifar10`` (train/test)
+    cifar10:PATH         a directory with train.parquet and test.parquet, or one parquet file
+                         (then 20% is held out), with the hub's columns ``img`` and ``label``
+    text:PATH            a UTF-8 text file, or else a hub dataset id with a ``text`` column;
+                         character-level tokens, the last 10% held out for test
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .task import Split, Task
+
+CIFAR10_HUB_ID = "uoft-cs/cifar10"
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
+class CharTokenizer:
+    """Character-level tokenizer: token id = index of the character in the sorted vocabulary."""
+
+    def __init__(self, text: str):
+        self.chars = sorted(set(text))
+        self.index = {c: i for i, c in enumerate(self.chars)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> torch.Tensor:
+        unknown = sorted(set(text) - self.index.keys())
+        if unknown:
+            raise ValueError(f"characters outside the vocabulary: {unknown[:10]}")
+        return torch.tensor([self.index[c] for c in text], dtype=torch.long)
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+
+@functools.lru_cache(maxsize=4)
+def load_task(
+    source: str = "digits",
+    *,
+    seed: int = 0,
+    proxy_size: int = 0,
+    max_train_examples: int = 0,
+    block_size: int = 64,
+    test_fraction: float = 0.2,
+) -> Task:
+    """Load a data source (see the module docstring) as a :class:`Task`.
+
+    The training split is shuffled with ``seed``, cut to ``max_train_examples`` (0: all), and its
+    first ``proxy_size`` examples become the server's ``proxy`` split. ``test_fraction`` applies
+    to sources without a test split of their own (digits, a single parquet file). Results are
+    cached per process: treat the returned task as read-only.
+    """
+    kind, _, arg = source.partition(":")
+    if kind == "digits" and not arg:
+        task = _digits(seed, test_fraction)
+    elif kind == "cifar10":
+        task = _cifar10(arg, seed, test_fraction)
+    elif kind == "text" and arg:
+        task = _text(arg, block_size)
+    else:
+        raise ValueError(f"unknown data source {source!r}; expected digits, cifar10, cifar10:PATH or text:PATH")
+    return _finish(task, seed, proxy_size, max_train_examples)
+
+
+def _finish(task: Task, seed: int, proxy_size: int, max_train_examples: int) -> Task:
+    """Shuffle the training split, cut it, and split off the proxy examples."""
+    order = torch.randperm(len(task.train), generator=torch.Generator().manual_seed(seed))
+    if max_train_examples:
+        order = order[:max_train_examples]
+    if proxy_size >= len(order):
+        raise ValueError(f"proxy-size {proxy_size} leaves no training data ({len(order)} examples)")
+    task.proxy = task.train.subset(order[:proxy_size]) if proxy_size else None
+    task.train = task.train.subset(order[proxy_size:])
+    return task
+
+
+def _digits(seed: int, test_fraction: float) -> Task:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8) in [0, 1]
+    data = Split(images, torch.tensor(digits.target, dtype=torch.long))
+    train, test = data.split(test_fraction, seed)
+    overrides = {"image_size": 8, "patch_size": 2, "channels": 1, "num_classes": 10}
+    return Task("digits", "vit", overrides, train, test)
+
+
+def _normalize_cifar(x: torch.Tensor) -> torch.Tensor:
+    """uint8 (B, 3, 32, 32) → per-channel standardised floats."""
+    mean = torch.tensor(CIFAR10_MEAN, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR10_STD, device=x.device).view(1, 3, 1, 1)
+    return (x.float() / 255.0 - mean) / std
+
+
+def _cifar10(path: str, seed: int, test_fraction: float) -> Task:
+    from datasets import load_dataset
+
+    if not path:
+        try:
+            splits = load_dataset(CIFAR10_HUB_ID)
+        except Exception as error:  # offline machines land here
+            raise RuntimeError(
+                f"could not load {CIFAR10_HUB_ID!r} from the Hugging Face hub ({error}); "
+                "offline, use 'cifar10:PATH' with a local copy in parquet"
+            ) from error
+    else:
+        where = Path(path).expanduser()
+        if where.is_dir():
+            files = {name: str(where / f"{name}.parquet") for name in ("train", "test")}
+            missing = [f for f in files.values() if not Path(f).is_file()]
+            if missing:
+                raise FileNotFoundError(f"cifar10 directory {where} lacks {missing}")
+        elif where.is_file():
+            files = {"train": str(where)}
+        else:
+            raise FileNotFoundError(f"cifar10 source {where} is neither a directory nor a parquet file")
+        splits = load_dataset("parquet", data_files=files)
+
+    def to_split(dataset) -> Split:
+        columns = dataset.with_format("numpy")[:]
+        images = torch.from_numpy(np.ascontiguousarray(columns["img"])).permute(0, 3, 1, 2).contiguous()
+        return Split(images, torch.from_numpy(columns["label"]).long(), _normalize_cifar)
+
+    train = to_split(splits["train"])
+    test = to_split(splits["test"]) if "test" in splits else None
+    if test is None:
+        train, test = train.split(test_fraction, seed)
+    overrides = {"image_size": 32, "patch_size": 4, "channels": 3, "num_classes": 10}
+    return Task("cifar10", "vit", overrides, train, test)
+
+
+def _text(path: str, block_size: int) -> Task:
+    where = Path(path).expanduser()
+    if where.is_file():
+        text = where.read_text(encoding="utf-8")
+    else:
+        from datasets import load_dataset
+
+        try:
+            text = "\n".join(load_dataset(path, split="train")["text"])
+        except Exception as error:
+            raise RuntimeError(f"{path!r} is not a local file and could not be loaded from the hub ({error})") from error
+    tokenizer = CharTokenizer(text)
+    ids = tokenizer.encode(text)
+    cut = int(0.9 * len(ids))
+
+    def chunks(t: torch.Tensor) -> Split:
+        n = (len(t) - 1) // block_size
+        if n < 1:
+            raise ValueError(f"text of {len(t)} tokens is too short for block-size {block_size}")
+        starts = torch.arange(n) * block_size
+        window = starts[:, None] + torch.arange(block_size + 1)[None, :]
+        blocks = t[window]
+        return Split(blocks[:, :-1].contiguous(), blocks[:, 1:].contiguous())
+
+    overrides = {"vocab_size": tokenizer.vocab_size, "block_size": block_size}
+    return Task(f"text:{where.name}", "gpt", overrides, chunks(ids[:cut]), chunks(ids[cut:]), tokenizer=tokenizer)

@@ -1,0 +1,46 @@
+"""PNG plots (matplotlib, Agg backend): interpolation curves and training curves."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | os.PathLike) -> None:
+    """Write ``fig`` to ``path`` atomically (temporary file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def plot_curves(curves: dict, path: str | os.PathLike, title: str = "", ylabel: str = "loss") -> None:
+    """One line per named :class:`~fedbasin.alignment.Curve` (loss against λ)."""
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, curve in curves.items():
+        ax.plot(curve.lambdas, curve.losses, marker="o", ms=3, label=f"{name} (barrier {curve.barrier:.3f})")
+    ax.set_xlabel("λ  (λ·A + (1−λ)·B)")
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save_figure(fig, path)
+    plt.close(fig)

@@ -1,0 +1,90 @@
+"""ServerApp: reads the run config, builds the model and the aligned strategy, runs the rounds.
+
+Each round the global model is evaluated on the server's test split, checkpointed, and its
+metrics are added to ``results.json`` and ``curves.png`` in ``out-dir`` (see ``outputs.py``).
+``resume = true`` continues from the last checkpoint in ``out-dir``.
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from fedbasin.alignment import fedbasin_adapter
+from fedbasin.config import model_from_config, resolve_run_config, task_from_config
+from fedbasin.server.outputs import RunOutputs
+from fedbasin.strategies import AlignedFedAvg
+from fedbasin.training import resolve_device
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Entry point for ``flwr run``: the run config is ``[tool.flwr.app.config]`` + overrides."""
+    run_server(grid, resolve_run_config(context.run_config))
+
+
+def run_server(grid: Grid, config: dict) -> dict:
+    """Run ``num-server-rounds`` rounds with a resolved run config; returns the results dict."""
+    task = task_from_config(config)
+    model = model_from_config(task, config, seed=config["seed"])
+    outputs = RunOutputs(config["out-dir"], task.family, model.config, config)
+    num_rounds = config["num-server-rounds"]
+    first_round = 1
+    resumed = outputs.resume() if config["resume"] else None
+    if resumed is not None:
+        last, state = resumed
+        model.load_state_dict(state)
+        first_round = last + 1
+        log(INFO, "resuming after round %d from %s", last, outputs.checkpoint_dir(last))
+        if last >= num_rounds:
+            log(INFO, "all %d rounds are already done", num_rounds)
+            return outputs.results
+    elif stale := outputs.start_fresh():
+        log(INFO, "fresh run: removed checkpoints of rounds %s from %s", stale, outputs.dir)
+
+    strategy = AlignedFedAvg(
+        fedbasin_adapter(task.family, model.config).spec,
+        alignment=config["alignment"],
+        mode=config["symmetry"],
+        iterations=config["align-iterations"],
+        independent_init=config["init"] == "client",
+        fraction_train=config["fraction-train"],
+        fraction_evaluate=config["fraction-evaluate"],
+        min_train_nodes=config["min-nodes"],
+        min_evaluate_nodes=config["min-nodes"],
+        min_available_nodes=config["min-nodes"],
+    )
+    device = resolve_device(config["device"])
+    round_started = time.perf_counter()
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        """Test-split metrics of the global model; records every round not recorded yet."""
+        nonlocal round_started
+        seconds, round_started = time.perf_counter() - round_started, time.perf_counter()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        test = task.evaluate(model, "test", device)
+        metrics = {"test_loss": test["loss"], "test_accuracy": test["accuracy"]}
+        if server_round >= first_round or resumed is None:
+            extra = {"round_seconds": seconds} if server_round else {}
+            for record in (strategy.train_metrics, strategy.evaluate_metrics):
+                extra.update(record.get(server_round, {}))
+            outputs.record(server_round, model.state_dict(), {**metrics, **extra})
+            log(INFO, "round %d: test accuracy %.4f, test loss %.4f", server_round, test["accuracy"], test["loss"])
+        return MetricRecord(metrics)
+
+    strategy.start(
+        grid,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=num_rounds,
+        train_config=ConfigRecord(config),
+        evaluate_config=ConfigRecord(config),
+        evaluate_fn=evaluate,
+        first_round=first_round,
+    )
+    return outputs.results

@@ -1,0 +1,166 @@
+"""Barrier table on independently trained pairs: vanilla vs permutation vs orthogonal matching.
+
+    python -m fedbasin.simulations.barriers --tasks digits,cifar10,shakespeare \
+        --cifar ../shared/data/cifar10 --text ../shared/data/tinyshakespeare/input.txt --out runs/barriers
+
+For each task two models are trained from different seeds (init and data order) on the same
+data; checkpoints are cached under ``OUT/TASK/seedN`` so reruns only evaluate. The loss barrier
+``max_λ [L(λθ_A + (1−λ)θ_B) − (λL_A + (1−λ)L_B)]`` is measured on (a slice of) the test split
+on an 11-point λ grid. Writes ``OUT/results.json``, ``OUT/barriers.md`` and ``OUT/curves.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from fedbasin.alignment import fedbasin_adapter, interpolation_curve, weight_match
+from fedbasin.checkpoint import load_checkpoint, save_checkpoint
+from fedbasin.data import load_task
+from fedbasin.models import build_model, make_config
+from fedbasin.training import train
+
+# model shapes and training budgets (epochs over the task's training split)
+TASKS = {
+    "digits": dict(
+        source="digits", max_train=0, eval_examples=0, epochs=40, lr=3e-3, batch=64,
+        model=dict(dim=64, depth=2, heads=4, mlp_dim=128),
+    ),
+    "cifar10": dict(
+        source="cifar10:{cifar}", max_train=20000, eval_examples=2000, epochs=4, lr=2e-3, batch=128,
+        model=dict(dim=96, depth=4, heads=4, mlp_dim=192),
+    ),
+    "shakespeare": dict(
+        source="text:{text}", max_train=0, eval_examples=1000, epochs=2, lr=2e-3, batch=32,
+        model=dict(dim=128, depth=4, heads=4, mlp_dim=512, position="learned"),
+    ),
+}
+
+
+def trained_pair(name: str, spec: dict, task, out: Path, progress: bool) -> tuple[list, dict]:
+    """Two checkpoints trained from seeds 0 and 1 (cached); returns (checkpoints, training info)."""
+    config = make_config(task.family, {**spec["model"], **task.model_overrides})
+    checkpoints, info = [], {"train_seconds": []}
+    for seed in (0, 1):
+        path = out / name / f"seed{seed}"
+        if not (path / "config.json").exists():
+            t0 = time.perf_counter()
+            torch.manual_seed(seed)
+            model = build_model(task.family, config, seed=seed)
+            stats = train(model, task.train, epochs=spec["epochs"], lr=spec["lr"], batch_size=spec["batch"],
+                          seed=seed, progress=progress)
+            save_checkpoint(path, task.family, config, model.state_dict())
+            (path / "train.json").write_text(json.dumps({**stats, "seconds": time.perf_counter() - t0}))
+        info["train_seconds"].append(round(json.loads((path / "train.json").read_text())["seconds"], 1))
+        checkpoints.append(load_checkpoint(path))
+    info["steps"] = json.loads((out / name / "seed0" / "train.json").read_text())["steps"]
+    info["config"] = {k: v for k, v in vars(config).items()}
+    return checkpoints, info
+
+
+def evaluate_pair(checkpoints, task, eval_split, modes=("permutation", "orthogonal")) -> dict:
+    a, b = checkpoints
+    family = a.family
+
+    def metrics(state):
+        model = build_model(family, a.config)
+        model.load_state_dict(state)
+        return task.evaluate(model, eval_split)
+
+    def loss(state):
+        return metrics(state)["loss"]
+
+    spec = fedbasin_adapter(family, a.config).spec
+    row = {"accuracy_a": metrics(a.state)["accuracy"], "accuracy_b": metrics(b.state)["accuracy"]}
+    curves = {"vanilla": interpolation_curve(a.state, b.state, loss)}
+    row["midpoint_accuracy"] = {"vanilla": metrics({k: (a.state[k] + b.state[k]) / 2 for k in a.state})["accuracy"]}
+    for mode in modes:
+        result = weight_match(spec, a.state, b.state, mode=mode, iterations=30, tol=1e-6)
+        curves[mode] = interpolation_curve(a.state, result.state, loss)
+        row[f"{mode}_seconds"] = round(result.seconds, 2)
+        row[f"{mode}_iterations"] = result.iterations
+        row[f"{mode}_objective"] = [round(result.initial_objective, 4), round(result.objective[-1], 4)]
+        mid = {k: (a.state[k] + result.state[k]) / 2 for k in a.state}
+        row["midpoint_accuracy"][mode] = metrics(mid)["accuracy"]
+    row["barrier"] = {name: c.barrier for name, c in curves.items()}
+    row["curves"] = {name: c.to_dict() for name, c in curves.items()}
+    return row
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="digits,cifar10,shakespeare")
+    parser.add_argument("--cifar", default="../shared/data/cifar10")
+    parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt")
+    parser.add_argument("--out", default="runs/barriers")
+    parser.add_argument("--progress", action="store_true")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+               "tasks": {}}
+    t_start = time.perf_counter()
+    for name in args.tasks.split(","):
+        spec = TASKS[name]
+        t0 = time.perf_counter()
+        task = load_task(spec["source"].format(cifar=args.cifar, text=args.text),
+                         max_train_examples=spec["max_train"])
+        eval_split = task.test
+        if spec["eval_examples"] and len(eval_split) > spec["eval_examples"]:
+            eval_split = eval_split.subset(torch.arange(spec["eval_examples"]))
+        checkpoints, info = trained_pair(name, spec, task, out, args.progress)
+        row = evaluate_pair(checkpoints, task, eval_split)
+        row.update(info, train_examples=len(task.train), eval_examples=len(eval_split), epochs=spec["epochs"],
+                   total_seconds=round(time.perf_counter() - t0, 1))
+        results["tasks"][name] = row
+        print(json.dumps({name: {k: v for k, v in row.items() if k != "curves"}}, indent=1), flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    results["seconds"] = round(time.perf_counter() - t_start, 1)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "barriers.md").write_text(markdown_table(results))
+    plot(results, out / "curves.png")
+    print(markdown_table(results))
+    return results
+
+
+def markdown_table(results: dict) -> str:
+    lines = [
+        "| task | acc A / B | barrier vanilla | barrier permutation | barrier orthogonal | kept (orth/vanilla) "
+        "| align s (perm / orth) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results["tasks"].items():
+        b = r["barrier"]
+        kept = b["orthogonal"] / b["vanilla"] if b["vanilla"] > 0 else float("nan")
+        lines.append(
+            f"| {name} | {r['accuracy_a']:.3f} / {r['accuracy_b']:.3f} | {b['vanilla']:.3f} | {b['permutation']:.3f} "
+            f"| {b['orthogonal']:.3f} | {kept:.0%} | {r['permutation_seconds']} / {r['orthogonal_seconds']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    from fedbasin.plots import _figure, save_figure
+
+    plt = _figure()
+    names = list(results["tasks"])
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for curve_name, c in results["tasks"][name]["curves"].items():
+            ax.plot(c["lambdas"], c["losses"], marker="o", ms=3, label=f"{curve_name} ({c['barrier']:.3f})")
+        ax.set_title(name)
+        ax.set_xlabel("λ (λ·A + (1−λ)·B)")
+        ax.set_ylabel("test loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Local training and evaluation, shared by the ClientApp, the ServerApp and the benchmarks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto``: CUDA when available, else CPU; otherwise ``torch.device(name)``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every target: class logits (B, C) or next-token logits (B, T, V)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def train(
+    model: nn.Module,
+    data,
+    epochs: int = 1,
+    lr: float = 3e-3,
+    batch_size: int = 32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    weight_decay: float = 0.01,
+    progress: bool = False,
+) -> dict:
+    """Train ``model`` in place on a :class:`fedbasin.data.Split` with AdamW and a cosine schedule.
+
+    ``lr_t = lr · (1 + cos(π t / T)) / 2`` for steps ``t = 0..T-1``, ``T = epochs · ⌈N / B⌉``;
+    batches are reshuffled every epoch from ``seed``. Returns ``{"train_loss", "steps"}``, the
+    loss being the mean over the last epoch's batches.
+    """
+    if len(data) == 0:
+        raise ValueError("cannot train on an empty split")
+    model.to(device).train()
+    total = epochs * math.ceil(len(data) / batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * t / total)))
+    generator = torch.Generator().manual_seed(seed)
+    losses: list[float] = []
+    with tqdm(total=total, desc="train", disable=not progress, leave=False) as bar:
+        for _ in range(epochs):
+            losses = []
+            for x, y in data.batches(batch_size, device, generator):
+                loss = cross_entropy(model(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                losses.append(loss.item())
+                bar.update()
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    return {"train_loss": sum(losses) / len(losses), "steps": total}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data, device: torch.device | str = "cpu", batch_size: int = 512) -> dict:
+    """``{"loss", "accuracy"}``: mean cross-entropy and argmax accuracy over every target."""
+    if len(data) == 0:
+        raise ValueError("cannot evaluate on an empty split")
+    model.to(device).eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for x, y in data.batches(batch_size, device):
+        logits = model(x)
+        n = y.numel()
+        loss_sum += cross_entropy(logits, y).item() * n
+        correct += (logits.argmax(-1) == y).sum().item()
+        count += n
+    return {"loss": loss_sum / count, "accuracy": correct / count}

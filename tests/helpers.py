@@ -1,0 +1,82 @@
+"""Small shared fixtures: tiny fedbasin models, fixed inputs, perturbed 'trained-like' weights."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from fedbasin.alignment import fedbasin_adapter
+from fedbasin.models import build_model, make_config
+
+VIT = dict(image_size=8, patch_size=4, channels=1, num_classes=5, dim=16, depth=2, heads=2, mlp_dim=24)
+GPT = dict(vocab_size=23, block_size=12, dim=16, depth=2, heads=2, mlp_dim=24)
+
+
+def variants():
+    """(family, config) for every supported option combination of the fedbasin models."""
+    out = []
+    for norm, act, bias in itertools.product(("layernorm", "rmsnorm"), ("gelu", "relu", "swiglu"), (True, False)):
+        out.append(("vit", dict(VIT, norm=norm, activation=act, bias=bias)))
+        for pos in ("learned", "rope"):
+            out.append(("gpt", dict(GPT, norm=norm, activation=act, bias=bias, position=pos)))
+    out.append(("gpt", dict(GPT, tie_embeddings=True)))
+    return out
+
+
+def variant_id(v) -> str:
+    family, c = v
+    parts = [family, c["norm"][:3] if "norm" in c else "ln", c.get("activation", "gelu")]
+    parts += ["bias" if c.get("bias", True) else "nobias"]
+    if family == "gpt":
+        parts += [c.get("position", "learned")] + (["tied"] if c.get("tie_embeddings") else [])
+    return "-".join(parts)
+
+
+def trained_like(family: str, config: dict, seed: int, dtype=torch.float64):
+    """A model whose weights (gains and biases included) are far from init, like a trained one."""
+    model = build_model(family, config, seed=seed).to(dtype)
+    g = torch.Generator().manual_seed(1000 + seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype)
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.5 * noise)  # non-trivial gains, some negative
+            else:
+                p.add_(0.1 * noise)
+    return model
+
+
+def spec_of(family: str, config: dict):
+    return fedbasin_adapter(family, make_config(family, config)).spec
+
+
+def inputs(family: str, config: dict, dtype=torch.float64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    if family == "vit":
+        x = torch.rand(4, config["channels"], config["image_size"], config["image_size"], generator=g, dtype=torch.float64)
+        y = torch.randint(0, config["num_classes"], (4,), generator=g)
+        return x.to(dtype), y
+    ids = torch.randint(0, config["vocab_size"], (4, config["block_size"]), generator=g)
+    return ids, ids
+
+
+def run(family: str, config: dict, state: dict, x, dtype=torch.float64):
+    """Outputs of a model of this family/config (tied embeddings untied) carrying ``state``."""
+    model = build_model(family, dict(config, **({"tie_embeddings": False} if family == "gpt" else {}))).to(dtype)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(x)
+
+
+def loss(family: str, config: dict, state: dict, data, dtype=torch.float64) -> float:
+    x, y = data
+    out = run(family, config, state, x, dtype)
+    if family == "gpt":
+        return float(F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), y[:, 1:].reshape(-1)))
+    return float(F.cross_entropy(out, y))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())

@@ -1,0 +1,199 @@
+"""Alignment core: exact invariance, planted recovery, monotone objective, merging, gauge, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedbasin.alignment import (
+    GroupElement,
+    apply_group,
+    canonicalize,
+    compose,
+    interpolation_curve,
+    is_canonical,
+    merge,
+    random_group_element,
+    to_gauge,
+    weight_match,
+)
+from fedbasin.alignment.interpolation import interpolate, loss_barrier
+
+from .helpers import inputs, loss, rel_err, run, spec_of, trained_like, variant_id, variants
+
+VARIANTS = variants()
+
+
+def transformed_copy(family, config, state, seed, mode="orthogonal", scales=False, dtype=torch.float64):
+    spec = spec_of(family, config)
+    c = canonicalize(spec, state)
+    g = random_group_element(spec, seed, mode, dtype=dtype, scales=scales, state=state)
+    return to_gauge(spec, apply_group(spec, c.state, g), c.gains), g
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("mode", ["orthogonal", "permutation"])
+def test_group_action_is_exact_float64(variant, mode):
+    family, config = variant
+    model = trained_like(family, config, seed=1)
+    x, _ = inputs(family, config)
+    expected = run(family, config, model.state_dict(), x)
+    moved, _ = transformed_copy(family, config, model.state_dict(), seed=7, mode=mode, scales=True)
+    assert any(not torch.equal(moved[k], v) for k, v in model.state_dict().items())
+    assert rel_err(run(family, config, moved, x), expected) < 1e-10
+
+
+@pytest.mark.parametrize("variant", VARIANTS[::3], ids=variant_id)
+def test_group_action_is_exact_float32(variant):
+    family, config = variant
+    model = trained_like(family, config, seed=2, dtype=torch.float32)
+    x, _ = inputs(family, config, dtype=torch.float32)
+    expected = run(family, config, model.state_dict(), x, torch.float32)
+    moved, _ = transformed_copy(family, config, model.state_dict(), seed=3, dtype=torch.float32)
+    assert rel_err(run(family, config, moved, x, torch.float32), expected) < 1e-5
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:12], ids=variant_id)
+def test_canonical_form_and_gauge_round_trip(variant):
+    family, config = variant
+    spec = spec_of(family, config)
+    state = trained_like(family, config, seed=3).state_dict()
+    x, _ = inputs(family, config)
+    c = canonicalize(spec, state)
+    assert is_canonical(spec, c.state)
+    assert rel_err(run(family, config, c.state, x), run(family, config, state, x)) < 1e-10
+    back = to_gauge(spec, c.state, c.gains)
+    assert max(float((back[k] - state[k]).abs().max()) for k in state) < 1e-12
+
+
+def test_composition_matches_sequential_application():
+    family, config = "gpt", dict(VARIANTS[1][1])
+    spec = spec_of(family, config)
+    state = canonicalize(spec, trained_like(family, config, seed=4).state_dict()).state
+    g1 = random_group_element(spec, 1, scales=True, state=state)
+    g2 = random_group_element(spec, 2, scales=True, state=state)
+    twice = apply_group(spec, apply_group(spec, state, g1), g2)
+    once = apply_group(spec, state, compose(g1, g2))
+    assert max(float((twice[k] - once[k]).abs().max()) for k in state) < 1e-12
+
+
+@pytest.mark.parametrize("variant", VARIANTS[::2], ids=variant_id)
+@pytest.mark.parametrize("mode", ["orthogonal", "permutation"])
+def test_planted_symmetry_is_recovered(variant, mode):
+    family, config = variant
+    state = trained_like(family, config, seed=5).state_dict()
+    moved, _ = transformed_copy(family, config, state, seed=11, mode=mode)
+    spec = spec_of(family, config)
+    result = weight_match(spec, state, moved, mode=mode, iterations=50, tol=1e-12)
+    diff = max(float((result.state[k] - state[k]).abs().max()) for k in state)
+    assert diff < 1e-6, f"planted transform not recovered: max diff {diff}"
+    assert result.objective[-1] == pytest.approx(1.0, abs=1e-9)
+    data = inputs(family, config)
+    curve = interpolation_curve(state, result.state, lambda s: loss(family, config, s, data))
+    assert abs(curve.barrier) < 1e-8
+
+
+@pytest.mark.parametrize("variant", VARIANTS[::4], ids=variant_id)
+@pytest.mark.parametrize("mode", ["orthogonal", "permutation"])
+def test_objective_never_decreases_and_function_is_kept(variant, mode):
+    family, config = variant
+    a = trained_like(family, config, seed=6).state_dict()
+    b = trained_like(family, config, seed=7).state_dict()
+    result = weight_match(spec_of(family, config), a, b, mode=mode, iterations=10, tol=0)
+    assert len(result.objective) >= 2
+    assert all(later >= earlier for earlier, later in zip(result.objective, result.objective[1:]))
+    assert result.objective[-1] > result.initial_objective
+    x, _ = inputs(family, config)
+    assert rel_err(run(family, config, result.state, x), run(family, config, b, x)) < 1e-10
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[3], VARIANTS[-1]], ids=variant_id)
+def test_merging_transformed_copies_returns_the_same_function(variant):
+    family, config = variant
+    state = trained_like(family, config, seed=8).state_dict()
+    copies = [transformed_copy(family, config, state, seed=s)[0] for s in (21, 22)]
+    result = merge(spec_of(family, config), [state] + copies, weights=[1, 2, 3], iterations=50, tol=1e-12)
+    x, _ = inputs(family, config)
+    assert rel_err(run(family, config, result.state, x), run(family, config, state, x)) < 1e-8
+    plain = merge(spec_of(family, config), [state] + copies, align=False)
+    assert rel_err(run(family, config, plain.state, x), run(family, config, state, x)) > 1e-2
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[4]], ids=variant_id)
+def test_universe_matching_of_transformed_copies(variant):
+    family, config = variant
+    state = trained_like(family, config, seed=9).state_dict()
+    copies = [transformed_copy(family, config, state, seed=s)[0] for s in (31, 32, 33)]
+    result = merge(spec_of(family, config), copies + [state], reference=1, universe_iterations=3,
+                   iterations=50, tol=1e-12)
+    x, _ = inputs(family, config)
+    assert rel_err(run(family, config, result.state, x), run(family, config, state, x)) < 1e-8
+    assert result.universe_change[-1] < 1e-6
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[4], VARIANTS[-1]], ids=variant_id)
+def test_reference_gauge_makes_file_average_the_canonical_path(variant):
+    """λ·REF + (1−λ)·ALIGNED (plain average of the files) = the canonical interpolation."""
+    family, config = variant
+    spec = spec_of(family, config)
+    ref = trained_like(family, config, seed=10).state_dict()
+    cand = trained_like(family, config, seed=11).state_dict()
+    result = weight_match(spec, ref, cand, iterations=3)
+    canon_ref = canonicalize(spec, ref).state
+    data = inputs(family, config)
+    for lam in (0.0, 0.25, 0.5, 0.8, 1.0):
+        files = loss(family, config, interpolate(ref, result.state, lam), data)
+        canonical = loss(family, config, interpolate(canon_ref, result.canonical, lam), data)
+        assert files == pytest.approx(canonical, rel=1e-10, abs=1e-12)
+
+
+def test_loss_barrier_definition():
+    barrier, at = loss_barrier([0.0, 0.5, 1.0], [1.0, 3.0, 2.0])
+    assert barrier == pytest.approx(3.0 - 1.5) and at == 0.5
+    with pytest.raises(ValueError, match="contain 0 and 1"):
+        loss_barrier([0.2, 0.5], [1.0, 2.0])
+
+
+def test_bad_inputs_raise_clear_errors():
+    family, config = VARIANTS[0]
+    spec = spec_of(family, config)
+    a = trained_like(family, config, seed=1).state_dict()
+    wider = trained_like(family, dict(config, mlp_dim=32), seed=1).state_dict()
+    with pytest.raises(ValueError, match="mlp.up.weight"):
+        weight_match(spec, a, wider)
+    missing = {k: v for k, v in a.items() if k != "blocks.1.attn.k.weight"}
+    with pytest.raises(ValueError, match="blocks.1.attn.k.weight"):
+        weight_match(spec, a, missing)
+    nan = dict(a)
+    nan["blocks.0.mlp.down.weight"] = a["blocks.0.mlp.down.weight"].clone()
+    nan["blocks.0.mlp.down.weight"][0, 0] = math.nan
+    with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.down\.weight.*NaN"):
+        merge(spec, [a, nan])
+    gpt_family, gpt_config = VARIANTS[1]
+    gpt = trained_like(gpt_family, gpt_config, seed=1).state_dict()
+    with pytest.raises(ValueError, match="missing key"):
+        weight_match(spec, a, gpt)
+    with pytest.raises(ValueError, match="symmetry mode"):
+        weight_match(spec, a, a, mode="rotation")
+    with pytest.raises(ValueError, match="at least 2"):
+        merge(spec, [a])
+
+
+def test_zero_gain_with_bias_cannot_be_folded():
+    family, config = VARIANTS[0]
+    spec = spec_of(family, config)
+    state = trained_like(family, config, seed=1).state_dict()
+    state["blocks.0.norm1.weight"] = state["blocks.0.norm1.weight"].clone()
+    state["blocks.0.norm1.weight"][3] = 0.0
+    with pytest.raises(ValueError, match="blocks.0.norm1.weight has zero gain"):
+        canonicalize(spec, state)
+
+
+def test_identity_element_changes_nothing():
+    family, config = VARIANTS[1]
+    spec = spec_of(family, config)
+    state = trained_like(family, config, seed=1).state_dict()
+    same = apply_group(spec, state, GroupElement.identity(spec))
+    assert all(torch.equal(same[k], state[k]) for k in state)

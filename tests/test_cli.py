@@ -1,0 +1,118 @@
+"""CLI: align / merge / barrier on fedbasin and Hugging Face checkpoints, and its error messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedbasin.alignment import apply_group, canonicalize, random_group_element, to_gauge
+from fedbasin.checkpoint import build_torch_model, load_checkpoint, save_checkpoint
+from fedbasin.cli import main
+
+from .helpers import trained_like
+
+DIGITS_VIT = dict(image_size=8, patch_size=2, channels=1, num_classes=10, dim=16, depth=1, heads=2, mlp_dim=32)
+
+
+def _transformed(checkpoint, seed):
+    spec = checkpoint.spec
+    std = checkpoint.adapter.to_standard(checkpoint.state)
+    c = canonicalize(spec, std)
+    g = random_group_element(spec, seed, dtype=torch.float32, state=std)
+    return checkpoint.adapter.from_standard(to_gauge(spec, apply_group(spec, c.state, g), c.gains))
+
+
+@pytest.fixture
+def vit_pair(tmp_path):
+    """A digits ViT A, an independent ViT B and a transformed copy of A, saved as checkpoints."""
+    a = trained_like("vit", DIGITS_VIT, seed=1, dtype=torch.float32)
+    b = trained_like("vit", DIGITS_VIT, seed=2, dtype=torch.float32)
+    save_checkpoint(tmp_path / "a", "vit", a.config, a.state_dict())
+    save_checkpoint(tmp_path / "b", "vit", b.config, b.state_dict())
+    ckpt = load_checkpoint(tmp_path / "a")
+    save_checkpoint(tmp_path / "a_moved", "vit", a.config, _transformed(ckpt, 5))
+    return tmp_path
+
+
+def _run(capsys, *argv) -> dict:
+    assert main([str(a) for a in argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _outputs(path, x):
+    ckpt = load_checkpoint(path)
+    with torch.no_grad():
+        return build_torch_model(ckpt)(x)
+
+
+def test_align_keeps_candidate_function(vit_pair, capsys):
+    out = vit_pair / "aligned"
+    summary = _run(capsys, "align", vit_pair / "a", vit_pair / "b", "--out", out, "--iterations", "5")
+    assert summary["objective"][-1] >= summary["objective"][0]
+    x = torch.rand(5, 1, 8, 8)
+    assert torch.allclose(_outputs(out, x), _outputs(vit_pair / "b", x), atol=1e-4)
+
+
+def test_align_recovers_planted_copy_and_barrier_vanishes(vit_pair, capsys):
+    out = vit_pair / "recovered"
+    _run(capsys, "align", vit_pair / "a", vit_pair / "a_moved", "--out", out, "--iterations", "50", "--tol", "0")
+    a, rec = load_checkpoint(vit_pair / "a").state, load_checkpoint(out).state
+    assert max(float((a[k] - rec[k]).abs().max()) for k in a) < 1e-3
+    plot = vit_pair / "curve.png"
+    summary = _run(capsys, "barrier", vit_pair / "a", vit_pair / "a_moved", "--data", "digits", "--align",
+                   "--max-examples", "200", "--plot", plot)
+    assert len(summary["losses"]) == 11 and abs(summary["barrier"]) < 1e-3
+    assert plot.stat().st_size > 0
+    vanilla = _run(capsys, "barrier", vit_pair / "a", vit_pair / "a_moved", "--data", "digits",
+                   "--max-examples", "200", "--points", "5")
+    assert vanilla["barrier"] > 0.01 > abs(summary["barrier"]) and len(vanilla["lambdas"]) == 5
+
+
+def test_merge_of_transformed_copies_is_the_model(vit_pair, capsys):
+    out = vit_pair / "merged"
+    summary = _run(capsys, "merge", vit_pair / "a", vit_pair / "a_moved", "--out", out, "--weights", "1,3",
+                   "--iterations", "50", "--tol", "0")
+    assert summary["weights"] == [1.0, 3.0]
+    x = torch.rand(5, 1, 8, 8)
+    assert torch.allclose(_outputs(out, x), _outputs(vit_pair / "a", x), atol=1e-4)
+
+
+def test_hf_gpt2_align_round_trip(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16,
+                                      bos_token_id=0, eos_token_id=0)
+    models = []
+    for seed, name in ((0, "ref"), (1, "cand")):
+        torch.manual_seed(seed)
+        m = transformers.GPT2LMHeadModel(config)
+        with torch.no_grad():  # trained-like gains: the final gain folded into lm_head unties it
+            for key, p in m.named_parameters():
+                if "ln_" in key and key.endswith("weight"):
+                    p.uniform_(0.5, 1.5)
+        m.save_pretrained(tmp_path / name)
+        models.append(m.eval())
+    summary = _run(capsys, "align", tmp_path / "ref", tmp_path / "cand", "--out", tmp_path / "out",
+                   "--iterations", "3")
+    assert summary["command"] == "align"
+    aligned = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    assert aligned.config.tie_word_embeddings is False
+    ids = torch.randint(0, 50, (2, 10))
+    with torch.no_grad():
+        assert torch.allclose(aligned(ids).logits, models[1](ids).logits, atol=1e-4)
+
+
+def test_cli_errors_name_the_culprit(vit_pair, tmp_path, capsys):
+    with pytest.raises(SystemExit, match="nowhere"):
+        main(["align", str(vit_pair / "a"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")])
+    gpt = trained_like("gpt", dict(vocab_size=20, block_size=8, dim=16, depth=1, heads=2, mlp_dim=32), seed=0,
+                       dtype=torch.float32)
+    save_checkpoint(tmp_path / "gpt", "gpt", gpt.config, gpt.state_dict())
+    with pytest.raises(SystemExit, match="gpt model but the reference is a fedbasin vit"):
+        main(["merge", str(vit_pair / "a"), str(tmp_path / "gpt"), "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="--weights has 3 values for 2 models"):
+        main(["merge", str(vit_pair / "a"), str(vit_pair / "b"), "--out", str(tmp_path / "o"), "--weights", "1,2,3"])
+    with pytest.raises(SystemExit, match="unknown data source"):
+        main(["barrier", str(vit_pair / "a"), str(vit_pair / "b"), "--data", "imagenet"])
+    assert not (tmp_path / "o").exists()

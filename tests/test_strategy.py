@@ -1,0 +1,177 @@
+"""AlignedFedAvg on fabricated Flower 1.41 replies (no simulation, no network)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedbasin.alignment import apply_group, canonicalize, random_group_element
+from fedbasin.strategies import AlignedFedAvg
+from tests.helpers import VIT, inputs, rel_err, run, spec_of, trained_like
+
+NODES = [11, 22, 33]
+
+
+@pytest.fixture(autouse=True)
+def serverapp_identity(monkeypatch):
+    """Flower 1.41 creates instruction messages only inside a run: a ServerApp process sets
+    ``TaskIdentity`` (run, task, node ids) first; do the same here."""
+    for name, value in (("_run_id", 7), ("_task_id", 1), ("_node_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+
+class StubGrid:
+    """The part of ``flwr.serverapp.Grid`` that ``FedAvg.configure_train`` uses."""
+
+    def __init__(self, node_ids):
+        self.node_ids = list(node_ids)
+
+    def get_node_ids(self):
+        return self.node_ids
+
+
+def reply(node_id: int, arrays: ArrayRecord | None = None, num_examples=100, error: str | None = None) -> Message:
+    """A reply as a ClientApp's ``Message(content, reply_to=instruction)`` arrives at the server."""
+    instruction = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=node_id, message_type=MessageType.TRAIN)
+    if error is not None:
+        return Message(Error(code=0, reason=error), reply_to=instruction)
+    metrics = MetricRecord({"train_loss": 0.5, "num-examples": num_examples})
+    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=instruction)
+
+
+def base_state() -> dict:
+    return {k: v.detach().clone() for k, v in trained_like("vit", VIT, seed=0, dtype=torch.float32).state_dict().items()}
+
+
+def transformed_copies(spec, state: dict, count: int, mode: str = "orthogonal", noise: float = 1e-5) -> list[dict]:
+    """Function-equivalent copies of ``state`` (random exact group elements) plus tiny noise."""
+    g = torch.Generator().manual_seed(1)
+    canonical = canonicalize(spec, state).state
+    copies = []
+    for _ in range(count):
+        element = random_group_element(spec, g, mode=mode, dtype=torch.float32)
+        copy = apply_group(spec, canonical, element)
+        copies.append({k: v + noise * torch.randn(v.shape, generator=g) for k, v in copy.items()})
+    return copies
+
+
+def strategy_for(spec, global_state: dict, **options) -> AlignedFedAvg:
+    strategy = AlignedFedAvg(spec, min_train_nodes=len(NODES), min_available_nodes=len(NODES), **options)
+    messages = list(strategy.configure_train(1, ArrayRecord(global_state), ConfigRecord(), StubGrid(NODES)))
+    assert sorted(m.metadata.dst_node_id for m in messages) == NODES
+    assert messages[0].content["config"]["server-round"] == 1
+    return strategy
+
+
+@pytest.mark.parametrize("mode", ["orthogonal", "permutation"])
+def test_transformed_copies_merge_to_the_original_function(mode):
+    spec = spec_of("vit", VIT)
+    base = base_state()
+    copies = transformed_copies(spec, base, len(NODES), mode)
+    x, _ = inputs("vit", VIT, dtype=torch.float32)
+    expected = run("vit", VIT, base, x, torch.float32)
+    replies = [reply(n, ArrayRecord(s), num_examples=100 + i) for i, (n, s) in enumerate(zip(NODES, copies))]
+
+    # round 2: the previous global model (here: the original) is the alignment target
+    aligned = strategy_for(spec, base, mode=mode)
+    arrays, metrics = aligned.aggregate_train(2, replies)
+    merged = arrays.to_torch_state_dict()
+    assert rel_err(run("vit", VIT, merged, x, torch.float32), expected) < 1e-3
+    assert metrics["num_excluded"] == 0 and metrics["align_gain"] > 0
+    assert {"train_loss", "align_seconds", "aggregate_seconds"} <= set(metrics)
+    assert all(merged[k].dtype == torch.float32 and merged[k].shape == v.shape for k, v in base.items())
+
+    # round 1 with independent inits: aligned to the client with the most examples
+    oneshot = strategy_for(spec, base_state(), mode=mode, independent_init=True)
+    arrays, _ = oneshot.aggregate_train(1, replies)
+    assert rel_err(run("vit", VIT, arrays.to_torch_state_dict(), x, torch.float32), expected) < 1e-3
+
+    # plain FedAvg through the same path averages incompatible bases
+    fedavg = strategy_for(spec, base, alignment=False)
+    arrays, metrics = fedavg.aggregate_train(2, replies)
+    assert rel_err(run("vit", VIT, arrays.to_torch_state_dict(), x, torch.float32), expected) > 0.1
+    assert metrics["align_gain"] == 0.0
+
+
+def test_plain_fedavg_is_the_example_weighted_mean():
+    spec = spec_of("vit", VIT)
+    base = base_state()
+    states = [{k: v + i for k, v in base.items()} for i in range(3)]
+    strategy = strategy_for(spec, base, alignment=False)
+    arrays, _ = strategy.aggregate_train(1, [reply(n, ArrayRecord(s), w) for n, s, w in zip(NODES, states, (1, 1, 2))])
+    merged = arrays.to_torch_state_dict()
+    for key, value in base.items():
+        torch.testing.assert_close(merged[key], value + 1.25)
+
+
+def corrupt(state: dict, how: str) -> ArrayRecord:
+    key = "blocks.0.attn.q.weight"
+    state = dict(state)
+    if how == "shape":
+        state[key] = state[key][:, :-1]
+    elif how == "nan":
+        state[key] = state[key].clone()
+        state[key][0, 0] = float("nan")
+    elif how == "missing":
+        del state[key]
+    elif how == "extra":
+        state["unexpected.weight"] = torch.zeros(2)
+    elif how == "dtype":
+        state[key] = state[key].double()
+    arrays = ArrayRecord(state)
+    if how == "bytes":
+        arrays[key] = Array(dtype="float32", shape=tuple(state[key].shape), stype="numpy.ndarray", data=b"garbage")
+    return arrays
+
+
+def test_malformed_replies_are_excluded_and_the_round_goes_on(caplog):
+    spec = spec_of("vit", VIT)
+    base = base_state()
+    good = transformed_copies(spec, base, 2)
+    bad = {
+        101: reply(101, corrupt(base, "shape")),
+        102: reply(102, corrupt(base, "nan")),
+        103: reply(103, corrupt(base, "missing")),
+        104: reply(104, ArrayRecord(base), num_examples=0),
+        105: reply(105, corrupt(base, "extra")),
+        106: reply(106, corrupt(base, "dtype")),
+        107: reply(107, corrupt(base, "bytes")),
+        108: reply(108, error="ClientApp raised"),
+        109: reply(109, ArrayRecord(base), num_examples=float("nan")),
+    }
+    replies = [reply(NODES[0], ArrayRecord(good[0])), *bad.values(), reply(NODES[1], ArrayRecord(good[1]))]
+    strategy = strategy_for(spec, base)
+    with caplog.at_level("WARNING", logger="flwr"):
+        arrays, metrics = strategy.aggregate_train(3, replies)
+    assert arrays is not None
+    assert metrics["num_excluded"] == len(bad)
+    assert sorted(metrics["excluded_nodes"]) == sorted(bad)
+    x, _ = inputs("vit", VIT, dtype=torch.float32)
+    expected = run("vit", VIT, base, x, torch.float32)
+    assert rel_err(run("vit", VIT, arrays.to_torch_state_dict(), x, torch.float32), expected) < 1e-3
+    log = caplog.text
+    for node, reason in [(101, "shape"), (102, "NaN"), (103, "missing"), (104, "num-examples=0"),
+                         (105, "unexpected"), (106, "dtype"), (107, "cannot decode"), (108, "ClientApp raised"),
+                         (109, "num-examples=nan")]:
+        line = next((ln for ln in log.splitlines() if f"node {node}:" in ln), "")
+        assert reason in line, f"node {node}: expected {reason!r} in the log, got {line!r}"
+
+
+def test_all_replies_bad_keeps_the_previous_model():
+    spec = spec_of("vit", VIT)
+    base = base_state()
+    strategy = strategy_for(spec, base)
+    assert strategy.aggregate_train(1, [reply(1, corrupt(base, "nan")), reply(2, error="boom")]) == (None, None)
+    assert strategy.aggregate_train(1, []) == (None, None)
+
+
+def test_evaluate_replies_without_examples_are_excluded():
+    strategy = AlignedFedAvg(spec_of("vit", VIT))
+    instruction = Message(RecordDict(), dst_node_id=5, message_type=MessageType.EVALUATE)
+    good = Message(RecordDict({"m": MetricRecord({"eval_loss": 1.0, "num-examples": 10})}), reply_to=instruction)
+    bad = Message(RecordDict({"m": MetricRecord({"eval_loss": 9.0})}), reply_to=instruction)
+    metrics = strategy.aggregate_evaluate(1, [good, bad])
+    assert metrics["eval_loss"] == pytest.approx(1.0)
+    assert strategy.aggregate_evaluate(1, [bad]) is None
