@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--universe-iterations", type=_positive_int, default=1,
                    help="re-align every model to the running average this many times")
     p.add_argument("--no-align", action="store_true", help="plain weighted averaging (no alignment)")
+    p.add_argument("--refine-data", help="proxy data for learned refinement: digits | cifar10:PATH | text:PATH")
+    p.add_argument("--refine-steps", type=int, default=100, help="learned-refinement optimiser steps")
+    p.add_argument("--refine-examples", type=_positive_int, default=512,
+                   help="proxy examples taken from the data's training split (20%% held out for keep-best)")
+    p.add_argument("--refine-lr", type=float, default=1e-2)
+    p.add_argument("--refine-permutations", choices=["ste", "sinkhorn"], default="ste",
+                   help="straight-through Hungarian (default) or Sinkhorn relaxation")
+    p.add_argument("--refine-batch-size", type=_positive_int, default=64)
     _matching_options(p)
     p.set_defaults(func=cmd_merge)
 
@@ -146,18 +154,60 @@ def cmd_merge(args) -> int:
         _same_architecture(checkpoints[0], ckpt, "model", path)
     if args.weights is not None and len(args.weights) != len(paths):
         raise SystemExit(f"fedbasin merge: --weights has {len(args.weights)} values for {len(paths)} models")
+    if args.refine_data and args.no_align:
+        raise SystemExit("fedbasin merge: --refine-data needs alignment (drop --no-align)")
+    summary = {"command": "merge", "models": paths, "weights": args.weights or [1.0] * len(paths), "out": args.out,
+               "symmetry": None if args.no_align else args.symmetry}
+    states = [_standard(c) for c in checkpoints]
     try:
-        result = merge(checkpoints[0].spec, [_standard(c) for c in checkpoints], weights=args.weights,
-                       mode=args.symmetry, iterations=args.iterations, tol=args.tol,
-                       universe_iterations=args.universe_iterations, align=not args.no_align, progress=True)
+        if args.refine_data:
+            merged, info = _refined_merge(args, checkpoints, states)
+            summary["refinement"] = info
+        else:
+            result = merge(checkpoints[0].spec, states, weights=args.weights, mode=args.symmetry,
+                           iterations=args.iterations, tol=args.tol, universe_iterations=args.universe_iterations,
+                           align=not args.no_align, progress=True)
+            merged = result.state
+            summary.update(universe_change=result.universe_change, objectives=result.objectives,
+                           seconds=round(result.seconds, 3))
     except ValueError as exc:
         raise SystemExit(f"fedbasin merge: {exc}") from None
-    _save(args.out, checkpoints[0], result.state)
-    return _emit({
-        "command": "merge", "models": paths, "weights": args.weights or [1.0] * len(paths), "out": args.out,
-        "symmetry": None if args.no_align else args.symmetry, "universe_change": result.universe_change,
-        "objectives": result.objectives, "seconds": round(result.seconds, 3),
-    })
+    _save(args.out, checkpoints[0], merged)
+    return _emit(summary)
+
+
+def _refined_merge(args, checkpoints, states) -> tuple[dict, dict]:
+    """Weight matching, then learned refinement on proxy data; returns (merged state, summary)."""
+    from fedbasin.alignment import average_states, canonicalize, to_gauge
+    from fedbasin.alignment.refine import learned_refine
+    from fedbasin.checkpoint import build_torch_model
+    from fedbasin.data import load_task
+    from fedbasin.training import cross_entropy
+
+    ref = checkpoints[0]
+    try:
+        task = load_task(args.refine_data, proxy_size=args.refine_examples)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"fedbasin merge: --refine-data {args.refine_data}: {exc}") from None
+    _check_task(ref, task, args.reference)
+    train_split, held = task.proxy.split(0.2, seed=0)
+    heldout = next(held.batches(len(held)))
+
+    def batches():
+        generator = torch.Generator().manual_seed(0)
+        while True:
+            yield from train_split.batches(args.refine_batch_size, generator=generator)
+
+    result = learned_refine(ref.spec, build_torch_model(ref), states[0], states[1:], cross_entropy, batches(),
+                            heldout, steps=args.refine_steps, lr=args.refine_lr, mode=args.symmetry,
+                            permutations=args.refine_permutations, match_iterations=args.iterations,
+                            to_module_state=ref.adapter.from_standard, progress=True)
+    ref_c = canonicalize(ref.spec, states[0])
+    merged = average_states([ref_c.state, *result.canonical], args.weights or [1.0] * len(states))
+    info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy), "heldout_loss_start": result.initial_loss,
+            "heldout_loss_best": result.best_loss, "best_step": result.best_step,
+            "seconds": round(result.seconds, 3)}
+    return to_gauge(ref.spec, merged, ref_c.gains), info
 
 
 class _Logits(nn.Module):

@@ -197,6 +197,7 @@ def learned_refine(
     eval_every: int = 10,
     seed: int = 0,
     match_iterations: int = 20,
+    to_module_state: Callable[[dict], dict] | None = None,
     progress: bool = False,
 ) -> RefineResult:
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
@@ -205,6 +206,8 @@ def learned_refine(
     loss_fn(outputs, targets): scalar loss; batches: an (endless or long enough) iterable of
     ``(inputs, targets)`` proxy batches; heldout: one held-out proxy batch for keep-best.
     ``mode`` applies to the weight-matching start; ``permutations``: ``"ste"`` or ``"sinkhorn"``.
+    ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
+    ``from_standard``; it must be differentiable). Outputs with a ``.logits`` field are unwrapped.
     """
     if permutations not in ("ste", "sinkhorn"):
         raise ValueError(f"permutations must be 'ste' or 'sinkhorn', got {permutations!r}")
@@ -231,10 +234,15 @@ def learned_refine(
         return {k: (ref_state[k] + sum(s[k] for s in states)) / n if ref_state[k].is_floating_point() else ref_state[k]
                 for k in ref_state}
 
+    module_state = to_module_state or (lambda state: state)
+
+    def forward(state: dict, x: torch.Tensor) -> torch.Tensor:
+        out = torch.func.functional_call(frozen, module_state({**extra, **state}), (x,))
+        return out if isinstance(out, torch.Tensor) else out.logits
+
     def heldout_loss(states) -> float:
         with torch.no_grad():
-            out = torch.func.functional_call(frozen, {**extra, **centroid(states)}, (heldout[0],))
-            return float(loss_fn(out, heldout[1]))
+            return float(loss_fn(forward(centroid(states), heldout[0]), heldout[1]))
 
     best_states, best_elements = base, [GroupElement.identity(spec) for _ in base]
     initial = best = heldout_loss(base)
@@ -257,7 +265,7 @@ def learned_refine(
         moved = [d.transform(b, tau) for d, b in zip(deltas, base)]
         merged = {k: lam[0] * ref_state[k] + sum(lam[i + 1] * m[k] for i, m in enumerate(moved))
                   if ref_state[k].is_floating_point() else ref_state[k] for k in ref_state}
-        loss = loss_fn(torch.func.functional_call(frozen, {**extra, **merged}, (x,)), y)
+        loss = loss_fn(forward(merged, x), y)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()

@@ -20,16 +20,21 @@ from fedbasin.config import resolve_run_config
 from fedbasin.server.outputs import RESULTS_FILE
 
 DEFAULT_SUPERNODES = 3
-TABLE_COLUMNS = (
+TABLE_COLUMNS = (  # results key, header, format
     ("round", "round", "{}"),
-    ("test_accuracy", "test acc", "{:.4f}"),
-    ("test_loss", "test loss", "{:.4f}"),
-    ("train_loss", "train loss", "{:.4f}"),
-    ("eval_accuracy", "client acc", "{:.4f}"),
-    ("align_gain", "align gain", "{:.4f}"),
-    ("aggregate_seconds", "aggregate s", "{:.2f}"),
+    ("test_accuracy", "acc", "{:.4f}"),
+    ("test_loss", "loss", "{:.3f}"),
+    ("train_loss", "train", "{:.3f}"),
+    ("eval_accuracy", "client", "{:.4f}"),
+    ("align_gain", "gain", "{:.3f}"),
+    ("aggregate_seconds", "agg s", "{:.2f}"),
     ("round_seconds", "round s", "{:.1f}"),
-    ("num_excluded", "excluded", "{}"),
+    ("num_excluded", "excl", "{}"),
+)
+TABLE_CAPTION = (
+    "acc, loss: global model on the server's test split; train: clients' mean train loss; "
+    "client: accuracy on the clients' held-out data; gain: alignment objective gain; "
+    "agg s, round s: aggregation and round seconds; excl: excluded replies"
 )
 
 
@@ -94,13 +99,14 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
 
 
 def print_table(rounds: list[dict]) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="fedbasin simulate")
+    table = Table(title="fedbasin simulate", caption=TABLE_CAPTION, box=box.SIMPLE_HEAD)
     columns = [c for c in TABLE_COLUMNS if any(c[0] in r for r in rounds)]
     for _, title, _ in columns:
-        table.add_column(title, justify="right")
+        table.add_column(title, justify="right", no_wrap=True)
     for r in rounds:
         table.add_row(*(fmt.format(r[key]) if key in r else "" for key, _, fmt in columns))
     Console().print(table)
