@@ -197,3 +197,20 @@ def test_identity_element_changes_nothing():
     state = trained_like(family, config, seed=1).state_dict()
     same = apply_group(spec, state, GroupElement.identity(spec))
     assert all(torch.equal(same[k], state[k]) for k in state)
+
+
+def test_assignment_solver_is_optimal_on_large_problems():
+    """The sparse top-k path (n > 1024) and the argmax shortcut return the dense optimum."""
+    from scipy.optimize import linear_sum_assignment
+
+    from fedbasin.alignment.matching import hungarian
+
+    g = torch.Generator().manual_seed(0)
+    for n, signal in ((1100, 0.5), (1100, 0.0), (50, 0.0), (50, 10.0)):
+        score = torch.randn(n, n, generator=g, dtype=torch.float64)
+        score[torch.arange(n), torch.randperm(n, generator=g)] += signal
+        perm = hungarian(score)
+        assert sorted(perm.tolist()) == list(range(n))
+        rows, cols = linear_sum_assignment(score.numpy(), maximize=True)
+        assert float(score[torch.arange(n), perm].sum()) == pytest.approx(float(score.numpy()[rows, cols].sum()),
+                                                                           rel=1e-9)

@@ -1,8 +1,14 @@
 """Data-free weight matching: coordinate ascent on ``J(g) = Σ_p w_p ⟨θ_ref,p, (g·θ)_p⟩ / P``.
 
-With ``weighting="cosine"`` each tensor p gets ``w_p = 1 / (‖θ_ref,p‖ ‖θ_p‖)`` so that J is the
-mean cosine similarity over the P matched tensors (1 for a perfect match) and no single matrix
-dominates. Each step maximises J exactly over one factor of the group, the others fixed, so the
+The weights w_p set how much each tensor counts; every choice gives J = 1 for a perfect match:
+
+* ``"rms"`` (default): ``w_p = n_p / (‖θ_ref,p‖ ‖θ_p‖)`` with n_p entries, J normalised by Σ n_p —
+  the L2 distance after scaling every tensor to unit RMS: tensors count by size, none by scale;
+* ``"cosine"``: ``w_p = 1 / (‖θ_ref,p‖ ‖θ_p‖)``, J the mean cosine over tensors (a bias vector
+  counts as much as a matrix);
+* ``"uniform"``: ``w_p = 1`` — the plain L2 distance of canonical weights (J not normalised).
+
+Each step maximises J exactly over one factor of the group, the others fixed, so the
 recorded objective never decreases:
 
 1. residual map O: ``max tr(Oᵀ C)``, ``C = Σ_p w_p unfold(θ_p)ᵀ unfold(θ_ref,p)`` — Procrustes
@@ -36,6 +42,7 @@ from .group import (
 from .spec import AttentionSpec, MLPSpec, SymmetrySpec, check_compatible
 
 MODES = ("orthogonal", "permutation")
+WEIGHTINGS = ("cosine", "rms", "uniform")
 
 
 @dataclass
@@ -60,19 +67,49 @@ class MatchResult:
     steps: list[str] = field(default_factory=list)
 
 
+SPARSE_ASSIGNMENT_ABOVE = 1024  # n above which assignments are solved on a top-k candidate graph
+SPARSE_CANDIDATES = 64
+
+
 def hungarian(score: torch.Tensor) -> torch.Tensor:
     """Permutation p maximising ``Σ_i score[i, p[i]]`` (rows: reference, columns: candidate).
 
     If the row-wise argmaxes already form a permutation it is optimal (it reaches the upper
-    bound ``Σ_i max_j score[i, j]``) and the O(n³) assignment solver is skipped.
+    bound ``Σ_i max_j score[i, j]``) and no solver runs. Above ``SPARSE_ASSIGNMENT_ABOVE`` rows
+    the assignment is solved (LAPJVsp) on the graph of each row's ``SPARSE_CANDIDATES`` best
+    columns — about 10x faster than the dense O(n³) solver, optimal whenever the optimum uses
+    only candidate edges (always in our checks); without a perfect matching there, the dense
+    solver runs. Callers keep a step only if the objective does not decrease.
     """
     best = score.argmax(1).cpu()
     if torch.unique(best).numel() == best.numel():
         return best
+    n = score.shape[0]
+    if n > SPARSE_ASSIGNMENT_ABOVE and score.shape[1] == n:
+        perm = _sparse_assignment(score.detach().float().cpu(), SPARSE_CANDIDATES)
+        if perm is not None:
+            return perm
     rows, cols = linear_sum_assignment(score.detach().double().cpu().numpy(), maximize=True)
     perm = np.empty_like(cols)
     perm[rows] = cols
     return torch.as_tensor(perm, dtype=torch.long)
+
+
+def _sparse_assignment(score: torch.Tensor, k: int) -> torch.Tensor | None:
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import min_weight_full_bipartite_matching
+
+    n = score.shape[0]
+    top = torch.topk(score, min(k, n), dim=1)
+    rows = np.repeat(np.arange(n), top.indices.shape[1])
+    values = top.values.double().numpy().reshape(-1)
+    cost = values.max() - values + 1.0  # positive costs: minimising cost maximises the score
+    graph = csr_matrix((cost, (rows, top.indices.numpy().reshape(-1))), shape=(n, n))
+    try:
+        _, cols = min_weight_full_bipartite_matching(graph)
+    except ValueError:  # no perfect matching among the candidate edges
+        return None
+    return torch.as_tensor(cols, dtype=torch.long)
 
 
 def procrustes(m: torch.Tensor) -> torch.Tensor:
@@ -114,11 +151,15 @@ class _Objective:
             if weighting == "cosine":
                 denom = float(ref[k].norm()) * float(cand[k].norm())
                 self.w[k] = 1.0 / denom if denom > 0 else 0.0
+            elif weighting == "rms":
+                denom = float(ref[k].norm()) * float(cand[k].norm())
+                self.w[k] = ref[k].numel() / denom if denom > 0 else 0.0
             elif weighting == "uniform":
                 self.w[k] = 1.0
             else:
-                raise ValueError(f"weighting must be 'cosine' or 'uniform', got {weighting!r}")
-        self.norm = float(len(self.keys)) if weighting == "cosine" else 1.0
+                raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        self.norm = {"cosine": float(len(self.keys)), "rms": float(sum(ref[k].numel() for k in self.keys))}.get(
+            weighting, 1.0)
 
     def contribution(self, key: str, tensor: torch.Tensor) -> float:
         ref = self.ref[key].to(tensor).reshape(-1)
@@ -260,7 +301,7 @@ def weight_match(
     mode: str = "orthogonal",
     iterations: int = 20,
     tol: float = 1e-6,
-    weighting: str = "cosine",
+    weighting: str = "rms",
     progress: bool = False,
 ) -> MatchResult:
     """Align ``candidate`` to ``reference`` (raw state dicts of the same architecture).

@@ -75,6 +75,7 @@ def merge(
     universe_iterations: int = 1,
     universe_tol: float = 1e-4,
     align: bool = True,
+    weighting: str = "rms",
     progress: bool = False,
 ) -> MergeResult:
     """Align every model to ``states[reference]`` (then to the running universe) and average.
@@ -107,7 +108,8 @@ def merge(
             if t == 0 and k == reference:
                 matches.append(None)
             else:
-                matches.append(weight_match(spec, universe, s, mode=mode, iterations=iterations, tol=tol))
+                matches.append(weight_match(spec, universe, s, mode=mode, iterations=iterations, tol=tol,
+                                            weighting=weighting))
             if bar is not None:
                 bar.update(1)
         aligned = [canon[k] if m is None else m.canonical for k, m in enumerate(matches)]

@@ -197,6 +197,7 @@ def learned_refine(
     eval_every: int = 10,
     seed: int = 0,
     match_iterations: int = 20,
+    weighting: str = "rms",
     to_module_state: Callable[[dict], dict] | None = None,
     progress: bool = False,
 ) -> RefineResult:
@@ -217,7 +218,8 @@ def learned_refine(
     for i, c in enumerate(candidates):
         check_compatible(spec, reference, c, ("reference", f"candidate {i}"))
     ref_c = canonicalize(spec, reference, "reference", validate=False)
-    starts = [weight_match(spec, reference, c, mode=mode, iterations=match_iterations) for c in candidates]
+    starts = [weight_match(spec, reference, c, mode=mode, iterations=match_iterations, weighting=weighting)
+              for c in candidates]
     base = [s.canonical for s in starts]
     frozen = copy.deepcopy(model).eval()
     for p in frozen.parameters():

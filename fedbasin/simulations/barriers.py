@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from fedbasin.alignment import fedbasin_adapter, interpolation_curve, weight_match
+from fedbasin.alignment.refine import learned_refine
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.data import load_task
 from fedbasin.models import build_model, make_config
-from fedbasin.training import train
+from fedbasin.training import cross_entropy, train
 
 # model shapes and training budgets (epochs over the task's training split)
 TASKS = {
@@ -63,7 +64,25 @@ def trained_pair(name: str, spec: dict, task, out: Path, progress: bool) -> tupl
     return checkpoints, info
 
 
-def evaluate_pair(checkpoints, task, eval_split, modes=("permutation", "orthogonal")) -> dict:
+def proxy_batches(split, batch_size: int, seed: int = 0):
+    """Endless shuffled batches of a split (learned refinement's training stream)."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield from split.batches(batch_size, generator=generator)
+
+
+def refine_pair(a, b, task, proxy_examples: int, steps: int, weighting: str):
+    """Learned refinement of B onto A on ``proxy_examples`` training examples (20% held out)."""
+    proxy = task.train.subset(torch.arange(min(proxy_examples, len(task.train))))
+    train_split, held = proxy.split(0.2, seed=0)
+    heldout = next(held.batches(len(held)))
+    return learned_refine(a.spec, build_model(a.family, a.config), a.state, [b.state], cross_entropy,
+                          proxy_batches(train_split, 64), heldout, steps=steps, lr=1e-2, eval_every=10,
+                          weighting=weighting)
+
+
+def evaluate_pair(checkpoints, task, eval_split, modes=("permutation", "orthogonal"), weighting="rms",
+                  ablation=(), refine_steps=0, proxy_examples=512) -> dict:
     a, b = checkpoints
     family = a.family
 
@@ -80,13 +99,26 @@ def evaluate_pair(checkpoints, task, eval_split, modes=("permutation", "orthogon
     curves = {"vanilla": interpolation_curve(a.state, b.state, loss)}
     row["midpoint_accuracy"] = {"vanilla": metrics({k: (a.state[k] + b.state[k]) / 2 for k in a.state})["accuracy"]}
     for mode in modes:
-        result = weight_match(spec, a.state, b.state, mode=mode, iterations=30, tol=1e-6)
+        result = weight_match(spec, a.state, b.state, mode=mode, iterations=30, tol=1e-6, weighting=weighting)
         curves[mode] = interpolation_curve(a.state, result.state, loss)
         row[f"{mode}_seconds"] = round(result.seconds, 2)
         row[f"{mode}_iterations"] = result.iterations
         row[f"{mode}_objective"] = [round(result.initial_objective, 4), round(result.objective[-1], 4)]
         mid = {k: (a.state[k] + result.state[k]) / 2 for k in a.state}
         row["midpoint_accuracy"][mode] = metrics(mid)["accuracy"]
+    if refine_steps:
+        refined = refine_pair(a, b, task, proxy_examples, refine_steps, weighting)
+        curves["learned"] = interpolation_curve(a.state, refined.states[0], loss)
+        row["learned_seconds"] = round(refined.seconds, 1)
+        row["learned_proxy_loss"] = [round(refined.initial_loss, 4), round(refined.best_loss, 4)]
+        row["learned_best_step"] = refined.best_step
+        mid = {k: (a.state[k] + refined.states[0][k]) / 2 for k in a.state}
+        row["midpoint_accuracy"]["learned"] = metrics(mid)["accuracy"]
+    row["ablation"] = {}
+    for mode in modes:
+        for w in ablation:
+            result = weight_match(spec, a.state, b.state, mode=mode, iterations=30, tol=1e-6, weighting=w)
+            row["ablation"][f"{mode}/{w}"] = interpolation_curve(a.state, result.state, loss, points=5).barrier
     row["barrier"] = {name: c.barrier for name, c in curves.items()}
     row["curves"] = {name: c.to_dict() for name, c in curves.items()}
     return row
@@ -99,11 +131,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt")
     parser.add_argument("--out", default="runs/barriers")
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--weighting", default="rms", choices=["cosine", "rms", "uniform"])
+    parser.add_argument("--ablation", default="cosine,rms,uniform",
+                        help="weightings compared in the ablation table ('' to skip)")
+    parser.add_argument("--refine-steps", type=int, default=200, help="learned-refinement steps (0: skip)")
+    parser.add_argument("--proxy-examples", type=int, default=512)
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-               "tasks": {}}
+               "weighting": args.weighting, "refine_steps": args.refine_steps, "tasks": {}}
     t_start = time.perf_counter()
     for name in args.tasks.split(","):
         spec = TASKS[name]
@@ -114,7 +151,9 @@ def main(argv=None) -> dict:
         if spec["eval_examples"] and len(eval_split) > spec["eval_examples"]:
             eval_split = eval_split.subset(torch.arange(spec["eval_examples"]))
         checkpoints, info = trained_pair(name, spec, task, out, args.progress)
-        row = evaluate_pair(checkpoints, task, eval_split)
+        row = evaluate_pair(checkpoints, task, eval_split, weighting=args.weighting,
+                            ablation=[w for w in args.ablation.split(",") if w], refine_steps=args.refine_steps,
+                            proxy_examples=args.proxy_examples)
         row.update(info, train_examples=len(task.train), eval_examples=len(eval_split), epochs=spec["epochs"],
                    total_seconds=round(time.perf_counter() - t0, 1))
         results["tasks"][name] = row
@@ -130,17 +169,27 @@ def main(argv=None) -> dict:
 
 def markdown_table(results: dict) -> str:
     lines = [
-        "| task | acc A / B | barrier vanilla | barrier permutation | barrier orthogonal | kept (orth/vanilla) "
-        "| align s (perm / orth) |",
-        "|---|---|---|---|---|---|---|",
+        "| task | acc A / B | vanilla | permutation | orthogonal | learned | kept orth / learned "
+        "| align s (perm / orth / learned) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results["tasks"].items():
         b = r["barrier"]
-        kept = b["orthogonal"] / b["vanilla"] if b["vanilla"] > 0 else float("nan")
+        kept = lambda x: f"{x / b['vanilla']:.0%}" if b["vanilla"] > 0 else "n/a"  # noqa: E731
+        learned = b.get("learned")
         lines.append(
             f"| {name} | {r['accuracy_a']:.3f} / {r['accuracy_b']:.3f} | {b['vanilla']:.3f} | {b['permutation']:.3f} "
-            f"| {b['orthogonal']:.3f} | {kept:.0%} | {r['permutation_seconds']} / {r['orthogonal_seconds']} |"
+            f"| {b['orthogonal']:.3f} | {'—' if learned is None else f'{learned:.3f}'} "
+            f"| {kept(b['orthogonal'])} / {'—' if learned is None else kept(learned)} "
+            f"| {r['permutation_seconds']} / {r['orthogonal_seconds']} / {r.get('learned_seconds', '—')} |"
         )
+    ablation = {name: r["ablation"] for name, r in results["tasks"].items() if r.get("ablation")}
+    if ablation:
+        keys = sorted({k for a in ablation.values() for k in a})
+        lines += ["", "Weighting ablation (barrier, 5-point grid):", "", "| task | " + " | ".join(keys) + " |",
+                  "|---|" + "---|" * len(keys)]
+        for name, a in ablation.items():
+            lines.append(f"| {name} | " + " | ".join(f"{a[k]:.3f}" for k in keys) + " |")
     return "\n".join(lines) + "\n"
 
 
