@@ -47,7 +47,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .canonical import canonicalize, to_gauge
-from .group import GroupElement, HeadMap, NeuronMap, apply_group, apply_residual_map, ones_complement, scale_axis
+from .group import (
+    GroupElement,
+    HeadMap,
+    NeuronMap,
+    apply_group,
+    apply_residual_map,
+    ones_complement,
+)
 from .matching import MatchResult, weight_match
 from .merge import MergeResult, merge
 from .spec import SymmetrySpec
@@ -279,20 +286,21 @@ def inverse(g: GroupElement) -> GroupElement:
     ``M⁻¹[perm⁻¹]`` with ``M⁻¹ = (dual)ᵀ`` and dual ``Mᵀ``; neurons ``perm⁻¹`` and scales
     ``1 / s[perm⁻¹]``; residual ``Rᵀ``.
     """
-    t = lambda m: None if m is None else m.transpose(-1, -2)  # noqa: E731
+    def moved(m: torch.Tensor | None, ip: torch.Tensor) -> torch.Tensor | None:  # m[ip]ᵀ per head
+        return None if m is None else m[ip].transpose(-1, -2)
+
     heads = []
     for hm in g.heads:
         if hm is None:
             heads.append(None)
             continue
         ip = torch.argsort(hm.perm)
-        pick = lambda m: None if m is None else m[ip]  # noqa: E731
         heads.append(HeadMap(
             ip,
-            t(pick(hm.qk if hm.qk_dual is None else hm.qk_dual)),
-            t(pick(hm.ov if hm.ov_dual is None else hm.ov_dual)),
-            None if hm.qk_dual is None else t(pick(hm.qk)),
-            None if hm.ov_dual is None else t(pick(hm.ov)),
+            moved(hm.qk if hm.qk_dual is None else hm.qk_dual, ip),
+            moved(hm.ov if hm.ov_dual is None else hm.ov_dual, ip),
+            None if hm.qk_dual is None else moved(hm.qk, ip),
+            None if hm.ov_dual is None else moved(hm.ov, ip),
         ))
     neurons = []
     for nm in g.neurons:
@@ -301,7 +309,7 @@ def inverse(g: GroupElement) -> GroupElement:
             continue
         ip = torch.argsort(nm.perm)
         neurons.append(NeuronMap(ip, None if nm.scale is None else 1.0 / nm.scale[ip]))
-    return GroupElement(t(g.residual), heads, neurons)
+    return GroupElement(None if g.residual is None else g.residual.T, heads, neurons)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,6 +347,7 @@ def embed_and_align(
     iterations: int = 20,
     tol: float = 1e-6,
     residual_map: torch.Tensor | None = None,
+    weighting: str = "rms",
 ) -> Embedded:
     """Embed the narrow model (default O), then ``weight_match`` it to the wide ``reference``.
 
@@ -347,7 +356,8 @@ def embed_and_align(
     """
     o = default_residual_map(spec_small.width, spec_big.width) if residual_map is None else residual_map
     embedded = embed(spec_small, state_small, spec_big, reference, o)
-    match = weight_match(spec_big, reference, embedded, mode=mode, iterations=iterations, tol=tol)
+    match = weight_match(spec_big, reference, embedded, mode=mode, iterations=iterations, tol=tol,
+                         weighting=weighting)
     return Embedded(match.state, match.canonical, o, match.transform, match)
 
 
@@ -395,17 +405,19 @@ def merge_heterogeneous(
     iterations: int = 20,
     tol: float = 1e-6,
     universe_iterations: int = 1,
+    universe_tol: float = 1e-4,
     align: bool = True,
+    weighting: str = "rms",
     progress: bool = False,
 ) -> WidthMerge:
     """Merge models of different widths into the widest (largest d; ties: the first).
 
     Every other model is embedded with the default O (exact for eps = 0), then
     :func:`fedbasin.alignment.merge` aligns them all to the widest (``align=False``: plain
-    weighted average of the embeddings) and averages. A narrow model only contributes inside its
-    slots: zero-padded heads/units and the complement of its residual subspace pull the average
-    towards 0 there (weight ``w_k / Σ w``), exactly as a zero-initialised HeteroFL-style slice
-    would. ``WidthMerge.restricted(k)`` is what model k receives back.
+    weighted average of the embeddings) and averages. The embedded narrow model is 0 on its padded
+    heads/units and outside its residual subspace, so it shrinks the average there by
+    ``Σ_wide w / Σ w`` (unlike HeteroFL, which averages each coordinate only over the clients that
+    hold it). ``WidthMerge.restricted(k)`` is what model k receives back (see :func:`restrict`).
     """
     if len(specs) != len(states):
         raise ValueError(f"got {len(specs)} specs for {len(states)} models")
@@ -428,7 +440,8 @@ def merge_heterogeneous(
             raise ValueError(f"model {k} cannot be embedded into model {widest}: {e}") from None
         members.append(Member(spec, o, None, gains, shapes, True))
     result = merge(big_spec, inputs, weights, reference=widest, mode=mode, iterations=iterations, tol=tol,
-                   universe_iterations=universe_iterations, align=align, progress=progress)
+                   universe_iterations=universe_iterations, universe_tol=universe_tol, align=align, weighting=weighting,
+                   progress=progress)
     matches = list(result.matches)
     if align and len(matches) == len(states) - 1:  # the reference was not matched (one universe round)
         matches.insert(widest, None)

@@ -23,6 +23,7 @@ class GPTConfig:
     bias: bool = True
     position: str = "learned"  # learned | rope
     tie_embeddings: bool = False
+    norm_eps: float | None = None  # None: LayerNorm 1e-5, RMSNorm 1e-6 (0 makes width embedding exact)
 
 
 class GPT(nn.Module):
@@ -39,10 +40,11 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(c.block_size, c.dim) if c.position == "learned" else None
         rope_len = c.block_size if c.position == "rope" else 0
         self.blocks = nn.ModuleList(
-            Block(c.dim, c.heads, c.mlp_dim, c.norm, c.activation, c.bias, causal=True, rope_len=rope_len)
+            Block(c.dim, c.heads, c.mlp_dim, c.norm, c.activation, c.bias, causal=True, rope_len=rope_len,
+                  norm_eps=c.norm_eps)
             for _ in range(c.depth)
         )
-        self.norm_f = make_norm(c.norm, c.dim, c.bias)
+        self.norm_f = make_norm(c.norm, c.dim, c.bias, c.norm_eps)
         self.head = nn.Linear(c.dim, c.vocab_size, bias=False)
         init_weights(self, seed)
         if c.tie_embeddings:

@@ -29,11 +29,17 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def make_norm(kind: str, dim: int, bias: bool) -> nn.Module:
+NORM_EPS = {"layernorm": 1e-5, "rmsnorm": 1e-6}  # defaults when a config's norm_eps is None
+
+
+def make_norm(kind: str, dim: int, bias: bool, eps: float | None = None) -> nn.Module:
+    """LayerNorm or RMSNorm of width ``dim``; ``eps=None`` takes the kind's default (``NORM_EPS``)."""
+    if kind in NORM_EPS and eps is None:
+        eps = NORM_EPS[kind]
     if kind == "layernorm":
-        return nn.LayerNorm(dim, eps=1e-5, bias=bias)
+        return nn.LayerNorm(dim, eps=eps, bias=bias)
     if kind == "rmsnorm":
-        return RMSNorm(dim)
+        return RMSNorm(dim, eps=eps)
     raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
 
 
@@ -103,11 +109,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: ``h += Attn(N1(h)); h += MLP(N2(h))``."""
 
-    def __init__(self, dim, heads, mlp_dim, norm, activation, bias, causal, rope_len=0):
+    def __init__(self, dim, heads, mlp_dim, norm, activation, bias, causal, rope_len=0, norm_eps=None):
         super().__init__()
-        self.norm1 = make_norm(norm, dim, bias)
+        self.norm1 = make_norm(norm, dim, bias, norm_eps)
         self.attn = Attention(dim, heads, bias, causal, rope_len)
-        self.norm2 = make_norm(norm, dim, bias)
+        self.norm2 = make_norm(norm, dim, bias, norm_eps)
         self.mlp = MLP(dim, mlp_dim, activation, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

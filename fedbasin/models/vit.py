@@ -23,6 +23,7 @@ class ViTConfig:
     norm: str = "layernorm"  # layernorm | rmsnorm
     activation: str = "gelu"  # gelu | relu | swiglu
     bias: bool = True
+    norm_eps: float | None = None  # None: LayerNorm 1e-5, RMSNorm 1e-6 (0 makes width embedding exact)
 
     @property
     def num_patches(self) -> int:
@@ -43,10 +44,10 @@ class ViT(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.dim))
         self.pos_emb = nn.Parameter(torch.zeros(1, c.num_patches + 1, c.dim))
         self.blocks = nn.ModuleList(
-            Block(c.dim, c.heads, c.mlp_dim, c.norm, c.activation, c.bias, causal=False)
+            Block(c.dim, c.heads, c.mlp_dim, c.norm, c.activation, c.bias, causal=False, norm_eps=c.norm_eps)
             for _ in range(c.depth)
         )
-        self.norm_f = make_norm(c.norm, c.dim, c.bias)
+        self.norm_f = make_norm(c.norm, c.dim, c.bias, c.norm_eps)
         self.head = nn.Linear(c.dim, c.num_classes)
         init_weights(self, seed)
 
