@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .alignment.adapters import Adapter, fedbasin_adapter
+from .atomic import publish
 from .models import FAMILIES, build_model, make_config
 
 CONFIG_FILE = "config.json"
@@ -339,7 +340,8 @@ def _atomic_replace_dir(path: Path, write) -> None:
         if path.is_dir():
             _keep_sidecars(path, tmp)
         for item in tmp.iterdir():
-            _fsync(item)
+            if item.is_file():
+                publish(item)
         if path.exists():
             old = path.parent / f".{path.name}.old-{tag}"
             os.replace(path, old)

@@ -47,6 +47,10 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "alignment": True,
     "symmetry": "orthogonal",  # orthogonal | permutation
     "align-iterations": 20,
+    "universe-iterations": 1,  # >1: re-align every client to the running average (universe matching)
+    "refine-steps": 0,  # >0: learned refinement on the server's proxy split (needs proxy-size > 0)
+    "refine-lr": 0.01,
+    "refine-permutations": "ste",  # ste (straight-through Hungarian) | sinkhorn
     "fraction-train": 1.0,
     "fraction-evaluate": 1.0,
     "min-nodes": 2,
@@ -59,6 +63,7 @@ CHOICES = {
     "partitioner": ("iid", "dirichlet"),
     "init": ("server", "client"),
     "symmetry": ("orthogonal", "permutation"),
+    "refine-permutations": ("ste", "sinkhorn"),
 }
 
 
@@ -74,25 +79,37 @@ def resolve_run_config(run_config: Mapping[str, object] | None = None) -> dict:
             value = float(value)
         if type(value) is not expected:
             raise ValueError(
-                f"run-config {key}={value!r} has type {type(value).__name__}; expected {expected.__name__}"
+                f"run-config {key}={value!r} has type {type(value).__name__}; "
+                f"expected {expected.__name__}"
             )
         config[key] = value
     for key, allowed in CHOICES.items():
         if config[key] not in allowed:
             raise ValueError(f"run-config {key}={config[key]!r}; expected one of {allowed}")
+    if config["refine-steps"] > 0 and config["proxy-size"] < 10:
+        raise ValueError(f"run-config refine-steps={config['refine-steps']} needs proxy-size >= 10 "
+                         f"(got {config['proxy-size']}): the server refines on its proxy split")
+    if config["universe-iterations"] < 1:
+        raise ValueError(f"run-config universe-iterations={config['universe-iterations']} must be at least 1")
     if config["min-nodes"] < 1:
         raise ValueError(f"run-config min-nodes={config['min-nodes']} must be at least 1")
     return config
 
 
-def model_config(family: str, data_overrides: Mapping[str, object], config: Mapping[str, object]) -> dict:
+def model_config(
+    family: str, data_overrides: Mapping[str, object], config: Mapping[str, object]
+) -> dict:
     """Model config dict: the data's implied fields (``Task.model_overrides``), then every
     non-empty ``model.<field>`` run-config key (dashes become underscores). A non-empty key that
     the family's config lacks raises ``ValueError`` naming it."""
     known = {f.name for f in fields(FAMILIES[family][1])}
     values = dict(data_overrides)
     for key, value in config.items():
-        if not key.startswith("model.") or value == "" or (value == 0 and not isinstance(value, bool)):
+        if (
+            not key.startswith("model.")
+            or value == ""
+            or (value == 0 and not isinstance(value, bool))
+        ):
             continue
         name = key.removeprefix("model.").replace("-", "_")
         if name not in known:
@@ -114,4 +131,6 @@ def task_from_config(config: Mapping[str, object]) -> Task:
 
 def model_from_config(task: Task, config: Mapping[str, object], seed: int) -> nn.Module:
     """A freshly initialised model of the task's family, shaped by the data and ``model.*``."""
-    return build_model(task.family, model_config(task.family, task.model_overrides, config), seed=seed)
+    return build_model(
+        task.family, model_config(task.family, task.model_overrides, config), seed=seed
+    )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
+
+from fedbasin.atomic import atomic_write
 
 
 def _figure():
@@ -18,16 +19,8 @@ def _figure():
 
 def save_figure(fig, path: str | os.PathLike) -> None:
     """Write ``fig`` to ``path`` atomically (temporary file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    fmt = Path(path).suffix.lstrip(".") or "png"
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120, bbox_inches="tight"))
 
 
 def plot_curves(curves: dict, path: str | os.PathLike, title: str = "", ylabel: str = "loss") -> None:

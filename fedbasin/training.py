@@ -44,7 +44,9 @@ def train(
     model.to(device).train()
     total = epochs * math.ceil(len(data) / batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * t / total)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * t / total))
+    )
     generator = torch.Generator().manual_seed(seed)
     losses: list[float] = []
     with tqdm(total=total, desc="train", disable=not progress, leave=False) as bar:
@@ -63,7 +65,9 @@ def train(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data, device: torch.device | str = "cpu", batch_size: int = 512) -> dict:
+def evaluate(
+    model: nn.Module, data, device: torch.device | str = "cpu", batch_size: int = 512
+) -> dict:
     """``{"loss", "accuracy"}``: mean cross-entropy and argmax accuracy over every target."""
     if len(data) == 0:
         raise ValueError("cannot evaluate on an empty split")

@@ -9,12 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.config import flatten_dict
 
 from fedbasin.checkpoint import load_checkpoint
-from fedbasin.config import DEFAULT_RUN_CONFIG, model_config, resolve_run_config
+from fedbasin.client.client_app import app as client_app
+from fedbasin.config import (
+    DEFAULT_RUN_CONFIG,
+    model_config,
+    model_from_config,
+    resolve_run_config,
+    task_from_config,
+)
 from fedbasin.simulations import simulate
 from fedbasin.strategies import AlignedFedAvg
+from tests.test_strategy import serverapp_identity  # noqa: F401  (autouse: a run identity)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +48,74 @@ def test_run_config_errors_name_the_key():
     assert resolve_run_config({"lr": 1})["lr"] == 1.0
     with pytest.raises(ValueError, match="model.position='rope' does not apply to vit"):
         model_config("vit", {}, resolve_run_config({"model.position": "rope"}))
-    assert model_config("gpt", {"vocab_size": 65}, resolve_run_config({"model.position": "rope"}))["position"] == "rope"
+    assert (
+        model_config("gpt", {"vocab_size": 65}, resolve_run_config({"model.position": "rope"}))[
+            "position"
+        ]
+        == "rope"
+    )
+
+
+def node(node_config: dict) -> Context:
+    node_id = 40 + node_config.get("partition-id", 0)
+    return Context(
+        run_id=7, node_id=node_id, node_config=node_config, state=RecordDict(), run_config={}
+    )
+
+
+def part(i: int) -> dict:
+    return {"partition-id": i, "num-partitions": 3}
+
+
+def ask(message_type: str, arrays: ArrayRecord, context: Context, **config) -> Message:
+    """Send one message to the ClientApp as the SuperNode would, with a server-sent config."""
+    content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
+    return client_app(
+        Message(content, dst_node_id=context.node_id, message_type=message_type), context
+    )
+
+
+def test_client_app_init_policy_and_replies():
+    config = resolve_run_config()
+    task = task_from_config(config)
+    broadcast = {
+        k: v + 1.0 for k, v in model_from_config(task, config, seed=0).state_dict().items()
+    }
+    frozen = {
+        "lr": 0.0,
+        "weight-decay": 0.0,
+        "local-epochs": 1,
+    }  # replies carry the starting weights
+
+    def start(context, **options) -> dict:
+        reply = ask(MessageType.TRAIN, ArrayRecord(broadcast), context, **frozen, **options)
+        assert (
+            reply.content["metrics"]["num-examples"] > 0
+            and reply.content["metrics"]["train_loss"] > 0
+        )
+        return reply.content["arrays"].to_torch_state_dict()
+
+    for key, value in start(node(part(0)), **{"server-round": 1}).items():
+        torch.testing.assert_close(value, broadcast[key])
+    independent = [start(node(part(i)), init="client", **{"server-round": 1}) for i in (0, 1)]
+    for i, state in enumerate(independent):
+        expected = model_from_config(task, config, seed=config["seed"] + 1 + i).state_dict()
+        for key, value in state.items():
+            torch.testing.assert_close(value, expected[key])
+    later = start(node(part(1)), init="client", **{"server-round": 2})
+    torch.testing.assert_close(later["head.weight"], broadcast["head.weight"])
+
+    partition = task.partition(3, 2)
+    reply = ask(MessageType.EVALUATE, ArrayRecord(broadcast), node(part(2)), **{"server-round": 1})
+    metrics = reply.content["metrics"]
+    assert (
+        metrics["num-examples"] == round(0.1 * len(partition))
+        and 0 <= metrics["eval_accuracy"] <= 1
+    )
+    whole = ask(MessageType.EVALUATE, ArrayRecord(broadcast), node({}), **{"server-round": 1})
+    assert whole.content["metrics"]["num-examples"] == round(0.1 * len(task.train))
+    with pytest.raises(ValueError, match="node config has partition-id only"):
+        ask(MessageType.EVALUATE, ArrayRecord(broadcast), node({"partition-id": 0}))
 
 
 def cli(*argv: str) -> int:
@@ -56,20 +132,27 @@ def test_simulate_rejects_bad_options(tmp_path, capsys):
     assert "'lr=' is not KEY=VALUE" in capsys.readouterr().err
     assert cli("--run-config", "lr=fast", "--out", str(tmp_path)) == 2
     assert "lr='fast' has type str" in capsys.readouterr().err
-    assert simulate.parse_run_config("model.dim=32 symmetry=permutation data='text:a b.txt' resume=true") == {
-        "model.dim": 32, "symmetry": "permutation", "data": "text:a b.txt", "resume": True}
+    assert simulate.parse_run_config(
+        "model.dim=32 symmetry=permutation data='text:a b.txt' resume=true"
+    ) == {"model.dim": 32, "symmetry": "permutation", "data": "text:a b.txt", "resume": True}
 
 
 @pytest.mark.slow
 def test_simulation_trains_then_resumes_from_the_last_checkpoint(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    assert cli("--num-supernodes", "2", "--out", str(out), "--run-config", "num-server-rounds=1") == 0
+    assert (
+        cli("--num-supernodes", "2", "--out", str(out), "--run-config", "num-server-rounds=1") == 0
+    )
     assert "round s" in capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     rounds = results["rounds"]
     assert [r["round"] for r in rounds] == [0, 1]
     assert rounds[1]["test_accuracy"] > rounds[0]["test_accuracy"] + 0.2
-    assert rounds[1]["num_excluded"] == 0 and "align_gain" in rounds[1] and "eval_accuracy" in rounds[1]
+    assert (
+        rounds[1]["num_excluded"] == 0
+        and "align_gain" in rounds[1]
+        and "eval_accuracy" in rounds[1]
+    )
     assert (out / "curves.png").stat().st_size > 0
     saved = load_checkpoint(out / "round-0001").state
 
@@ -91,3 +174,16 @@ def test_simulation_trains_then_resumes_from_the_last_checkpoint(tmp_path, capsy
     assert [r["round"] for r in resumed["rounds"]] == [0, 1, 2]
     assert resumed["rounds"][:2] == rounds
     assert (out / "round-0002" / "model.safetensors").is_file()
+
+
+def test_one_shot_comparison_smoke(tmp_path, capsys):
+    from fedbasin.simulations import oneshot
+
+    out = tmp_path / "oneshot.json"
+    run_config = "local-epochs=1 max-train-examples=300 align-iterations=2"
+    assert oneshot.main(["--clients", "2", "--run-config", run_config, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["partitioner"] for r in rows] == ["iid", "dirichlet(0.5)"]
+    for key in ("best_client", "fedavg", "aligned_permutation", "aligned_orthogonal", "ensemble"):
+        assert all(0.0 <= r[key] <= 1.0 for r in rows)
+    assert "| aligned (orth) |" in capsys.readouterr().out

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedbasin.alignment import apply_group, canonicalize, random_group_element
@@ -32,9 +41,13 @@ class StubGrid:
         return self.node_ids
 
 
-def reply(node_id: int, arrays: ArrayRecord | None = None, num_examples=100, error: str | None = None) -> Message:
+def reply(
+    node_id: int, arrays: ArrayRecord | None = None, num_examples=100, error: str | None = None
+) -> Message:
     """A reply as a ClientApp's ``Message(content, reply_to=instruction)`` arrives at the server."""
-    instruction = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=node_id, message_type=MessageType.TRAIN)
+    instruction = Message(
+        RecordDict({"config": ConfigRecord()}), dst_node_id=node_id, message_type=MessageType.TRAIN
+    )
     if error is not None:
         return Message(Error(code=0, reason=error), reply_to=instruction)
     metrics = MetricRecord({"train_loss": 0.5, "num-examples": num_examples})
@@ -42,10 +55,15 @@ def reply(node_id: int, arrays: ArrayRecord | None = None, num_examples=100, err
 
 
 def base_state() -> dict:
-    return {k: v.detach().clone() for k, v in trained_like("vit", VIT, seed=0, dtype=torch.float32).state_dict().items()}
+    return {
+        k: v.detach().clone()
+        for k, v in trained_like("vit", VIT, seed=0, dtype=torch.float32).state_dict().items()
+    }
 
 
-def transformed_copies(spec, state: dict, count: int, mode: str = "orthogonal", noise: float = 1e-5) -> list[dict]:
+def transformed_copies(
+    spec, state: dict, count: int, mode: str = "orthogonal", noise: float = 1e-5
+) -> list[dict]:
     """Function-equivalent copies of ``state`` (random exact group elements) plus tiny noise."""
     g = torch.Generator().manual_seed(1)
     canonical = canonicalize(spec, state).state
@@ -58,8 +76,12 @@ def transformed_copies(spec, state: dict, count: int, mode: str = "orthogonal", 
 
 
 def strategy_for(spec, global_state: dict, **options) -> AlignedFedAvg:
-    strategy = AlignedFedAvg(spec, min_train_nodes=len(NODES), min_available_nodes=len(NODES), **options)
-    messages = list(strategy.configure_train(1, ArrayRecord(global_state), ConfigRecord(), StubGrid(NODES)))
+    strategy = AlignedFedAvg(
+        spec, min_train_nodes=len(NODES), min_available_nodes=len(NODES), **options
+    )
+    messages = list(
+        strategy.configure_train(1, ArrayRecord(global_state), ConfigRecord(), StubGrid(NODES))
+    )
     assert sorted(m.metadata.dst_node_id for m in messages) == NODES
     assert messages[0].content["config"]["server-round"] == 1
     return strategy
@@ -72,7 +94,10 @@ def test_transformed_copies_merge_to_the_original_function(mode):
     copies = transformed_copies(spec, base, len(NODES), mode)
     x, _ = inputs("vit", VIT, dtype=torch.float32)
     expected = run("vit", VIT, base, x, torch.float32)
-    replies = [reply(n, ArrayRecord(s), num_examples=100 + i) for i, (n, s) in enumerate(zip(NODES, copies))]
+    replies = [
+        reply(n, ArrayRecord(s), num_examples=100 + i)
+        for i, (n, s) in enumerate(zip(NODES, copies))
+    ]
 
     # round 2: the previous global model (here: the original) is the alignment target
     aligned = strategy_for(spec, base, mode=mode)
@@ -81,7 +106,9 @@ def test_transformed_copies_merge_to_the_original_function(mode):
     assert rel_err(run("vit", VIT, merged, x, torch.float32), expected) < 1e-3
     assert metrics["num_excluded"] == 0 and metrics["align_gain"] > 0
     assert {"train_loss", "align_seconds", "aggregate_seconds"} <= set(metrics)
-    assert all(merged[k].dtype == torch.float32 and merged[k].shape == v.shape for k, v in base.items())
+    assert all(
+        merged[k].dtype == torch.float32 and merged[k].shape == v.shape for k, v in base.items()
+    )
 
     # round 1 with independent inits: aligned to the client with the most examples
     oneshot = strategy_for(spec, base_state(), mode=mode, independent_init=True)
@@ -100,7 +127,9 @@ def test_plain_fedavg_is_the_example_weighted_mean():
     base = base_state()
     states = [{k: v + i for k, v in base.items()} for i in range(3)]
     strategy = strategy_for(spec, base, alignment=False)
-    arrays, _ = strategy.aggregate_train(1, [reply(n, ArrayRecord(s), w) for n, s, w in zip(NODES, states, (1, 1, 2))])
+    arrays, _ = strategy.aggregate_train(
+        1, [reply(n, ArrayRecord(s), w) for n, s, w in zip(NODES, states, (1, 1, 2))]
+    )
     merged = arrays.to_torch_state_dict()
     for key, value in base.items():
         torch.testing.assert_close(merged[key], value + 1.25)
@@ -120,9 +149,14 @@ def corrupt(state: dict, how: str) -> ArrayRecord:
         state["unexpected.weight"] = torch.zeros(2)
     elif how == "dtype":
         state[key] = state[key].double()
+    elif how == "zero-gain":
+        state["blocks.0.norm1.weight"] = torch.zeros_like(state["blocks.0.norm1.weight"])
+        state["blocks.0.norm1.bias"] = torch.ones_like(state["blocks.0.norm1.bias"])
     arrays = ArrayRecord(state)
     if how == "bytes":
-        arrays[key] = Array(dtype="float32", shape=tuple(state[key].shape), stype="numpy.ndarray", data=b"garbage")
+        arrays[key] = Array(
+            dtype="float32", shape=tuple(state[key].shape), stype="numpy.ndarray", data=b"garbage"
+        )
     return arrays
 
 
@@ -140,8 +174,13 @@ def test_malformed_replies_are_excluded_and_the_round_goes_on(caplog):
         107: reply(107, corrupt(base, "bytes")),
         108: reply(108, error="ClientApp raised"),
         109: reply(109, ArrayRecord(base), num_examples=float("nan")),
+        110: reply(110, corrupt(base, "zero-gain")),
     }
-    replies = [reply(NODES[0], ArrayRecord(good[0])), *bad.values(), reply(NODES[1], ArrayRecord(good[1]))]
+    replies = [
+        reply(NODES[0], ArrayRecord(good[0])),
+        *bad.values(),
+        reply(NODES[1], ArrayRecord(good[1])),
+    ]
     strategy = strategy_for(spec, base)
     with caplog.at_level("WARNING", logger="flwr"):
         arrays, metrics = strategy.aggregate_train(3, replies)
@@ -152,9 +191,18 @@ def test_malformed_replies_are_excluded_and_the_round_goes_on(caplog):
     expected = run("vit", VIT, base, x, torch.float32)
     assert rel_err(run("vit", VIT, arrays.to_torch_state_dict(), x, torch.float32), expected) < 1e-3
     log = caplog.text
-    for node, reason in [(101, "shape"), (102, "NaN"), (103, "missing"), (104, "num-examples=0"),
-                         (105, "unexpected"), (106, "dtype"), (107, "cannot decode"), (108, "ClientApp raised"),
-                         (109, "num-examples=nan")]:
+    for node, reason in [
+        (101, "shape"),
+        (102, "NaN"),
+        (103, "missing"),
+        (104, "num-examples=0"),
+        (105, "unexpected"),
+        (106, "dtype"),
+        (107, "cannot decode"),
+        (108, "ClientApp raised"),
+        (109, "num-examples=nan"),
+        (110, "cannot fold"),
+    ]:
         line = next((ln for ln in log.splitlines() if f"node {node}:" in ln), "")
         assert reason in line, f"node {node}: expected {reason!r} in the log, got {line!r}"
 
@@ -163,15 +211,56 @@ def test_all_replies_bad_keeps_the_previous_model():
     spec = spec_of("vit", VIT)
     base = base_state()
     strategy = strategy_for(spec, base)
-    assert strategy.aggregate_train(1, [reply(1, corrupt(base, "nan")), reply(2, error="boom")]) == (None, None)
+    assert strategy.aggregate_train(
+        1, [reply(1, corrupt(base, "nan")), reply(2, error="boom")]
+    ) == (None, None)
     assert strategy.aggregate_train(1, []) == (None, None)
 
 
 def test_evaluate_replies_without_examples_are_excluded():
     strategy = AlignedFedAvg(spec_of("vit", VIT))
     instruction = Message(RecordDict(), dst_node_id=5, message_type=MessageType.EVALUATE)
-    good = Message(RecordDict({"m": MetricRecord({"eval_loss": 1.0, "num-examples": 10})}), reply_to=instruction)
+    good = Message(
+        RecordDict({"m": MetricRecord({"eval_loss": 1.0, "num-examples": 10})}),
+        reply_to=instruction,
+    )
     bad = Message(RecordDict({"m": MetricRecord({"eval_loss": 9.0})}), reply_to=instruction)
     metrics = strategy.aggregate_evaluate(1, [good, bad])
     assert metrics["eval_loss"] == pytest.approx(1.0)
     assert strategy.aggregate_evaluate(1, [bad]) is None
+
+
+def test_universe_matching_and_server_side_refinement_keep_the_function():
+    """Universe matching and learned refinement on proxy data also merge copies to the original."""
+    import functools
+
+    import torch.nn.functional as F
+
+    from fedbasin.alignment import learned_refine
+    from fedbasin.models import build_model
+
+    spec = spec_of("vit", VIT)
+    base = base_state()
+    copies = transformed_copies(spec, base, len(NODES))
+    x, _ = inputs("vit", VIT, dtype=torch.float32)
+    expected = run("vit", VIT, base, x, torch.float32)
+    replies = [reply(n, ArrayRecord(s)) for n, s in zip(NODES, copies)]
+
+    universe = strategy_for(spec, base, universe_iterations=3)
+    arrays, _ = universe.aggregate_train(2, replies)
+    assert rel_err(run("vit", VIT, arrays.to_torch_state_dict(), x, torch.float32), expected) < 1e-3
+
+    proxy_x = torch.rand(40, 1, 8, 8)
+    with torch.no_grad():
+        proxy_y = run("vit", VIT, base, proxy_x, torch.float32).argmax(-1)
+
+    def batches():
+        while True:
+            yield proxy_x[:32], proxy_y[:32]
+
+    refine = functools.partial(learned_refine, spec, build_model("vit", VIT), loss_fn=F.cross_entropy,
+                               batches=batches(), heldout=(proxy_x[32:], proxy_y[32:]), steps=4, eval_every=2)
+    refined = strategy_for(spec, base, refine=refine)
+    arrays, metrics = refined.aggregate_train(2, replies)
+    assert rel_err(run("vit", VIT, arrays.to_torch_state_dict(), x, torch.float32), expected) < 1e-3
+    assert metrics["align_gain"] >= 0  # held-out proxy loss never rises

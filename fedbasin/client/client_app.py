@@ -1,9 +1,9 @@
 """ClientApp: trains and evaluates on this node's partition of the run's data.
 
 The node finds its partition in its node config (``partition-id``, ``num-partitions``; the
-simulation sets them, a SuperNode gets them from ``--node-config``). The run config comes with
-each message (the ServerApp sends it), falling back to the node's ``context.run_config`` and
-:data:`fedbasin.config.DEFAULT_RUN_CONFIG`.
+simulation sets them, a SuperNode gets them from ``--node-config``, which may also name a
+node-local ``data`` source). The run config comes with each message (the ServerApp sends it),
+falling back to the node's ``context.run_config`` and :data:`fedbasin.config.DEFAULT_RUN_CONFIG`.
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ def train(msg: Message, context: Context) -> Message:
     """Train the model for ``local-epochs`` on the local partition and reply with its weights.
 
     ``init = "client"`` starts round 1 from an independent, node-specific initialisation
-    (seed + 1 + partition-id) instead of the broadcast weights (the one-shot setting).
+    (seed + 1 + node index) instead of the broadcast weights (the one-shot setting).
     """
     config, server_round = _run_config(msg, context)
-    partition_id, train_data, _ = _local_data(context, config)
-    task = task_from_config(config)
+    node_index, task, train_data, _ = _local_data(context, config)
     if config["init"] == "client" and server_round == 1:
-        model = model_from_config(task, config, seed=config["seed"] + 1 + partition_id)
+        model = model_from_config(task, config, seed=config["seed"] + 1 + node_index)
     else:
         model = model_from_config(task, config, seed=config["seed"])
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
@@ -46,7 +45,7 @@ def train(msg: Message, context: Context) -> Message:
         lr=config["lr"],
         batch_size=config["batch-size"],
         device=resolve_device(config["device"]),
-        seed=config["seed"] + 1000 * server_round + partition_id,
+        seed=config["seed"] + 1000 * server_round + node_index,
         weight_decay=config["weight-decay"],
     )
     metrics = {
@@ -54,7 +53,9 @@ def train(msg: Message, context: Context) -> Message:
         "train_seconds": time.perf_counter() - started,
         "num-examples": len(train_data),
     }
-    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)})
+    content = RecordDict(
+        {"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)}
+    )
     return Message(content=content, reply_to=msg)
 
 
@@ -62,11 +63,15 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the broadcast model on the held-out part of the local partition."""
     config, _ = _run_config(msg, context)
-    _, _, validation = _local_data(context, config)
-    model = model_from_config(task_from_config(config), config, seed=config["seed"])
+    _, task, _, validation = _local_data(context, config)
+    model = model_from_config(task, config, seed=config["seed"])
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     result = evaluate_model(model, validation, device=resolve_device(config["device"]))
-    metrics = {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"], "num-examples": len(validation)}
+    metrics = {
+        "eval_loss": result["loss"],
+        "eval_accuracy": result["accuracy"],
+        "num-examples": len(validation),
+    }
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
@@ -78,16 +83,31 @@ def _run_config(msg: Message, context: Context) -> tuple[dict, int]:
 
 
 def _local_data(context: Context, config: dict):
-    """``(partition_id, train, validation)`` of this node's partition."""
-    missing = [k for k in ("partition-id", "num-partitions") if k not in context.node_config]
-    if missing:
+    """``(node_index, task, train, validation)`` of this node's data.
+
+    Node config: ``partition-id`` and ``num-partitions`` select a partition of the run's
+    ``data`` (both or neither: neither means the whole training split, e.g. a node's own
+    private data); an optional ``data`` key replaces the run's source with a node-local one.
+    The node index (for seeds) is the partition id, else the node id.
+    """
+    node = context.node_config
+    given = [k for k in ("partition-id", "num-partitions") if k in node]
+    if len(given) == 1:
         raise ValueError(
-            f"node {context.node_id}: node config lacks {missing}; start the SuperNode with "
+            f"node {context.node_id}: node config has {given[0]} only; start the SuperNode with "
             "--node-config 'partition-id=<i> num-partitions=<n>'"
         )
-    partition_id, num_partitions = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
-    data = task_from_config(config).partition(
-        num_partitions, partition_id, config["partitioner"], config["dirichlet-alpha"], config["seed"]
-    )
-    train_data, validation = data.split(VALIDATION_FRACTION, seed=config["seed"] + partition_id)
-    return partition_id, train_data, validation
+    task = task_from_config({**config, "data": node.get("data", config["data"])})
+    if given:
+        node_index = int(node["partition-id"])
+        data = task.partition(
+            int(node["num-partitions"]),
+            node_index,
+            config["partitioner"],
+            config["dirichlet-alpha"],
+            config["seed"],
+        )
+    else:
+        node_index, data = context.node_id % 2**31, task.train
+    train_data, validation = data.split(VALIDATION_FRACTION, seed=config["seed"] + node_index)
+    return node_index, task, train_data, validation

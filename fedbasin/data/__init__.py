@@ -3,4 +3,4 @@
 from .sources import CharTokenizer, load_task
 from .task import PARTITIONERS, Split, Task
 
-__all__ = ["CharTokenizer", "PARTITIONERS", "Split", "Task", "load_task"]
+__all__ = ["PARTITIONERS", "CharTokenizer", "Split", "Task", "load_task"]

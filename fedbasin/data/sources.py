@@ -71,7 +71,9 @@ def load_task(
     elif kind == "text" and arg:
         task = _text(arg, block_size)
     else:
-        raise ValueError(f"unknown data source {source!r}; expected digits, cifar10, cifar10:PATH or text:PATH")
+        raise ValueError(
+            f"unknown data source {source!r}; expected digits, cifar10, cifar10:PATH or text:PATH"
+        )
     return _finish(task, seed, proxy_size, max_train_examples)
 
 
@@ -91,7 +93,9 @@ def _digits(seed: int, test_fraction: float) -> Task:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8) in [0, 1]
+    images = (
+        torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    )  # (N, 1, 8, 8) in [0, 1]
     data = Split(images, torch.tensor(digits.target, dtype=torch.long))
     train, test = data.split(test_fraction, seed)
     overrides = {"image_size": 8, "patch_size": 2, "channels": 1, "num_classes": 10}
@@ -126,12 +130,16 @@ def _cifar10(path: str, seed: int, test_fraction: float) -> Task:
         elif where.is_file():
             files = {"train": str(where)}
         else:
-            raise FileNotFoundError(f"cifar10 source {where} is neither a directory nor a parquet file")
+            raise FileNotFoundError(
+                f"cifar10 source {where} is neither a directory nor a parquet file"
+            )
         splits = load_dataset("parquet", data_files=files)
 
     def to_split(dataset) -> Split:
         columns = dataset.with_format("numpy")[:]
-        images = torch.from_numpy(np.ascontiguousarray(columns["img"])).permute(0, 3, 1, 2).contiguous()
+        images = (
+            torch.from_numpy(np.ascontiguousarray(columns["img"])).permute(0, 3, 1, 2).contiguous()
+        )
         return Split(images, torch.from_numpy(columns["label"]).long(), _normalize_cifar)
 
     train = to_split(splits["train"])
@@ -152,7 +160,9 @@ def _text(path: str, block_size: int) -> Task:
         try:
             text = "\n".join(load_dataset(path, split="train")["text"])
         except Exception as error:
-            raise RuntimeError(f"{path!r} is not a local file and could not be loaded from the hub ({error})") from error
+            raise RuntimeError(
+                f"{path!r} is not a local file and could not be loaded from the hub ({error})"
+            ) from error
     tokenizer = CharTokenizer(text)
     ids = tokenizer.encode(text)
     cut = int(0.9 * len(ids))
@@ -167,4 +177,11 @@ def _text(path: str, block_size: int) -> Task:
         return Split(blocks[:, :-1].contiguous(), blocks[:, 1:].contiguous())
 
     overrides = {"vocab_size": tokenizer.vocab_size, "block_size": block_size}
-    return Task(f"text:{where.name}", "gpt", overrides, chunks(ids[:cut]), chunks(ids[cut:]), tokenizer=tokenizer)
+    return Task(
+        f"text:{where.name}",
+        "gpt",
+        overrides,
+        chunks(ids[:cut]),
+        chunks(ids[cut:]),
+        tokenizer=tokenizer,
+    )

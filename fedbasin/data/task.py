@@ -42,7 +42,10 @@ class Split:
         return self.subset(order[n_second:]), self.subset(order[:n_second])
 
     def batches(
-        self, batch_size: int, device: torch.device | str = "cpu", generator: torch.Generator | None = None
+        self,
+        batch_size: int,
+        device: torch.device | str = "cpu",
+        generator: torch.Generator | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(inputs, targets)`` batches on ``device``; shuffled when a ``generator`` is given."""
         n = len(self)
@@ -72,7 +75,12 @@ class Task:
     _partitions: dict = field(default_factory=dict, repr=False)
 
     def partition(
-        self, num_partitions: int, partition_id: int, scheme: str = "iid", alpha: float = 0.5, seed: int = 0
+        self,
+        num_partitions: int,
+        partition_id: int,
+        scheme: str = "iid",
+        alpha: float = 0.5,
+        seed: int = 0,
     ) -> Split:
         """Partition ``partition_id`` of ``num_partitions`` of the training split.
 
@@ -97,7 +105,9 @@ class Task:
             partitioner = IidPartitioner(num_partitions)
         elif scheme == "dirichlet":
             if self.train.targets.ndim != 1:
-                raise ValueError(f"dirichlet partitioning needs class labels; {self.name} has token targets")
+                raise ValueError(
+                    f"dirichlet partitioning needs class labels; {self.name} has token targets"
+                )
             columns["label"] = self.train.targets.tolist()
             partitioner = DirichletPartitioner(
                 num_partitions, partition_by="label", alpha=alpha, self_balancing=True, seed=seed
@@ -115,7 +125,9 @@ class Task:
 
     loss_fn = staticmethod(cross_entropy)
 
-    def evaluate(self, model: nn.Module, split: str | Split = "test", device="cpu", batch_size: int = 512) -> dict:
+    def evaluate(
+        self, model: nn.Module, split: str | Split = "test", device="cpu", batch_size: int = 512
+    ) -> dict:
         """``{"loss", "accuracy"}`` of ``model`` on a split (by name or a :class:`Split`)."""
         data = self.split(split) if isinstance(split, str) else split
         return evaluate(model, data, device=device, batch_size=batch_size)

@@ -15,12 +15,12 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from fedbasin.atomic import atomic_write
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.plots import save_figure
 
@@ -31,16 +31,7 @@ _ROUND_DIR = re.compile(r"^round-(\d{4,})$")
 
 def write_json_atomic(path: Path, data) -> None:
     """Write JSON to a temporary file in the same directory, then ``os.replace`` it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
 
 
 class RunOutputs:
@@ -49,12 +40,18 @@ class RunOutputs:
     def __init__(self, out_dir: str | os.PathLike, family: str, model_config, run_config: dict):
         self.dir = Path(out_dir)
         self.family, self.model_config = family, model_config
-        self.results = {"run_config": dict(run_config), "model": {"family": family, **asdict(model_config)}, "rounds": []}
+        self.results = {
+            "run_config": dict(run_config),
+            "model": {"family": family, **asdict(model_config)},
+            "rounds": [],
+        }
 
     def saved_rounds(self) -> list[int]:
         if not self.dir.is_dir():
             return []
-        return sorted(int(m[1]) for p in self.dir.iterdir() if p.is_dir() and (m := _ROUND_DIR.match(p.name)))
+        return sorted(
+            int(m[1]) for p in self.dir.iterdir() if p.is_dir() and (m := _ROUND_DIR.match(p.name))
+        )
 
     def checkpoint_dir(self, server_round: int) -> Path:
         return self.dir / f"round-{server_round:04d}"
@@ -79,7 +76,8 @@ class RunOutputs:
         if checkpoint.family != self.family or checkpoint.config != self.model_config:
             raise ValueError(
                 f"cannot resume from {checkpoint.path}: it holds a {checkpoint.family} model with "
-                f"{checkpoint.config}, but this run builds a {self.family} model with {self.model_config}"
+                f"{checkpoint.config}, but this run builds a {self.family} model with "
+                f"{self.model_config}"
             )
         results_path = self.dir / RESULTS_FILE
         if results_path.is_file():

@@ -7,14 +7,17 @@ metrics are added to ``results.json`` and ``curves.png`` in ``out-dir`` (see ``o
 
 from __future__ import annotations
 
+import functools
 import time
 from logging import INFO
+
+import torch
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedbasin.alignment import fedbasin_adapter
+from fedbasin.alignment import fedbasin_adapter, learned_refine
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
 from fedbasin.server.outputs import RunOutputs
 from fedbasin.strategies import AlignedFedAvg
@@ -27,6 +30,23 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Entry point for ``flwr run``: the run config is ``[tool.flwr.app.config]`` + overrides."""
     run_server(grid, resolve_run_config(context.run_config))
+
+
+def make_refiner(spec, model, task, config: dict):
+    """``refine(reference, clients)``: learned refinement on the proxy split (20% held out)."""
+    train_split, held = task.proxy.split(0.2, seed=config["seed"])
+    heldout = next(held.batches(len(held)))
+
+    def batches():
+        generator = torch.Generator().manual_seed(config["seed"])
+        while True:
+            yield from train_split.batches(config["batch-size"], generator=generator)
+
+    return functools.partial(
+        learned_refine, spec, model, loss_fn=task.loss_fn, batches=batches(), heldout=heldout,
+        steps=config["refine-steps"], lr=config["refine-lr"], mode=config["symmetry"],
+        permutations=config["refine-permutations"], match_iterations=config["align-iterations"],
+    )
 
 
 def run_server(grid: Grid, config: dict) -> dict:
@@ -48,12 +68,15 @@ def run_server(grid: Grid, config: dict) -> dict:
     elif stale := outputs.start_fresh():
         log(INFO, "fresh run: removed checkpoints of rounds %s from %s", stale, outputs.dir)
 
+    spec = fedbasin_adapter(task.family, model.config).spec
     strategy = AlignedFedAvg(
-        fedbasin_adapter(task.family, model.config).spec,
+        spec,
         alignment=config["alignment"],
         mode=config["symmetry"],
         iterations=config["align-iterations"],
         independent_init=config["init"] == "client",
+        universe_iterations=config["universe-iterations"],
+        refine=make_refiner(spec, model, task, config) if config["refine-steps"] > 0 else None,
         fraction_train=config["fraction-train"],
         fraction_evaluate=config["fraction-evaluate"],
         min_train_nodes=config["min-nodes"],
@@ -75,7 +98,13 @@ def run_server(grid: Grid, config: dict) -> dict:
             for record in (strategy.train_metrics, strategy.evaluate_metrics):
                 extra.update(record.get(server_round, {}))
             outputs.record(server_round, model.state_dict(), {**metrics, **extra})
-            log(INFO, "round %d: test accuracy %.4f, test loss %.4f", server_round, test["accuracy"], test["loss"])
+            log(
+                INFO,
+                "round %d: test accuracy %.4f, test loss %.4f",
+                server_round,
+                test["accuracy"],
+                test["loss"],
+            )
         return MetricRecord(metrics)
 
     strategy.start(

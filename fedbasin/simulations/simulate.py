@@ -43,11 +43,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "simulate",
         help="run a federated simulation (Flower, Ray backend) and write results.json",
         description=__doc__.splitlines()[0].replace("``", ""),
+        epilog="Run-config keys and defaults: fedbasin.config.DEFAULT_RUN_CONFIG "
+        "(table in docs/flower.md).",
     )
-    p.add_argument("--run-config", default="", metavar='"KEY=VALUE ..."',
-                   help="run-config overrides, e.g. \"num-server-rounds=5 symmetry=permutation\"")
-    p.add_argument("--num-supernodes", type=int, default=DEFAULT_SUPERNODES,
-                   help=f"virtual SuperNodes, one data partition each (default {DEFAULT_SUPERNODES})")
+    p.add_argument(
+        "--run-config",
+        default="",
+        metavar='"KEY=VALUE ..."',
+        help='run-config overrides, e.g. "num-server-rounds=5 symmetry=permutation"',
+    )
+    p.add_argument(
+        "--num-supernodes",
+        type=int,
+        default=DEFAULT_SUPERNODES,
+        help=f"virtual SuperNodes, one data partition each (default {DEFAULT_SUPERNODES})",
+    )
     p.add_argument("--out", help="output directory (overrides the run config's out-dir)")
     p.add_argument("--verbose", action="store_true", help="Flower debug logs")
     p.set_defaults(func=run)
@@ -79,22 +89,28 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
     from fedbasin.server.server_app import run_server
 
     if config["min-nodes"] > num_supernodes:
-        raise ValueError(f"min-nodes={config['min-nodes']} exceeds --num-supernodes={num_supernodes}")
+        raise ValueError(
+            f"min-nodes={config['min-nodes']} exceeds --num-supernodes={num_supernodes}"
+        )
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid, context) -> None:
         run_server(grid, config)
 
-    torch.set_num_threads(1)  # server-side evaluation must not compete with the 1-CPU clients
     gpus = 1.0 / num_supernodes if torch.cuda.is_available() else 0.0
-    run_simulation(
-        server_app=server_app,
-        client_app=client_app,
-        num_supernodes=num_supernodes,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": gpus}},
-        verbose_logging=verbose,
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # server-side evaluation must not compete with the 1-CPU clients
+    try:
+        run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=num_supernodes,
+            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": gpus}},
+            verbose_logging=verbose,
+        )
+    finally:
+        torch.set_num_threads(threads)
     return json.loads((Path(config["out-dir"]) / RESULTS_FILE).read_text())
 
 

@@ -24,7 +24,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
-from fedbasin.alignment import SymmetrySpec, average_states, merge
+from fedbasin.alignment import SymmetrySpec, average_states, canonicalize, merge
 
 MODES = ("orthogonal", "permutation")
 
@@ -49,6 +49,13 @@ class AlignedFedAvg(FedAvg):
     independent_init : bool
         Clients start round 1 from their own initialisations (the one-shot setting): align
         round 1 to the client with the most examples instead of the broadcast model.
+    universe_iterations : int
+        Re-align every client to the running average this many times (universe matching).
+    refine : callable, optional
+        Server-side learned refinement, ``refine(reference_state, client_states)`` returning a
+        :class:`~fedbasin.alignment.RefineResult` (the ServerApp binds the model and its proxy
+        split into it, e.g. ``functools.partial(learned_refine, spec, model, ...)``). The
+        refined, canonical client models are averaged instead of the weight-matched ones.
     **kwargs
         ``FedAvg`` options (``fraction_train``, ``min_train_nodes``, ...).
 
@@ -71,6 +78,8 @@ class AlignedFedAvg(FedAvg):
         iterations: int = 20,
         tol: float = 1e-6,
         independent_init: bool = False,
+        universe_iterations: int = 1,
+        refine=None,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -82,6 +91,8 @@ class AlignedFedAvg(FedAvg):
         self.iterations = iterations
         self.tol = tol
         self.independent_init = independent_init
+        self.universe_iterations = universe_iterations
+        self.refine = refine
         self.train_metrics: dict[int, MetricRecord] = {}
         self.evaluate_metrics: dict[int, MetricRecord] = {}
         self._global: ArrayRecord | None = None
@@ -89,8 +100,15 @@ class AlignedFedAvg(FedAvg):
 
     def summary(self) -> None:
         super().summary()
-        how = f"{self.mode}, {self.iterations} iterations" if self.alignment else "off (plain FedAvg)"
-        log(INFO, "\t└──> Alignment: %s%s", how, ", independent round-1 inits" if self.independent_init else "")
+        how = (
+            f"{self.mode}, {self.iterations} iterations" if self.alignment else "off (plain FedAvg)"
+        )
+        log(
+            INFO,
+            "\t└──> Alignment: %s%s",
+            how,
+            ", independent round-1 inits" if self.independent_init else "",
+        )
 
     # -- rounds -------------------------------------------------------------------------------
 
@@ -111,14 +129,26 @@ class AlignedFedAvg(FedAvg):
         if not 1 <= first_round <= num_rounds:
             raise ValueError(f"first_round {first_round} is outside 1..{num_rounds}")
         offset = self._round_offset = first_round - 1
-        shifted = None if evaluate_fn is None else (lambda rnd, arrays: evaluate_fn(rnd + offset, arrays))
+        shifted = (
+            None if evaluate_fn is None else (lambda rnd, arrays: evaluate_fn(rnd + offset, arrays))
+        )
         try:
             result = super().start(
-                grid, initial_arrays, num_rounds - offset, timeout, train_config, evaluate_config, shifted
+                grid,
+                initial_arrays,
+                num_rounds - offset,
+                timeout,
+                train_config,
+                evaluate_config,
+                shifted,
             )
         finally:
             self._round_offset = 0
-        for name in ("train_metrics_clientapp", "evaluate_metrics_clientapp", "evaluate_metrics_serverapp"):
+        for name in (
+            "train_metrics_clientapp",
+            "evaluate_metrics_clientapp",
+            "evaluate_metrics_serverapp",
+        ):
             setattr(result, name, {rnd + offset: m for rnd, m in getattr(result, name).items()})
         return result
 
@@ -142,7 +172,9 @@ class AlignedFedAvg(FedAvg):
         t0 = time.perf_counter()
         server_round += self._round_offset
         if self._global is None:
-            raise RuntimeError("aggregate_train needs the broadcast model: call configure_train first")
+            raise RuntimeError(
+                "aggregate_train needs the broadcast model: call configure_train first"
+            )
         template = self._global
         states, weights, contents, excluded = [], [], [], []
         for msg in replies:
@@ -151,24 +183,39 @@ class AlignedFedAvg(FedAvg):
                 weight = self._num_examples(msg)
                 state = self._checked_state(msg, template)
             except ReplyError as error:
-                log(WARNING, "round %d: excluding reply from node %d: %s", server_round, node, error)
+                log(
+                    WARNING, "round %d: excluding reply from node %d: %s", server_round, node, error
+                )
                 excluded.append(node)
                 continue
             states.append(state)
             weights.append(weight)
             contents.append(msg.content)
-        log(INFO, "round %d: aggregating %d replies, %d excluded", server_round, len(states), len(excluded))
+        log(
+            INFO,
+            "round %d: aggregating %d replies, %d excluded",
+            server_round,
+            len(states),
+            len(excluded),
+        )
         if not states:
-            log(WARNING, "round %d: no valid replies; keeping the previous global model", server_round)
+            log(
+                WARNING,
+                "round %d: no valid replies; keeping the previous global model",
+                server_round,
+            )
             return None, None
 
         t_align = time.perf_counter()
-        merged, gain = self._merge(server_round, template.to_torch_state_dict(), states, weights)
+        merged, gain = self._merge(server_round, template, states, weights)
         align_seconds = time.perf_counter() - t_align
         arrays = ArrayRecord(
-            {key: Array(merged[key].numpy().astype(template[key].dtype, copy=False)) for key in template}
+            {
+                key: Array(merged[key].numpy().astype(template[key].dtype, copy=False))
+                for key in template
+            }
         )
-        metrics = self._client_metrics(server_round, contents)
+        metrics = self._client_metrics(server_round, contents, self.train_metrics_aggr_fn)
         metrics["align_gain"] = gain
         metrics["align_seconds"] = align_seconds
         metrics["aggregate_seconds"] = time.perf_counter() - t0
@@ -177,7 +224,9 @@ class AlignedFedAvg(FedAvg):
         self.train_metrics[server_round] = metrics
         return arrays, metrics
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
         """Example-weighted mean of the clients' evaluation metrics; bad replies are excluded."""
         server_round += self._round_offset
         contents = []
@@ -185,16 +234,24 @@ class AlignedFedAvg(FedAvg):
             try:
                 self._num_examples(msg)
             except ReplyError as error:
-                log(WARNING, "round %d: excluding evaluation reply from node %d: %s",
-                    server_round, msg.metadata.src_node_id, error)
+                log(
+                    WARNING,
+                    "round %d: excluding evaluation reply from node %d: %s",
+                    server_round,
+                    msg.metadata.src_node_id,
+                    error,
+                )
                 continue
             contents.append(msg.content)
         if not contents:
             return None
-        metrics = self.evaluate_metrics[server_round] = self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
+        metrics = self._client_metrics(server_round, contents, self.evaluate_metrics_aggr_fn)
+        self.evaluate_metrics[server_round] = metrics
         return metrics
 
-    def _merge(self, server_round: int, previous: dict, states: list, weights: list) -> tuple[dict, float]:
+    def _merge(
+        self, server_round: int, previous: ArrayRecord, states: list, weights: list
+    ) -> tuple[dict, float]:
         """Merged state and the mean gain of the matching objective over the aligned models."""
         if not self.alignment:
             return average_states(states, weights), 0.0
@@ -202,9 +259,20 @@ class AlignedFedAvg(FedAvg):
             if len(states) == 1:
                 return states[0], 0.0
             reference = max(range(len(weights)), key=weights.__getitem__)
-            result = merge(self.spec, states, weights, reference, self.mode, self.iterations, self.tol)
+            result = merge(
+                self.spec, states, weights, reference, self.mode, self.iterations, self.tol
+            )
         else:  # previous global model: alignment target only
-            result = merge(self.spec, [previous, *states], [0.0, *weights], 0, self.mode, self.iterations, self.tol)
+            reference = previous.to_torch_state_dict()
+            result = merge(
+                self.spec,
+                [reference, *states],
+                [0.0, *weights],
+                0,
+                self.mode,
+                self.iterations,
+                self.tol,
+            )
         gains = [m.objective[-1] - m.initial_objective for m in result.matches]
         return result.state, float(sum(gains) / len(gains)) if gains else 0.0
 
@@ -250,12 +318,22 @@ class AlignedFedAvg(FedAvg):
             if value.dtype.kind in "fc" and not np.isfinite(value).all():
                 raise ReplyError(f"{key}: contains NaN or infinite values")
             state[key] = torch.from_numpy(value)
+        if self.alignment:  # e.g. a zero norm gain over a non-zero bias cannot be folded
+            try:
+                canonicalize(self.spec, state, validate=False)
+            except ValueError as error:
+                raise ReplyError(str(error)) from error
         return state
 
-    def _client_metrics(self, server_round: int, contents: list) -> MetricRecord:
-        """The clients' train metrics, aggregated by ``train_metrics_aggr_fn``."""
+    def _client_metrics(self, server_round: int, contents: list, aggregate) -> MetricRecord:
+        """The clients' metrics, combined by ``aggregate`` (``FedAvg``'s weighted mean by default)."""
         try:
-            return self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+            return aggregate(contents, self.weighted_by_key)
         except (TypeError, ValueError) as error:  # e.g. a metric that is a list on one client only
-            log(WARNING, "round %d: cannot aggregate client train metrics (%s); skipping them", server_round, error)
+            log(
+                WARNING,
+                "round %d: cannot aggregate client metrics (%s); skipping them",
+                server_round,
+                error,
+            )
             return MetricRecord()

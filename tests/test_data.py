@@ -1,0 +1,119 @@
+"""Data sources, partitioning and the shared train/evaluate loop (offline, local files only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedbasin.data import Split, load_task
+from fedbasin.models import build_model
+from fedbasin.training import evaluate, train
+
+SHARED_CIFAR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
+
+
+def test_digits_task():
+    task = load_task("digits", proxy_size=40)
+    assert task.family == "vit"
+    assert task.model_overrides == {
+        "image_size": 8,
+        "patch_size": 2,
+        "channels": 1,
+        "num_classes": 10,
+    }
+    assert len(task.train) + len(task.test) + len(task.proxy) == 1797
+    assert task.train.inputs.shape[1:] == (1, 8, 8) and task.train.inputs.dtype == torch.float32
+    assert 0.0 <= float(task.train.inputs.min()) and float(task.train.inputs.max()) <= 1.0
+    assert load_task("digits", proxy_size=40) is task  # cached per process
+
+
+@pytest.mark.parametrize("scheme", ["iid", "dirichlet"])
+def test_partitions_are_disjoint_and_cover_the_training_split(scheme):
+    task = load_task("digits")
+    parts = [task.partition(4, i, scheme, alpha=0.3) for i in range(4)]
+    rows = torch.cat([p.inputs.flatten(1) for p in parts])
+    assert len(rows) == len(task.train)
+    assert len(torch.unique(rows, dim=0)) == len(torch.unique(task.train.inputs.flatten(1), dim=0))
+    counts = torch.stack([p.targets.bincount(minlength=10) for p in parts]).float()
+    shares = counts / counts.sum(0)
+    if scheme == "iid":
+        assert shares.max() < 0.45 and max(len(p) for p in parts) - min(len(p) for p in parts) <= 1
+    else:  # Dir(0.3): some class is concentrated on one partition
+        assert shares.max() > 0.5
+    with pytest.raises(ValueError, match="partition-id 4 is outside"):
+        task.partition(4, 4)
+
+
+def write_cifar_like(path: Path, n: int, seed: int) -> None:
+    """A parquet file with the hub's CIFAR-10 features (``img``: Image, ``label``: ClassLabel)."""
+    from datasets import ClassLabel, Dataset, Features, Image
+
+    rng = np.random.default_rng(seed)
+    images = [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8) for _ in range(n)]
+    features = Features({"img": Image(), "label": ClassLabel(num_classes=10)})
+    Dataset.from_dict(
+        {"img": images, "label": [i % 10 for i in range(n)]}, features=features
+    ).to_parquet(str(path))
+
+
+def test_cifar10_from_local_parquet(tmp_path):
+    write_cifar_like(tmp_path / "train.parquet", 40, 0)
+    write_cifar_like(tmp_path / "test.parquet", 20, 1)
+    task = load_task(f"cifar10:{tmp_path}")
+    assert (len(task.train), len(task.test)) == (40, 20)
+    assert task.train.inputs.shape[1:] == (3, 32, 32) and task.train.inputs.dtype == torch.uint8
+    assert task.model_overrides["num_classes"] == 10 and task.model_overrides["image_size"] == 32
+    x, _ = next(task.test.batches(8))
+    assert x.dtype == torch.float32 and x.shape == (8, 3, 32, 32) and abs(float(x.mean())) < 1.0
+
+    single = load_task(f"cifar10:{tmp_path / 'train.parquet'}", test_fraction=0.25)
+    assert (len(single.train), len(single.test)) == (30, 10)
+    with pytest.raises(FileNotFoundError, match="neither a directory nor a parquet file"):
+        load_task(f"cifar10:{tmp_path / 'nothing'}")
+
+
+@pytest.mark.skipif(not (SHARED_CIFAR / "test.parquet").is_file(), reason="no local CIFAR-10 copy")
+def test_shared_cifar10_copy_is_shuffled_before_partitioning():
+    task = load_task(f"cifar10:{SHARED_CIFAR / 'test.parquet'}", max_train_examples=2000)
+    assert len(task.train) == 2000  # rows are stored ordered by class; a slice must still mix them
+    assert (task.partition(4, 0).targets.bincount(minlength=10) > 0).all()
+
+
+def test_text_task_char_level(tmp_path):
+    text = "to be or not to be, that is the question\n" * 20
+    (tmp_path / "t.txt").write_text(text)
+    task = load_task(f"text:{tmp_path / 't.txt'}", block_size=8)
+    assert task.family == "gpt"
+    assert task.model_overrides == {"vocab_size": len(set(text)), "block_size": 8}
+    assert task.train.inputs.shape[1] == 8 and torch.equal(
+        task.train.inputs[:, 1:], task.train.targets[:, :-1]
+    )
+    assert task.tokenizer.decode(task.tokenizer.encode("not to be")) == "not to be"
+    assert len(task.partition(2, 1)) > 0
+    with pytest.raises(ValueError, match="needs class labels"):
+        task.partition(2, 0, "dirichlet")
+
+
+def test_unknown_sources_are_named():
+    with pytest.raises(ValueError, match="unknown data source 'mnist'"):
+        load_task("mnist")
+
+
+def test_train_and_evaluate_on_digits():
+    torch.manual_seed(0)
+    task = load_task("digits")
+    model = build_model("vit", dict(task.model_overrides, dim=32, mlp_dim=64))
+    before = task.evaluate(model)
+    result = train(model, task.train, epochs=3, lr=3e-3, batch_size=32, seed=0)
+    after = evaluate(model, task.test)
+    assert result["steps"] == 3 * -(-len(task.train) // 32)
+    assert after["loss"] < before["loss"] and after["accuracy"] > before["accuracy"]
+
+    tokens = Split(torch.randint(0, 5, (6, 4)), torch.randint(0, 5, (6, 4)))
+    gpt = build_model(
+        "gpt", {"vocab_size": 5, "block_size": 4, "dim": 16, "depth": 1, "heads": 2, "mlp_dim": 16}
+    )
+    assert set(evaluate(gpt, tokens)) == {"loss", "accuracy"}
