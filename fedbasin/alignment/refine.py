@@ -273,7 +273,7 @@ def learned_refine(
         optimiser.step()
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.4f}", best=f"{best:.4f}")
+            bar.set_postfix(loss=f"{loss.item():.4f}", best=f"{best:.4f}")
         if step % eval_every == 0 or step == steps:
             elements = [d.hard_element() for d in deltas]
             hard = [apply_group(spec, b, g) for b, g in zip(base, elements)]
