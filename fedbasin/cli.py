@@ -8,6 +8,7 @@ progress bars and log lines go to stderr. Outputs are written atomically.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -178,8 +179,7 @@ def cmd_merge(args) -> int:
 
 def _refined_merge(args, checkpoints, states) -> tuple[dict, dict]:
     """Weight matching, then learned refinement on proxy data; returns (merged state, summary)."""
-    from fedbasin.alignment import average_states, canonicalize, to_gauge
-    from fedbasin.alignment.refine import learned_refine
+    from fedbasin.alignment import learned_refine, refined_merge
     from fedbasin.checkpoint import build_torch_model
     from fedbasin.data import load_task
     from fedbasin.training import cross_entropy
@@ -198,16 +198,15 @@ def _refined_merge(args, checkpoints, states) -> tuple[dict, dict]:
         while True:
             yield from train_split.batches(args.refine_batch_size, generator=generator)
 
-    result = learned_refine(ref.spec, build_torch_model(ref), states[0], states[1:], cross_entropy, batches(),
-                            heldout, steps=args.refine_steps, lr=args.refine_lr, mode=args.symmetry,
-                            permutations=args.refine_permutations, match_iterations=args.iterations,
-                            to_module_state=ref.adapter.from_standard, progress=True)
-    ref_c = canonicalize(ref.spec, states[0])
-    merged = average_states([ref_c.state, *result.canonical], args.weights or [1.0] * len(states))
+    refine = functools.partial(
+        learned_refine, ref.spec, build_torch_model(ref), loss_fn=cross_entropy, batches=batches(), heldout=heldout,
+        steps=args.refine_steps, lr=args.refine_lr, mode=args.symmetry, permutations=args.refine_permutations,
+        match_iterations=args.iterations, to_module_state=ref.adapter.from_standard, progress=True)
+    merged, result = refined_merge(ref.spec, states, args.weights or [1.0] * len(states), 0, refine)
     info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy), "heldout_loss_start": result.initial_loss,
             "heldout_loss_best": result.best_loss, "best_step": result.best_step,
             "seconds": round(result.seconds, 3)}
-    return to_gauge(ref.spec, merged, ref_c.gains), info
+    return merged, info
 
 
 class _Logits(nn.Module):

@@ -31,6 +31,7 @@ from torch import nn
 from .canonical import canonicalize, to_gauge
 from .group import GroupElement, HeadMap, NeuronMap, apply_group, compose, ones_complement, rotary_planes
 from .matching import hungarian, weight_match
+from .merge import average_states
 from .spec import SymmetrySpec, check_compatible
 
 
@@ -289,3 +290,20 @@ def learned_refine(
     result.best_loss = best
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def refined_merge(
+    spec: SymmetrySpec,
+    states: list[dict],
+    weights: list[float],
+    reference: int,
+    refine: Callable[[dict, list[dict]], RefineResult],
+) -> tuple[dict, RefineResult]:
+    """``Σ_k w_k g_k·θ_k / Σ_k w_k`` with every g_k from ``refine(θ_ref, others)`` (e.g. a partial
+    of :func:`learned_refine`), in the reference's gauge; returns (merged state, refine result)."""
+    others = [s for k, s in enumerate(states) if k != reference]
+    result = refine(states[reference], others)
+    ref = canonicalize(spec, states[reference])
+    aligned = list(result.canonical)
+    aligned.insert(reference, ref.state)
+    return to_gauge(spec, average_states(aligned, weights), ref.gains), result

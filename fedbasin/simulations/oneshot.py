@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fedbasin.alignment import average_states, fedbasin_adapter, merge
+from fedbasin.alignment import average_states, fedbasin_adapter, merge, refined_merge
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
 from fedbasin.server.outputs import write_json_atomic
+from fedbasin.server.server_app import make_refiner
 from fedbasin.simulations.simulate import parse_run_config
 from fedbasin.training import evaluate, resolve_device, train
 
@@ -42,6 +43,7 @@ COLUMNS = (  # row key, header, format
     ("fedavg", "FedAvg", "{:.4f}"),
     ("aligned_permutation", "aligned (perm)", "{:.4f}"),
     ("aligned_orthogonal", "aligned (orth)", "{:.4f}"),
+    ("aligned_learned", "aligned + learned", "{}"),
     ("ensemble", "logit ensemble", "{:.4f}"),
     ("align_seconds_permutation", "align s (perm)", "{:.2f}"),
     ("align_seconds_orthogonal", "align s (orth)", "{:.2f}"),
@@ -111,6 +113,12 @@ def one_shot(config: dict, num_clients: int, progress: bool = True) -> dict:
         row[f"aligned_{mode}"] = accuracy(result.state)
         row[f"align_seconds_{mode}"] = result.seconds
         row[f"round_seconds_{mode}"] = max(seconds) + result.seconds
+    row["aligned_learned"] = "—"
+    if config["refine-steps"] > 0:  # server-side learned refinement on the proxy split
+        refine = make_refiner(spec, model_from_config(task, config, seed=0), task, config)
+        merged, refined = refined_merge(spec, states, weights, reference, refine)
+        row["aligned_learned"] = f"{accuracy(merged):.4f}"
+        row["align_seconds_learned"] = refined.seconds
     members = []
     for state in states:
         member = model_from_config(task, config, seed=0)

@@ -24,7 +24,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
-from fedbasin.alignment import SymmetrySpec, average_states, canonicalize, merge
+from fedbasin.alignment import SymmetrySpec, average_states, canonicalize, merge, refined_merge
 
 MODES = ("orthogonal", "permutation")
 
@@ -207,7 +207,7 @@ class AlignedFedAvg(FedAvg):
             return None, None
 
         t_align = time.perf_counter()
-        merged, gain = self._merge(server_round, template, states, weights)
+        merged, align_metrics = self._merge(server_round, template, states, weights)
         align_seconds = time.perf_counter() - t_align
         arrays = ArrayRecord(
             {
@@ -216,7 +216,7 @@ class AlignedFedAvg(FedAvg):
             }
         )
         metrics = self._client_metrics(server_round, contents, self.train_metrics_aggr_fn)
-        metrics["align_gain"] = gain
+        metrics.update(align_metrics)
         metrics["align_seconds"] = align_seconds
         metrics["aggregate_seconds"] = time.perf_counter() - t0
         metrics["num_excluded"] = len(excluded)
@@ -251,30 +251,28 @@ class AlignedFedAvg(FedAvg):
 
     def _merge(
         self, server_round: int, previous: ArrayRecord, states: list, weights: list
-    ) -> tuple[dict, float]:
-        """Merged state and the mean gain of the matching objective over the aligned models."""
+    ) -> tuple[dict, dict]:
+        """Merged state and alignment metrics (objective gain, universe passes run)."""
         if not self.alignment:
-            return average_states(states, weights), 0.0
+            return average_states(states, weights), {"align_gain": 0.0}
         if self.independent_init and server_round == 1:
             if len(states) == 1:
-                return states[0], 0.0
+                return states[0], {"align_gain": 0.0}
             reference = max(range(len(weights)), key=weights.__getitem__)
-            result = merge(
-                self.spec, states, weights, reference, self.mode, self.iterations, self.tol
-            )
         else:  # previous global model: alignment target only
-            reference = previous.to_torch_state_dict()
-            result = merge(
-                self.spec,
-                [reference, *states],
-                [0.0, *weights],
-                0,
-                self.mode,
-                self.iterations,
-                self.tol,
-            )
+            states, weights = [previous.to_torch_state_dict(), *states], [0.0, *weights]
+            reference = 0
+        if self.refine is not None:
+            merged, refined = refined_merge(self.spec, states, weights, reference, self.refine)
+            log(INFO, "round %d: learned refinement, held-out proxy loss %.4f -> %.4f (step %d)",
+                server_round, refined.initial_loss, refined.best_loss, refined.best_step)
+            return merged, {"align_gain": refined.initial_loss - refined.best_loss,
+                            "refine_heldout_loss": refined.best_loss}
+        result = merge(self.spec, states, weights, reference, self.mode, self.iterations, self.tol,
+                       universe_iterations=self.universe_iterations)
         gains = [m.objective[-1] - m.initial_objective for m in result.matches]
-        return result.state, float(sum(gains) / len(gains)) if gains else 0.0
+        return result.state, {"align_gain": float(sum(gains) / len(gains)) if gains else 0.0,
+                              "universe_passes": len(result.universe_change)}
 
     # -- reply checks -------------------------------------------------------------------------
 
