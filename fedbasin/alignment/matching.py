@@ -302,9 +302,13 @@ def weight_match(
     iterations: int = 20,
     tol: float = 1e-6,
     weighting: str = "rms",
+    init: GroupElement | None = None,
     progress: bool = False,
 ) -> MatchResult:
     """Align ``candidate`` to ``reference`` (raw state dicts of the same architecture).
+
+    ``init``: an extra starting element (acting on the canonical candidate), e.g. the
+    ``transform`` of a permutation-mode result; the start with the highest objective is used.
 
     Returns the candidate transformed by an exact group element (same function), in the
     reference's gauge, with the objective record. Stops when the relative gain of J over an
@@ -342,6 +346,8 @@ def weight_match(
         g0 = GroupElement.identity(spec)
         g0.residual = matcher.residual_step(cand_c.state, matcher.free_axes)
         starts.append(("free-residual", g0))
+    if init is not None:
+        starts.append(("given", init))
     points = []
     for name, g0 in starts:
         state0 = apply_group(spec, cand_c.state, g0)

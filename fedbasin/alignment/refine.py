@@ -225,7 +225,8 @@ def learned_refine(
     frozen = copy.deepcopy(model).eval()
     for p in frozen.parameters():
         p.requires_grad_(False)
-    deltas = nn.ModuleList(_Delta(spec, b, permutations, init_scale=1.0) for b in base)
+    device = next(iter(base[0].values())).device
+    deltas = nn.ModuleList(_Delta(spec, b, permutations, init_scale=1.0) for b in base).to(device)
     optimiser = torch.optim.Adam(deltas.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
     dirichlet = torch.distributions.Dirichlet(torch.full((len(candidates) + 1,), float(alpha)))

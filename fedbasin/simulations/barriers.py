@@ -136,9 +136,13 @@ def main(argv=None) -> dict:
                         help="weightings compared in the ablation table ('' to skip)")
     parser.add_argument("--refine-steps", type=int, default=200, help="learned-refinement steps (0: skip)")
     parser.add_argument("--proxy-examples", type=int, default=512)
+    parser.add_argument("--from-results", nargs="+", metavar="RESULTS_JSON",
+                        help="only combine earlier results.json files into OUT's table and figure")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.from_results:
+        return report(combine(args.from_results), out)
     results = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
                "weighting": args.weighting, "refine_steps": args.refine_steps, "tasks": {}}
     t_start = time.perf_counter()
@@ -160,6 +164,21 @@ def main(argv=None) -> dict:
         print(json.dumps({name: {k: v for k, v in row.items() if k != "curves"}}, indent=1), flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     results["seconds"] = round(time.perf_counter() - t_start, 1)
+    return report(results, out)
+
+
+def combine(paths: list[str]) -> dict:
+    """One results dict from several results.json files (later files win per task)."""
+    combined: dict = {"tasks": {}, "sources": paths}
+    for path in paths:
+        results = json.loads(Path(path).read_text())
+        combined["tasks"].update(results["tasks"])
+        combined.setdefault("machine", results.get("machine"))
+    return combined
+
+
+def report(results: dict, out: Path) -> dict:
+    """Write OUT/results.json, OUT/barriers.md and OUT/curves.png; print the table."""
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "barriers.md").write_text(markdown_table(results))
     plot(results, out / "curves.png")

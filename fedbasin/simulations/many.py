@@ -129,22 +129,23 @@ def markdown(results: dict) -> str:
 
 
 def plot_simplex(simplex: dict, path: Path) -> None:
+    """One heat map per method of the test loss over the simplex, on a shared colour scale."""
     from fedbasin.plots import _figure, save_figure
 
     plt = _figure()
-    fig, axes = plt.subplots(1, len(simplex), figsize=(4.2 * len(simplex), 3.8), squeeze=False)
-    vmax = max(max(p[3] for p in pts) for pts in simplex.values())
-    vmin = min(min(p[3] for p in pts) for pts in simplex.values())
+    fig, axes = plt.subplots(1, len(simplex), figsize=(4.2 * len(simplex), 4.2), squeeze=False)
+    values = [p[3] for pts in simplex.values() for p in pts]
+    levels = [min(values) + (max(values) - min(values)) * i / 20 for i in range(21)]
     for ax, (name, pts) in zip(axes[0], simplex.items()):
         x = [p[1] + p[2] / 2 for p in pts]  # barycentric → 2-D (model 0 at (0,0), 1 at (1,0), 2 at (½,√3/2))
         y = [p[2] * 3**0.5 / 2 for p in pts]
-        tri = ax.tricontourf(x, y, [p[3] for p in pts], levels=20, vmin=vmin, vmax=vmax, cmap="viridis")
-        ax.set_title(f"{name}: test loss over the simplex", fontsize=9)
+        filled = ax.tricontourf(x, y, [p[3] for p in pts], levels=levels, cmap="viridis")
+        ax.set_title(f"{name}", fontsize=10, pad=16)
         ax.set_aspect("equal")
         ax.axis("off")
         for (tx, ty), label in zip(((0, 0), (1, 0), (0.5, 3**0.5 / 2)), ("θ₀", "θ₁", "θ₂")):
             ax.annotate(label, (tx, ty), ha="center", va="top" if ty == 0 else "bottom")
-    fig.colorbar(tri, ax=axes[0].tolist(), shrink=0.8)
+    fig.colorbar(filled, ax=axes[0].tolist(), shrink=0.8, label="test loss")
     save_figure(fig, path)
     plt.close(fig)
 
