@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-align every model to the running average this many times")
     p.add_argument("--no-align", action="store_true", help="plain weighted averaging (no alignment)")
     p.add_argument("--refine-data", help="proxy data for learned refinement: digits | cifar10:PATH | text:PATH")
-    p.add_argument("--refine-steps", type=int, default=100, help="learned-refinement optimiser steps")
+    p.add_argument("--refine-steps", type=_positive_int, default=100, help="learned-refinement optimiser steps")
     p.add_argument("--refine-examples", type=_positive_int, default=512,
                    help="proxy examples taken from the data's training split (20%% held out for keep-best)")
     p.add_argument("--refine-lr", type=float, default=1e-2)
@@ -157,6 +157,8 @@ def cmd_merge(args) -> int:
         raise SystemExit(f"fedbasin merge: --weights has {len(args.weights)} values for {len(paths)} models")
     if args.refine_data and args.no_align:
         raise SystemExit("fedbasin merge: --refine-data needs alignment (drop --no-align)")
+    if args.refine_data and args.universe_iterations > 1:
+        raise SystemExit("fedbasin merge: --refine-data and --universe-iterations cannot be combined yet")
     summary = {"command": "merge", "models": paths, "weights": args.weights or [1.0] * len(paths), "out": args.out,
                "symmetry": None if args.no_align else args.symmetry}
     states = [_standard(c) for c in checkpoints]
@@ -189,7 +191,7 @@ def _refined_merge(args, checkpoints, states) -> tuple[dict, dict]:
         task = load_task(args.refine_data, proxy_size=args.refine_examples)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"fedbasin merge: --refine-data {args.refine_data}: {exc}") from None
-    _check_task(ref, task, args.reference)
+    _check_task(ref, task, args.reference, "merge", "--refine-data")
     train_split, held = task.proxy.split(0.2, seed=0)
     heldout = next(held.batches(len(held)))
 
@@ -221,10 +223,10 @@ class _Logits(nn.Module):
         return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def _check_task(checkpoint, task, path: str) -> None:
+def _check_task(checkpoint, task, path: str, command: str, option: str) -> None:
     family = {"gpt2": "gpt", "vit": "vit"}.get(checkpoint.family, checkpoint.family)
     if family != task.family:
-        raise SystemExit(f"fedbasin barrier: {path} is a {checkpoint.family} model but --data {task.name} "
+        raise SystemExit(f"fedbasin {command}: {path} is a {checkpoint.family} model but {option} {task.name} "
                          f"needs a {task.family} model")
 
 
@@ -239,7 +241,7 @@ def cmd_barrier(args) -> int:
         task = load_task(args.data)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"fedbasin barrier: --data {args.data}: {exc}") from None
-    _check_task(a, task, args.a)
+    _check_task(a, task, args.a, "barrier", "--data")
     split = task.split(args.split)
     if args.max_examples and len(split) > args.max_examples:
         split = split.subset(torch.arange(args.max_examples))
@@ -247,8 +249,11 @@ def cmd_barrier(args) -> int:
     summary = {"command": "barrier", "a": args.a, "b": args.b, "data": args.data, "split": args.split,
                "examples": len(split), "aligned": bool(args.align)}
     if args.align:
-        result = weight_match(a.spec, _standard(a), _standard(b), mode=args.symmetry,
-                              iterations=args.iterations, tol=args.tol, progress=True)
+        try:
+            result = weight_match(a.spec, _standard(a), _standard(b), mode=args.symmetry,
+                                  iterations=args.iterations, tol=args.tol, progress=True)
+        except ValueError as exc:
+            raise SystemExit(f"fedbasin barrier: {exc}") from None
         state_b = a.adapter.from_standard(result.state)
         summary.update(symmetry=args.symmetry, align_seconds=round(result.seconds, 3))
 

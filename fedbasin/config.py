@@ -48,7 +48,7 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "symmetry": "orthogonal",  # orthogonal | permutation
     "align-iterations": 20,
     "universe-iterations": 1,  # >1: re-align every client to the running average (universe matching)
-    "refine-steps": 0,  # >0: learned refinement on the server's proxy split (needs proxy-size > 0)
+    "refine-steps": 0,  # >0: learned refinement on the server's proxy split (needs proxy-size >= 10)
     "refine-lr": 0.01,
     "refine-permutations": "ste",  # ste (straight-through Hungarian) | sinkhorn
     "fraction-train": 1.0,

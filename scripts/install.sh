@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install fedbasin and everything it needs (CPU PyTorch wheel first, then the project + dev extras).
+# Install fedbasin and everything it needs: PyTorch first (on the project's machines the pinned
+# version resolves to a local CPU wheel; elsewhere use PyTorch's CPU index if you want to avoid the
+# CUDA packages), then Flower 1.41, then the project with its dev extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

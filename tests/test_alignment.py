@@ -68,8 +68,9 @@ def test_canonical_form_and_gauge_round_trip(variant):
     assert max(float((back[k] - state[k]).abs().max()) for k in state) < 1e-12
 
 
-def test_composition_matches_sequential_application():
-    family, config = "gpt", dict(VARIANTS[1][1])
+@pytest.mark.parametrize("variant", [VARIANTS[1], VARIANTS[2], VARIANTS[8]], ids=variant_id)
+def test_composition_matches_sequential_application(variant):
+    family, config = variant
     spec = spec_of(family, config)
     state = canonicalize(spec, trained_like(family, config, seed=4).state_dict()).state
     g1 = random_group_element(spec, 1, scales=True, state=state)
@@ -214,3 +215,19 @@ def test_assignment_solver_is_optimal_on_large_problems():
         rows, cols = linear_sum_assignment(score.numpy(), maximize=True)
         assert float(score[torch.arange(n), perm].sum()) == pytest.approx(float(score.numpy()[rows, cols].sum()),
                                                                            rel=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["orthogonal", "permutation"])
+def test_half_precision_models_align(mode):
+    """fp16/bf16 checkpoints align (SVDs run in float64) and keep their function."""
+    family, config = VARIANTS[2]  # GPT with rotary positions
+    a = trained_like(family, config, seed=1, dtype=torch.float32).state_dict()
+    b = trained_like(family, config, seed=2, dtype=torch.float32).state_dict()
+    half = {k: v.to(torch.bfloat16) for k, v in b.items()}
+    result = weight_match(spec_of(family, config), {k: v.to(torch.bfloat16) for k, v in a.items()}, half,
+                          mode=mode, iterations=3)
+    assert all(v.dtype == torch.bfloat16 for v in result.state.values())
+    x, _ = inputs(family, config, dtype=torch.float32)
+    back = {k: v.float() for k, v in result.state.items()}
+    assert rel_err(run(family, config, back, x, torch.float32),
+                   run(family, config, {k: v.float() for k, v in half.items()}, x, torch.float32)) < 0.05

@@ -188,7 +188,7 @@ def scale_axis(x: torch.Tensor, axis: int, s: torch.Tensor) -> torch.Tensor:
     """Multiply ``x`` by the vector ``s`` along ``axis``."""
     shape = [1] * x.dim()
     shape[axis] = -1
-    return x * s.to(x.dtype).reshape(shape)
+    return x * s.to(x).reshape(shape)
 
 
 def _dual(m: torch.Tensor | None, dual: torch.Tensor | None) -> torch.Tensor | None:

@@ -13,17 +13,17 @@ recorded objective never decreases:
 
 1. residual map O: ``max tr(Oᵀ C)``, ``C = Σ_p w_p unfold(θ_p)ᵀ unfold(θ_ref,p)`` — Procrustes
    ``O = U Vᵀ`` (LayerNorm: within the complement of 1), or Hungarian on C (``permutation``);
-2. heads per layer: Hungarian on QK/OV circuit similarities ``⟨W_Q W_Kᵀ, ·⟩ + ⟨W_V W_O, ·⟩``
-   computed from d_h×d_h factor products, then per-head Procrustes for A (QK; RoPE: one angle
-   per rotary plane) and B (OV). If the circuit assignment would lower J, the exact assignment
-   (Hungarian on the Procrustes values ``‖M_ij‖_*``) is taken instead;
+2. heads per layer: Hungarian on the best within-head match value of every head pair,
+   ``‖M_qk,ij‖_* + ‖M_ov,ij‖_*`` from d_h×d_h factor products (basis-invariant like the QK/OV
+   circuit similarity, and the exact maximiser of J), then per-head Procrustes for A (QK; RoPE:
+   one angle per rotary plane) and B (OV);
 3. MLP per layer: Hungarian on ``w₁ W_1,ref W_1ᵀ + w_b b_1,ref b_1ᵀ + w₂ W_2,refᵀ W_2`` (gate included).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -64,7 +64,6 @@ class MatchResult:
     seconds: float
     iterations: int = 0
     start: str = "identity"
-    steps: list[str] = field(default_factory=list)
 
 
 SPARSE_ASSIGNMENT_ABOVE = 1024  # n above which assignments are solved on a top-k candidate graph
@@ -86,7 +85,7 @@ def hungarian(score: torch.Tensor) -> torch.Tensor:
         return best
     n = score.shape[0]
     if n > SPARSE_ASSIGNMENT_ABOVE and score.shape[1] == n:
-        perm = _sparse_assignment(score.detach().float().cpu(), SPARSE_CANDIDATES)
+        perm = _sparse_assignment(score.detach().cpu(), SPARSE_CANDIDATES)
         if perm is not None:
             return perm
     rows, cols = linear_sum_assignment(score.detach().double().cpu().numpy(), maximize=True)
@@ -180,7 +179,7 @@ class _Objective:
 class _Matcher:
     def __init__(self, spec: SymmetrySpec, ref: dict, objective: _Objective, mode: str):
         self.spec, self.ref, self.J, self.mode = spec, ref, objective, mode
-        w = objective.w
+        self.w = objective.w  # per-tensor weights of the objective
         block = set()
         for a in spec.attention:
             block |= {a.q.weight, a.k.weight, a.v.weight, a.o.weight}
@@ -188,7 +187,6 @@ class _Matcher:
             block |= {lin.weight for lin in (m.up, m.gate, m.down) if lin}
         self.free_axes = [(k, ax) for k, ax in spec.residual if k not in block]
         self.fixed_ones = spec.norm_kind == "layernorm"
-        self.w = w
 
     # -- residual ---------------------------------------------------------------------------
     def residual_step(self, state: dict, axes=None) -> torch.Tensor:
@@ -201,7 +199,8 @@ class _Matcher:
             term = _unfold(state[key], axis).T @ _unfold(self.ref[key], axis).to(state[key])
             c = term * self.w[key] if c is None else c + term * self.w[key]
         if c is None:
-            return torch.eye(d, dtype=state[axes[0][0]].dtype)
+            first = state[axes[0][0]]
+            return torch.eye(d, dtype=first.dtype, device=first.device)
         if self.mode == "permutation":
             perm = hungarian(c.T)  # reference dim j takes candidate dim perm[j]
             o = torch.zeros_like(c)
@@ -214,7 +213,7 @@ class _Matcher:
         return procrustes(c)
 
     # -- heads ------------------------------------------------------------------------------
-    def _head_factors(self, a: AttentionSpec, state: dict, which: dict):
+    def _head_factors(self, a: AttentionSpec, which: dict):
         H, dh = a.num_heads, a.head_dim
 
         def rows(lin, src):  # per head (H, d_h, d_in), plus bias as an extra input column
@@ -227,38 +226,27 @@ class _Matcher:
         return {name: (rows(getattr(a, name), which) if name != "o" else o_w(which)) for name in "qkvo"}
 
     def head_step(self, a: AttentionSpec, state: dict) -> HeadMap:
-        ref = self._head_factors(a, state, self.ref)
-        cand = self._head_factors(a, state, state)
+        """Exact maximisation of J over (head permutation, within-head maps), O and MLPs fixed.
+
+        For reference head i and candidate head j, ``M_qk[i, j] = Q_jᵀ Q_ref,i + K_jᵀ K_ref,i`` and
+        ``M_ov[i, j] = V_jᵀ V_ref,i + O_j O_ref,iᵀ`` are d_h×d_h factor products (biases as extra
+        rows; no d×d circuit is formed). The best within-head maps give the pair's value
+        ``‖M_qk‖_* + ‖M_ov‖_*`` (per-plane values under RoPE), which — like the QK/OV circuit
+        similarity — ignores the candidate's within-head basis; Hungarian on these values then
+        Procrustes gives the joint optimum.
+        """
+        ref = self._head_factors(a, self.ref)
+        cand = self._head_factors(a, state)
         ref = {k: v.to(cand[k]) for k, v in ref.items()}
-        # M[i, j] = Σ (candidate head j)ᵀ-products with reference head i: the d_h×d_h Procrustes matrices
         pair = lambda x, y: torch.einsum("jad,ibd->ijab", y, x)  # noqa: E731  (cand j rows) · (ref i rows)ᵀ
         m_qk = pair(ref["q"], cand["q"]) + pair(ref["k"], cand["k"])
         m_ov = pair(ref["v"], cand["v"]) + pair(ref["o"], cand["o"])
-        circuit = self._circuit_score(ref, cand)
-        best_perm = None
-        proposals = [hungarian(circuit)]
         value_qk, fit_qk = self._within_head(m_qk, a.rotary, allow=self.mode == "orthogonal" or not a.rotary)
         value_ov, fit_ov = self._within_head(m_ov, None, allow=True)
-        exact = hungarian(value_qk + value_ov)
-        proposals.append(exact)
-        total = value_qk + value_ov
-        scores = [float(total[torch.arange(len(p)), p].sum()) for p in proposals]
-        best_perm = proposals[int(np.argmax(scores))]
+        perm = hungarian(value_qk + value_ov)
         idx = torch.arange(a.num_heads)
-        qk = None if fit_qk is None else fit_qk[idx, best_perm]
-        ov = fit_ov[idx, best_perm]
-        return HeadMap(best_perm, qk, ov)
-
-    def _circuit_score(self, ref: dict, cand: dict) -> torch.Tensor:
-        """Normalised ⟨QKᵀ_ref,i, QKᵀ_j⟩ + ⟨VO_ref,i, VO_j⟩ from factor products (biases included)."""
-
-        def gram(x, y):  # (H, d_h, n) × (H, d_h, n) → (H_ref, H_cand, d_h, d_h)
-            return torch.einsum("iad,jbd->ijab", x, y)
-
-        qk = (gram(ref["q"], cand["q"]) * gram(ref["k"], cand["k"])).sum((-1, -2))
-        ov = (gram(ref["v"], cand["v"]) * gram(ref["o"], cand["o"])).sum((-1, -2))
-        scale = lambda s: s / s.abs().max().clamp_min(1e-30)  # noqa: E731
-        return scale(qk) + scale(ov)
+        qk = None if fit_qk is None else fit_qk[idx, perm.to(idx.device)]
+        return HeadMap(perm, qk, fit_ov[idx, perm])
 
     def _within_head(self, m: torch.Tensor, rotary, allow: bool):
         """Best within-head maps for every (ref i, cand j) pair and their objective values."""
@@ -266,7 +254,7 @@ class _Matcher:
             return torch.diagonal(m, dim1=-2, dim2=-1).sum(-1), None
         if self.mode == "permutation":
             H = m.shape[0]
-            value = torch.empty(H, H, dtype=m.dtype)
+            value = torch.empty(H, H, dtype=m.dtype, device=m.device)
             fit = torch.zeros_like(m)
             for i in range(H):
                 for j in range(H):
@@ -277,8 +265,8 @@ class _Matcher:
         if rotary:
             fit, value = plane_procrustes(m, rotary)
             return value, fit
-        u, sv, vh = torch.linalg.svd(m)
-        return sv.sum(-1), u @ vh
+        u, sv, vh = torch.linalg.svd(m.double())  # fp16/bf16 have no SVD; float64 is exact enough
+        return sv.sum(-1).to(m.dtype), (u @ vh).to(m.dtype)
 
     # -- MLP --------------------------------------------------------------------------------
     def neuron_step(self, m: MLPSpec, state: dict) -> NeuronMap:
@@ -318,6 +306,8 @@ def weight_match(
         raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
     t0 = time.perf_counter()
     check_compatible(spec, reference, candidate)
+    dtypes = {k: v.dtype for k, v in candidate.items()}
+    reference, candidate = _at_least_float32(reference), _at_least_float32(candidate)
     ref_c = canonicalize(spec, reference, "reference", validate=False)
     cand_c = canonicalize(spec, candidate, "candidate", validate=False)
     device = next(iter(cand_c.state.values())).device
@@ -369,10 +359,10 @@ def weight_match(
     if bar is not None:
         bar.close()
     state, g = point.state, point.g
-    aligned = to_gauge(spec, state, ref_c.gains)
+    aligned = {k: v.to(dtypes[k]) for k, v in to_gauge(spec, state, ref_c.gains).items()}
     return MatchResult(
         state=aligned,
-        canonical=state,
+        canonical={k: v.to(dtypes[k]) for k, v in state.items()},
         transform=g,
         objective=objective,
         initial_objective=initial,
@@ -380,6 +370,11 @@ def weight_match(
         iterations=done,
         start=start_name,
     )
+
+
+def _at_least_float32(state: dict) -> dict:
+    """fp16/bf16 tensors as float32: maps are found and applied in float32, rounded once at the end."""
+    return {k: v.float() if v.is_floating_point() and v.element_size() < 4 else v for k, v in state.items()}
 
 
 @dataclass

@@ -105,8 +105,8 @@ def merge(
     for t in range(max(universe_iterations, 1)):
         matches = []
         for k, s in enumerate(canon):
-            if t == 0 and k == reference:
-                matches.append(None)
+            if (t == 0 and k == reference) or (t > 0 and weights[k] == 0):
+                matches.append(None)  # the reference itself, or a weight-0 model (alignment target only)
             else:
                 matches.append(weight_match(spec, universe, s, mode=mode, iterations=iterations, tol=tol,
                                             weighting=weighting))

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -74,7 +75,7 @@ class _Delta(nn.Module):
     def __init__(self, spec: SymmetrySpec, state: dict, permutations: str, init_scale: float):
         super().__init__()
         d = spec.width
-        dtype = next(iter(state.values())).dtype
+        dtype = next(v.dtype for v in state.values() if v.is_floating_point())
         self.spec, self.permutations = spec, permutations
         self.fix_ones = spec.norm_kind == "layernorm"
         inner = d - 1 if self.fix_ones else d
@@ -152,7 +153,6 @@ def _plane_rotation(angles: torch.Tensor, head_dim: int, layout: str) -> torch.T
     """Differentiable per-plane rotations (H, d_h, d_h) from angles (H, d_h/2)."""
     planes = rotary_planes(head_dim, layout).to(angles.device)
     c, s = torch.cos(angles), torch.sin(angles)
-    out = torch.zeros(*angles.shape[:-1], head_dim, head_dim, dtype=angles.dtype, device=angles.device)
     a, b = planes[:, 0], planes[:, 1]
     eye_a = torch.zeros(head_dim // 2, head_dim, dtype=angles.dtype, device=angles.device)
     eye_a[torch.arange(head_dim // 2), a] = 1.0
@@ -161,7 +161,7 @@ def _plane_rotation(angles: torch.Tensor, head_dim: int, layout: str) -> torch.T
     # Σ_planes c (e_a e_aᵀ + e_b e_bᵀ) + s (e_b e_aᵀ − e_a e_bᵀ)
     diag = torch.einsum("hp,pi,pj->hij", c, eye_a, eye_a) + torch.einsum("hp,pi,pj->hij", c, eye_b, eye_b)
     off = torch.einsum("hp,pi,pj->hij", s, eye_b, eye_a) - torch.einsum("hp,pi,pj->hij", s, eye_a, eye_b)
-    return out + diag + off
+    return diag + off
 
 
 @dataclass
@@ -199,6 +199,7 @@ def learned_refine(
     seed: int = 0,
     match_iterations: int = 20,
     weighting: str = "rms",
+    include_reference: bool = True,
     to_module_state: Callable[[dict], dict] | None = None,
     progress: bool = False,
 ) -> RefineResult:
@@ -208,6 +209,8 @@ def learned_refine(
     loss_fn(outputs, targets): scalar loss; batches: an (endless or long enough) iterable of
     ``(inputs, targets)`` proxy batches; heldout: one held-out proxy batch for keep-best.
     ``mode`` applies to the weight-matching start; ``permutations``: ``"ste"`` or ``"sinkhorn"``.
+    ``include_reference=False`` leaves the reference out of the mixture and the held-out centroid
+    (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
     ``from_standard``; it must be differentiable). Outputs with a ``.logits`` field are unwrapped.
     """
@@ -222,31 +225,32 @@ def learned_refine(
     starts = [weight_match(spec, reference, c, mode=mode, iterations=match_iterations, weighting=weighting)
               for c in candidates]
     base = [s.canonical for s in starts]
-    frozen = copy.deepcopy(model).eval()
+    device = next(iter(base[0].values())).device
+    frozen = copy.deepcopy(model).to(device).eval()  # buffers (e.g. RoPE tables) follow the weights
     for p in frozen.parameters():
         p.requires_grad_(False)
-    device = next(iter(base[0].values())).device
     deltas = nn.ModuleList(_Delta(spec, b, permutations, init_scale=1.0) for b in base).to(device)
     optimiser = torch.optim.Adam(deltas.parameters(), lr=lr)
-    generator = torch.Generator().manual_seed(seed)
-    dirichlet = torch.distributions.Dirichlet(torch.full((len(candidates) + 1,), float(alpha)))
+    rng = np.random.default_rng(seed)  # private: the caller's torch RNG stream is left alone
     ref_state = {k: v.detach() for k, v in ref_c.state.items()}
-    extra = {k: v for k, v in reference.items() if k not in ref_state}
+    members = len(candidates) + int(include_reference)
+    heldout = (heldout[0].to(device), heldout[1].to(device))
 
-    def centroid(states):
-        n = len(states) + 1
-        return {k: (ref_state[k] + sum(s[k] for s in states)) / n if ref_state[k].is_floating_point() else ref_state[k]
-                for k in ref_state}
+    def mixture(lam, states) -> dict:
+        """``Σ_i λ_i θ_i`` over the mixed models (the reference first when it takes part)."""
+        models = ([ref_state] if include_reference else []) + list(states)
+        return {k: sum(w * m[k] for w, m in zip(lam, models)) if v.is_floating_point() else v
+                for k, v in ref_state.items()}
 
     module_state = to_module_state or (lambda state: state)
 
     def forward(state: dict, x: torch.Tensor) -> torch.Tensor:
-        out = torch.func.functional_call(frozen, module_state({**extra, **state}), (x,))
+        out = torch.func.functional_call(frozen, module_state(state), (x,))
         return out if isinstance(out, torch.Tensor) else out.logits
 
     def heldout_loss(states) -> float:
         with torch.no_grad():
-            return float(loss_fn(forward(centroid(states), heldout[0]), heldout[1]))
+            return float(loss_fn(forward(mixture([1.0 / members] * members, states), heldout[0]), heldout[1]))
 
     best_states, best_elements = base, [GroupElement.identity(spec) for _ in base]
     initial = best = heldout_loss(base)
@@ -258,18 +262,16 @@ def learned_refine(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=steps, desc="learned refinement", unit="step")
-    for step in range(1, steps + 1):
-        x, y = next(iterator)
-        if len(candidates) == 1:
-            lam0 = 0.4 + 0.2 * float(torch.rand((), generator=generator))
-            lam = torch.tensor([lam0, 1 - lam0])
+    # a single model's loss does not depend on its alignment: nothing to refine
+    for step in range(1, steps + 1 if members > 1 else 1):
+        x, y = (t.to(device) for t in next(iterator))
+        if members == 2:
+            first = rng.uniform(0.4, 0.6)
+            lam = [first, 1.0 - first]
         else:
-            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=generator)))
-            lam = dirichlet.sample()
+            lam = rng.dirichlet([alpha] * members).tolist()
         moved = [d.transform(b, tau) for d, b in zip(deltas, base)]
-        merged = {k: lam[0] * ref_state[k] + sum(lam[i + 1] * m[k] for i, m in enumerate(moved))
-                  if ref_state[k].is_floating_point() else ref_state[k] for k in ref_state}
-        loss = loss_fn(forward(merged, x), y)
+        loss = loss_fn(forward(mixture(lam, moved), x), y)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
@@ -303,7 +305,7 @@ def refined_merge(
     """``Σ_k w_k g_k·θ_k / Σ_k w_k`` with every g_k from ``refine(θ_ref, others)`` (e.g. a partial
     of :func:`learned_refine`), in the reference's gauge; returns (merged state, refine result)."""
     others = [s for k, s in enumerate(states) if k != reference]
-    result = refine(states[reference], others)
+    result = refine(states[reference], others, include_reference=weights[reference] > 0)
     ref = canonicalize(spec, states[reference])
     aligned = list(result.canonical)
     aligned.insert(reference, ref.state)

@@ -92,7 +92,7 @@ def _check_residual_map(o: torch.Tensor, spec_small: SymmetrySpec, spec_big: Sym
         raise ValueError(f"residual map has shape {tuple(o.shape)}; expected ({d_s}, {d_b})")
     o64 = o.double()
     tol = 1e-10 if o.dtype == torch.float64 else 1e-5
-    err = float((o64 @ o64.T - torch.eye(d_s, dtype=torch.float64)).abs().max())
+    err = float((o64 @ o64.T - torch.eye(d_s, dtype=torch.float64, device=o.device)).abs().max())
     if err > tol:
         raise ValueError(f"residual map rows are not orthonormal (max |O Oᵀ − I| = {err:.2e})")
     if spec_big.norm_kind == "layernorm":

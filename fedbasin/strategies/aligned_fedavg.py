@@ -85,6 +85,11 @@ class AlignedFedAvg(FedAvg):
         super().__init__(**kwargs)
         if mode not in MODES:
             raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
+        if spec.tied and alignment:
+            raise ValueError(
+                f"{spec.name}: tied tensors {list(spec.tied)} come back untied from alignment; "
+                "train federated models with untied embeddings (e.g. tie_embeddings=False)"
+            )
         self.spec = spec
         self.alignment = alignment
         self.mode = mode
