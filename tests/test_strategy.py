@@ -261,14 +261,17 @@ def test_universe_matching_and_server_side_refinement_keep_the_function():
 
     calls = []
 
-    def refine(reference, clients):
-        calls.append(len(clients))
+    def refine(reference, clients, include_reference):
+        calls.append((len(clients), include_reference))
         return learned_refine(spec, build_model("vit", VIT), reference, clients, loss_fn=F.cross_entropy,
-                              batches=batches(), heldout=(proxy_x[32:], proxy_y[32:]), steps=4, eval_every=2)
+                              batches=batches(), heldout=(proxy_x[32:], proxy_y[32:]), steps=4, eval_every=2,
+                              include_reference=include_reference)
 
     refined = strategy_for(spec, base, refine=refine)
     arrays, metrics = refined.aggregate_train(2, replies)
-    assert calls == [len(NODES)]  # the previous global model is the reference, every client refined
+    # the previous global model is only the alignment target (weight 0): every client is refined, in a
+    # mixture without the global model
+    assert calls == [(len(NODES), False)]
     # keep-best: the held-out proxy loss is at most that of the weight-matching start (= the base)
     start_loss = float(F.cross_entropy(run("vit", VIT, base, proxy_x[32:], torch.float32), proxy_y[32:]))
     assert metrics["refine_heldout_loss"] <= start_loss + 1e-4 and metrics["align_gain"] >= 0

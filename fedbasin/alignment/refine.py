@@ -300,10 +300,11 @@ def refined_merge(
     states: list[dict],
     weights: list[float],
     reference: int,
-    refine: Callable[[dict, list[dict]], RefineResult],
+    refine: Callable[..., RefineResult],
 ) -> tuple[dict, RefineResult]:
-    """``Σ_k w_k g_k·θ_k / Σ_k w_k`` with every g_k from ``refine(θ_ref, others)`` (e.g. a partial
-    of :func:`learned_refine`), in the reference's gauge; returns (merged state, refine result)."""
+    """``Σ_k w_k g_k·θ_k / Σ_k w_k`` with every g_k from ``refine(θ_ref, others, include_reference=
+    w_ref > 0)`` (e.g. a partial of :func:`learned_refine`), in the reference's gauge; returns
+    (merged state, refine result)."""
     others = [s for k, s in enumerate(states) if k != reference]
     result = refine(states[reference], others, include_reference=weights[reference] > 0)
     ref = canonicalize(spec, states[reference])

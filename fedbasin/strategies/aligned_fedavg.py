@@ -52,7 +52,8 @@ class AlignedFedAvg(FedAvg):
     universe_iterations : int
         Re-align every client to the running average this many times (universe matching).
     refine : callable, optional
-        Server-side learned refinement, ``refine(reference_state, client_states)`` returning a
+        Server-side learned refinement, ``refine(reference_state, other_states,
+        include_reference=...)`` returning a
         :class:`~fedbasin.alignment.RefineResult` (the ServerApp binds the model and its proxy
         split into it, e.g. ``functools.partial(learned_refine, spec, model, ...)``). The
         refined, canonical client models are averaged instead of the weight-matched ones.
