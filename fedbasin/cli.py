@@ -36,7 +36,7 @@ def _matching_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--symmetry", choices=["orthogonal", "permutation"], default="orthogonal",
                    help="group searched: full orthogonal maps (default) or permutations only")
     p.add_argument("--iterations", type=_positive_int, default=20, help="max weight-matching iterations")
-    p.add_argument("--tol", type=float, default=1e-6, help="stop when the relative objective gain is below this")
+    p.add_argument("--tol", type=float, default=1e-4, help="stop when the relative objective gain is below this")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ recorded objective never decreases:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -64,6 +64,7 @@ class MatchResult:
     seconds: float
     iterations: int = 0
     start: str = "identity"
+    elapsed: list[float] = field(default_factory=list)  # seconds since the call, per objective entry
 
 
 SPARSE_ASSIGNMENT_ABOVE = 1024  # n above which assignments are solved on a top-k candidate graph
@@ -288,7 +289,7 @@ def weight_match(
     candidate: dict,
     mode: str = "orthogonal",
     iterations: int = 20,
-    tol: float = 1e-6,
+    tol: float = 1e-4,
     weighting: str = "rms",
     init: GroupElement | None = None,
     progress: bool = False,
@@ -344,6 +345,7 @@ def weight_match(
         points.append((name, _Point(state0, g0, *J(state0))))
     start_name, point = max(points, key=lambda p: p[1].value)
     objective = [point.value]
+    elapsed = [time.perf_counter() - t0]
 
     bar = _progress(iterations, progress)
     done = 0
@@ -351,6 +353,7 @@ def weight_match(
         before = point.value
         point = iterate(point)
         objective.append(point.value)
+        elapsed.append(time.perf_counter() - t0)
         done += 1
         if bar is not None:
             bar.update(1)
@@ -369,6 +372,7 @@ def weight_match(
         seconds=time.perf_counter() - t0,
         iterations=done,
         start=start_name,
+        elapsed=elapsed,
     )
 
 

@@ -71,7 +71,7 @@ def merge(
     reference: int = 0,
     mode: str = "orthogonal",
     iterations: int = 20,
-    tol: float = 1e-6,
+    tol: float = 1e-4,
     universe_iterations: int = 1,
     universe_tol: float = 1e-4,
     align: bool = True,

@@ -345,7 +345,7 @@ def embed_and_align(
     reference: dict,
     mode: str = "orthogonal",
     iterations: int = 20,
-    tol: float = 1e-6,
+    tol: float = 1e-4,
     residual_map: torch.Tensor | None = None,
     weighting: str = "rms",
 ) -> Embedded:
@@ -403,7 +403,7 @@ def merge_heterogeneous(
     weights: list[float] | None = None,
     mode: str = "orthogonal",
     iterations: int = 20,
-    tol: float = 1e-6,
+    tol: float = 1e-4,
     universe_iterations: int = 1,
     universe_tol: float = 1e-4,
     align: bool = True,

@@ -26,6 +26,7 @@ def _peak_rss_gib() -> float:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--tol", type=float, default=1e-4, help="relative objective gain to stop at")
     parser.add_argument("--mode", default="orthogonal", choices=["orthogonal", "permutation"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers", type=int, default=12)
@@ -39,7 +40,9 @@ def main(argv=None) -> dict:
     spec = fedbasin_adapter("gpt", make_config("gpt", config)).spec
     build_s = time.perf_counter() - t0
     rss_before = _peak_rss_gib()
-    result = weight_match(spec, a, b, mode=args.mode, iterations=args.iterations, progress=True)
+    result = weight_match(spec, a, b, mode=args.mode, iterations=args.iterations, tol=args.tol, progress=True)
+    gain = result.objective[-1] - result.objective[0]
+    to_99 = next(t for j, t in zip(result.objective, result.elapsed) if j - result.objective[0] >= 0.99 * gain)
     out = {
         "shape": config,
         "parameters_millions": round(sum(v.numel() for v in a.values()) / 1e6, 1),
@@ -47,6 +50,8 @@ def main(argv=None) -> dict:
         "device": args.device,
         "iterations_run": result.iterations,
         "align_seconds": round(result.seconds, 2),
+        "seconds_to_99pct_of_gain": round(to_99, 2),
+        "seconds_per_iteration": round((result.elapsed[-1] - result.elapsed[0]) / max(result.iterations, 1), 2),
         "objective": [round(x, 5) for x in result.objective],
         "build_seconds": round(build_s, 1),
         "peak_rss_gib": round(_peak_rss_gib(), 2),

@@ -77,7 +77,7 @@ class AlignedFedAvg(FedAvg):
         alignment: bool = True,
         mode: str = "orthogonal",
         iterations: int = 20,
-        tol: float = 1e-6,
+        tol: float = 1e-4,
         independent_init: bool = False,
         universe_iterations: int = 1,
         refine=None,
