@@ -40,7 +40,11 @@ def _matching_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedbasin", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="fedbasin",
+        description="Align, merge and compare Transformer checkpoints by their exact symmetries; "
+        "run federated simulations.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("align", help="write CANDIDATE transformed into REFERENCE's basis (same function)")

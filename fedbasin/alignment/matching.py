@@ -271,16 +271,18 @@ class _Matcher:
 
     # -- MLP --------------------------------------------------------------------------------
     def neuron_step(self, m: MLPSpec, state: dict) -> NeuronMap:
-        score = None
-        for lin in (m.up, m.gate):
-            if lin is None:
-                continue
-            term = self.w[lin.weight] * (self.ref[lin.weight].to(state[lin.weight]) @ state[lin.weight].T)
-            score = term if score is None else score + term
-            if lin.bias:
-                score = score + self.w[lin.bias] * torch.outer(self.ref[lin.bias].to(state[lin.bias]), state[lin.bias])
-        score = score + self.w[m.down.weight] * (self.ref[m.down.weight].to(state[m.down.weight]).T @ state[m.down.weight])
-        return NeuronMap(hungarian(score))
+        """Hungarian on ``score[i, j] = Σ_p w_p ⟨row i of θ_ref,p, row j of θ_p⟩`` over the tensors
+        with a neuron axis (up/gate rows and biases, down columns), as one matrix product of the
+        concatenated per-neuron rows."""
+        keys = [(k, False) for lin in (m.up, m.gate) if lin for k in (lin.weight, lin.bias) if k]
+        ref_rows, cand_rows = [], []
+        for key, transpose in keys + [(m.down.weight, True)]:
+            ref, cand = self.ref[key].to(state[key]), state[key]
+            if transpose:
+                ref, cand = ref.T, cand.T
+            ref_rows.append((ref * self.w[key]).reshape(ref.shape[0], -1))
+            cand_rows.append(cand.reshape(cand.shape[0], -1))
+        return NeuronMap(hungarian(torch.cat(ref_rows, 1) @ torch.cat(cand_rows, 1).T))
 
 
 def weight_match(
