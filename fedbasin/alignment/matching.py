@@ -349,7 +349,7 @@ def weight_match(
     objective = [point.value]
     elapsed = [time.perf_counter() - t0]
 
-    bar = _progress(iterations, progress)
+    bar = progress_bar(iterations, progress, "weight matching", "it")
     done = 0
     while done < iterations:
         before = point.value
@@ -357,12 +357,10 @@ def weight_match(
         objective.append(point.value)
         elapsed.append(time.perf_counter() - t0)
         done += 1
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
         if point.value - before <= tol * max(abs(before), 1e-12):
             break
-    if bar is not None:
-        bar.close()
+    bar.close()
     state, g = point.state, point.g
     aligned = {k: v.to(dtypes[k]) for k, v in to_gauge(spec, state, ref_c.gains).items()}
     return MatchResult(
@@ -401,9 +399,8 @@ class _Point:
         return self
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
+def progress_bar(total: int, enabled: bool, desc: str, unit: str):
+    """A tqdm bar on stderr; a silent no-op bar when ``enabled`` is False."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="weight matching", unit="it", leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, disable=not enabled)

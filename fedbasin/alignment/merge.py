@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .canonical import canonicalize, to_gauge
-from .matching import MatchResult, weight_match
+from .matching import MatchResult, progress_bar, weight_match
 from .spec import SymmetrySpec, check_compatible
 
 
@@ -101,7 +101,7 @@ def merge(
 
     universe = ref_c.state
     result = MergeResult({}, {}, [], untied=ref_c.untied)
-    bar = _bar(len(states) * max(universe_iterations, 1), progress)
+    bar = progress_bar(len(states) * max(universe_iterations, 1), progress, "aligning", "model")
     for t in range(max(universe_iterations, 1)):
         matches = []
         for k, s in enumerate(canon):
@@ -110,8 +110,7 @@ def merge(
             else:
                 matches.append(weight_match(spec, universe, s, mode=mode, iterations=iterations, tol=tol,
                                             weighting=weighting))
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
         aligned = [canon[k] if m is None else m.canonical for k, m in enumerate(matches)]
         new_universe = average_states(aligned, weights)
         change = _relative_change(spec, universe, new_universe)
@@ -121,8 +120,7 @@ def merge(
         result.universe_change.append(change)
         if change < universe_tol:
             break
-    if bar is not None:
-        bar.close()
+    bar.close()
     result.canonical = universe
     result.state = to_gauge(spec, universe, ref_c.gains)
     result.seconds = time.perf_counter() - t0
@@ -135,10 +133,3 @@ def _relative_change(spec: SymmetrySpec, old: dict, new: dict) -> float:
     den = sum(float(old[k].double().pow(2).sum()) for k in keys)
     return (num / max(den, 1e-30)) ** 0.5
 
-
-def _bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="aligning", unit="model")

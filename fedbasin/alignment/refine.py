@@ -31,7 +31,7 @@ from torch import nn
 
 from .canonical import canonicalize, to_gauge
 from .group import GroupElement, HeadMap, NeuronMap, apply_group, compose, ones_complement, rotary_planes
-from .matching import hungarian, weight_match
+from .matching import hungarian, progress_bar, weight_match
 from .merge import average_states
 from .spec import SymmetrySpec, check_compatible
 
@@ -257,11 +257,7 @@ def learned_refine(
     result = RefineResult([], [], [], initial_loss=initial)
     result.history.append((0, initial))
     iterator = iter(batches)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=steps, desc="learned refinement", unit="step")
+    bar = progress_bar(steps, progress, "learned refinement", "step")
     # a single model's loss does not depend on its alignment: nothing to refine
     for step in range(1, steps + 1 if members > 1 else 1):
         x, y = (t.to(device) for t in next(iterator))
@@ -275,8 +271,8 @@ def learned_refine(
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
+        if progress:  # loss.item() synchronises with the device: only when shown
             bar.set_postfix(loss=f"{loss.item():.4f}", best=f"{best:.4f}")
         if step % eval_every == 0 or step == steps:
             elements = [d.hard_element() for d in deltas]
@@ -285,8 +281,7 @@ def learned_refine(
             result.history.append((step, value))
             if value < best:
                 best, best_states, best_elements, result.best_step = value, hard, elements, step
-    if bar is not None:
-        bar.close()
+    bar.close()
     result.canonical = best_states
     result.states = [to_gauge(spec, s, ref_c.gains) for s in best_states]
     result.transforms = [compose(s.transform, g) for s, g in zip(starts, best_elements)]
