@@ -7,7 +7,9 @@ Source strings::
     cifar10:PATH         a directory with train.parquet and test.parquet, or one parquet file
                          (then 20% is held out), with the hub's columns ``img`` and ``label``
     text:PATH            a UTF-8 text file, or else a hub dataset id with a ``text`` column;
-                         character-level tokens, the last 10% held out for test
+                         the last 10% held out for test; tokens from the Hugging Face tokenizer
+                         in ``load_task(..., tokenizer=DIR)`` (e.g. the one saved beside an HF
+                         model), else character-level tokens
 """
 
 from __future__ import annotations
@@ -46,6 +48,45 @@ class CharTokenizer:
         return "".join(self.chars[int(i)] for i in ids)
 
 
+class HFTokenizer:
+    """A Hugging Face tokenizer behind the :class:`CharTokenizer` interface (ids as tensors).
+
+    ``vocab_size`` counts added tokens too (``len(tokenizer)``): the ids the model must embed."""
+
+    def __init__(self, path: str | Path):
+        from transformers import AutoTokenizer
+
+        where = Path(path).expanduser()
+        if not where.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {where} does not exist")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(where))
+        except Exception as error:  # transformers raises OSError/ValueError/TypeError variously
+            raise ValueError(f"{where} holds no loadable Hugging Face tokenizer ({error})") from None
+        self.tokenizer.model_max_length = int(1e30)  # long texts are cut into blocks later
+        self.path = where
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+
+def token_blocks(ids: torch.Tensor, block_size: int) -> Split:
+    """Consecutive non-overlapping windows: inputs ``ids[s:s+B]``, targets ``ids[s+1:s+B+1]``."""
+    n = (len(ids) - 1) // block_size
+    if n < 1:
+        raise ValueError(f"text of {len(ids)} tokens is too short for block-size {block_size}")
+    starts = torch.arange(n) * block_size
+    blocks = ids[starts[:, None] + torch.arange(block_size + 1)[None, :]]
+    return Split(blocks[:, :-1].contiguous(), blocks[:, 1:].contiguous())
+
+
 @functools.lru_cache(maxsize=4)
 def load_task(
     source: str = "digits",
@@ -55,21 +96,25 @@ def load_task(
     max_train_examples: int = 0,
     block_size: int = 64,
     test_fraction: float = 0.2,
+    tokenizer: str | None = None,
 ) -> Task:
     """Load a data source (see the module docstring) as a :class:`Task`.
 
     The training split is shuffled with ``seed``, cut to ``max_train_examples`` (0: all), and its
     first ``proxy_size`` examples become the server's ``proxy`` split. ``test_fraction`` applies
-    to sources without a test split of their own (digits, a single parquet file). Results are
+    to sources without a test split of their own (digits, a single parquet file). ``tokenizer``:
+    a Hugging Face tokenizer directory for text sources (others refuse it). Results are
     cached per process: treat the returned task as read-only.
     """
     kind, _, arg = source.partition(":")
+    if tokenizer is not None and kind != "text":
+        raise ValueError(f"a tokenizer applies to text sources only, not {source!r}")
     if kind == "digits" and not arg:
         task = _digits(seed, test_fraction)
     elif kind == "cifar10":
         task = _cifar10(arg, seed, test_fraction)
     elif kind == "text" and arg:
-        task = _text(arg, block_size)
+        task = _text(arg, block_size, tokenizer)
     else:
         raise ValueError(
             f"unknown data source {source!r}; expected digits, cifar10, cifar10:PATH or text:PATH"
@@ -150,7 +195,7 @@ def _cifar10(path: str, seed: int, test_fraction: float) -> Task:
     return Task("cifar10", "vit", overrides, train, test)
 
 
-def _text(path: str, block_size: int) -> Task:
+def _text(path: str, block_size: int, tokenizer_dir: str | None = None) -> Task:
     where = Path(path).expanduser()
     if where.is_file():
         text = where.read_text(encoding="utf-8")
@@ -163,25 +208,15 @@ def _text(path: str, block_size: int) -> Task:
             raise RuntimeError(
                 f"{path!r} is not a local file and could not be loaded from the hub ({error})"
             ) from error
-    tokenizer = CharTokenizer(text)
+    tokenizer = HFTokenizer(tokenizer_dir) if tokenizer_dir else CharTokenizer(text)
     ids = tokenizer.encode(text)
     cut = int(0.9 * len(ids))
-
-    def chunks(t: torch.Tensor) -> Split:
-        n = (len(t) - 1) // block_size
-        if n < 1:
-            raise ValueError(f"text of {len(t)} tokens is too short for block-size {block_size}")
-        starts = torch.arange(n) * block_size
-        window = starts[:, None] + torch.arange(block_size + 1)[None, :]
-        blocks = t[window]
-        return Split(blocks[:, :-1].contiguous(), blocks[:, 1:].contiguous())
-
     overrides = {"vocab_size": tokenizer.vocab_size, "block_size": block_size}
     return Task(
         f"text:{where.name}",
         "gpt",
         overrides,
-        chunks(ids[:cut]),
-        chunks(ids[cut:]),
+        token_blocks(ids[:cut], block_size),
+        token_blocks(ids[cut:], block_size),
         tokenizer=tokenizer,
     )
