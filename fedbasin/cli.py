@@ -39,6 +39,20 @@ def _matching_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tol", type=float, default=1e-4, help="stop when the relative objective gain is below this")
 
 
+def _refine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--refine-data", help="proxy data for learned refinement: digits | cifar10:PATH | text:PATH")
+    p.add_argument("--tokenizer", help="Hugging Face tokenizer directory for text data (default: the one saved "
+                   "in the reference checkpoint's directory, if any)")
+    p.add_argument("--refine-steps", type=_positive_int, default=100, help="learned-refinement optimiser steps")
+    p.add_argument("--refine-examples", type=_positive_int, default=512,
+                   help="proxy examples taken from the data's training split (20%% select the alignment kept, "
+                   "20%% only report its loss)")
+    p.add_argument("--refine-lr", type=float, default=1e-2)
+    p.add_argument("--refine-permutations", choices=["ste", "sinkhorn"], default="ste",
+                   help="straight-through Hungarian (default) or Sinkhorn relaxation")
+    p.add_argument("--refine-batch-size", type=_positive_int, default=64)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedbasin",
@@ -52,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("candidate")
     p.add_argument("--out", required=True, help="output checkpoint directory")
     _matching_options(p)
+    _refine_options(p)
     p.set_defaults(func=cmd_align)
 
     p = sub.add_parser("merge", help="align every MODEL to REFERENCE and write the weighted average")
@@ -62,15 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--universe-iterations", type=_positive_int, default=1,
                    help="re-align every model to the running average this many times")
     p.add_argument("--no-align", action="store_true", help="plain weighted averaging (no alignment)")
-    p.add_argument("--refine-data", help="proxy data for learned refinement: digits | cifar10:PATH | text:PATH")
-    p.add_argument("--refine-steps", type=_positive_int, default=100, help="learned-refinement optimiser steps")
-    p.add_argument("--refine-examples", type=_positive_int, default=512,
-                   help="proxy examples taken from the data's training split (20%% select the alignment kept, "
-                   "20%% only report its loss)")
-    p.add_argument("--refine-lr", type=float, default=1e-2)
-    p.add_argument("--refine-permutations", choices=["ste", "sinkhorn"], default="ste",
-                   help="straight-through Hungarian (default) or Sinkhorn relaxation")
-    p.add_argument("--refine-batch-size", type=_positive_int, default=64)
+    _refine_options(p)
     _matching_options(p)
     p.set_defaults(func=cmd_merge)
 
@@ -78,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--data", required=True, help="digits | cifar10 | cifar10:PATH | text:PATH")
+    p.add_argument("--tokenizer", help="Hugging Face tokenizer directory for text data (default: the one saved "
+                   "in A's checkpoint directory, if any)")
     p.add_argument("--split", default="test", choices=["train", "test"])
     p.add_argument("--max-examples", type=int, default=2000, help="evaluate on at most this many examples")
     p.add_argument("--points", type=_positive_int, default=11, help="λ grid size (≥ 2)")
@@ -137,18 +146,25 @@ def cmd_align(args) -> int:
 
     ref, cand = _load(args.reference, "reference"), _load(args.candidate, "candidate")
     _same_architecture(ref, cand, "candidate", args.candidate)
+    summary = {"command": "align", "reference": args.reference, "candidate": args.candidate, "out": args.out,
+               "symmetry": args.symmetry}
     try:
-        result = weight_match(ref.spec, _standard(ref), _standard(cand), mode=args.symmetry,
-                              iterations=args.iterations, tol=args.tol, progress=True)
+        if args.refine_data:
+            refine, info = _refiner(args, ref, "align")
+            result = refine(_standard(ref), [_standard(cand)])
+            aligned = result.states[0]
+            summary["refinement"] = {**info, **result.summary()}
+        else:
+            result = weight_match(ref.spec, _standard(ref), _standard(cand), mode=args.symmetry,
+                                  iterations=args.iterations, tol=args.tol, progress=True)
+            aligned = result.state
+            summary.update(iterations=result.iterations, start=result.start,
+                           initial_objective=result.initial_objective, objective=result.objective,
+                           seconds=round(result.seconds, 3))
     except ValueError as exc:
         raise SystemExit(f"fedbasin align: {exc}") from None
-    _save(args.out, ref, result.state)
-    return _emit({
-        "command": "align", "reference": args.reference, "candidate": args.candidate, "out": args.out,
-        "symmetry": args.symmetry, "iterations": result.iterations, "start": result.start,
-        "initial_objective": result.initial_objective, "objective": result.objective,
-        "seconds": round(result.seconds, 3),
-    })
+    _save(args.out, ref, aligned)
+    return _emit(summary)
 
 
 def cmd_merge(args) -> int:
@@ -162,8 +178,6 @@ def cmd_merge(args) -> int:
         raise SystemExit(f"fedbasin merge: --weights has {len(args.weights)} values for {len(paths)} models")
     if args.refine_data and args.no_align:
         raise SystemExit("fedbasin merge: --refine-data needs alignment (drop --no-align)")
-    if args.refine_data and args.universe_iterations > 1:
-        raise SystemExit("fedbasin merge: --refine-data and --universe-iterations cannot be combined yet")
     summary = {"command": "merge", "models": paths, "weights": args.weights or [1.0] * len(paths), "out": args.out,
                "symmetry": None if args.no_align else args.symmetry}
     states = [_standard(c) for c in checkpoints]
@@ -185,26 +199,35 @@ def cmd_merge(args) -> int:
 
 
 def _refined_merge(args, checkpoints, states) -> tuple[dict, dict]:
-    """Weight matching, then learned refinement on proxy data; returns (merged state, summary)."""
-    from fedbasin.alignment import learned_refine, proxy_streams, refined_merge
+    """Weight (or universe) matching, then learned refinement on proxy data; returns (merged state,
+    summary)."""
+    from fedbasin.alignment import refined_merge
+
+    refine, info = _refiner(args, checkpoints[0], "merge")
+    merged, result = refined_merge(checkpoints[0].spec, states, args.weights or [1.0] * len(states), 0, refine)
+    return merged, {**info, **result.summary()}
+
+
+def _refiner(args, ref, command: str):
+    """``refine(reference, candidates, **kw)`` on the proxy split of ``--refine-data`` (every matching and
+    refinement option applied) and a summary of the data used."""
+    from fedbasin.alignment import learned_refine, proxy_streams
     from fedbasin.checkpoint import build_torch_model
-    from fedbasin.data import load_task
     from fedbasin.training import cross_entropy
 
-    ref = checkpoints[0]
-    try:
-        task = load_task(args.refine_data, proxy_size=args.refine_examples)
-    except (ValueError, FileNotFoundError) as exc:
-        raise SystemExit(f"fedbasin merge: --refine-data {args.refine_data}: {exc}") from None
-    _check_task(ref, task, args.reference, "merge", "--refine-data")
+    task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
+                     proxy_size=args.refine_examples)
     data = proxy_streams(task.proxy, args.refine_batch_size, seed=0)
     refine = functools.partial(
         learned_refine, ref.spec, build_torch_model(ref), loss_fn=cross_entropy, batches=data.batches,
         selection=data.selection, evaluation=data.evaluation, steps=args.refine_steps, lr=args.refine_lr,
         mode=args.symmetry, permutations=args.refine_permutations, match_iterations=args.iterations,
-        match_tol=args.tol, to_module_state=ref.adapter.from_standard, progress=True)
-    merged, result = refined_merge(ref.spec, states, args.weights or [1.0] * len(states), 0, refine)
-    return merged, {"steps": args.refine_steps, "proxy_examples": len(task.proxy), **result.summary()}
+        match_tol=args.tol, universe_iterations=getattr(args, "universe_iterations", 1),
+        to_module_state=ref.adapter.from_standard, progress=True)
+    info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy)}
+    if task.tokenizer is not None:
+        info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
+    return refine, info
 
 
 class _Logits(nn.Module):
@@ -219,25 +242,67 @@ class _Logits(nn.Module):
         return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def _check_task(checkpoint, task, path: str, command: str, option: str) -> None:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command: str, option: str,
+              proxy_size: int = 0):
+    """Load ``source`` for ``checkpoint``, refusing data the model cannot read (one-line errors).
+
+    Text is tokenised with ``tokenizer``, else with the tokenizer saved in the checkpoint's
+    directory, else character by character; blocks are the model's context length."""
+    from fedbasin.data import load_task
+
+    text = source.startswith("text:")
+    if tokenizer and not text:
+        raise SystemExit(f"fedbasin {command}: --tokenizer applies to text data only, not {option} {source}")
+    if text and tokenizer is None and checkpoint.path is not None:
+        if any((Path(checkpoint.path) / name).is_file() for name in TOKENIZER_FILES):
+            tokenizer = str(checkpoint.path)
+    options = {"proxy_size": proxy_size}
+    if text:
+        options.update(tokenizer=tokenizer, block_size=_context_length(checkpoint))
+    try:
+        task = load_task(source, **options)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        raise SystemExit(f"fedbasin {command}: {option} {source}: {exc}") from None
     family = {"gpt2": "gpt", "vit": "vit"}.get(checkpoint.family, checkpoint.family)
     if family != task.family:
         raise SystemExit(f"fedbasin {command}: {path} is a {checkpoint.family} model but {option} {task.name} "
                          f"needs a {task.family} model")
+    if text:
+        _check_vocabulary(checkpoint, task, path, command, option, tokenizer)
+    return task
+
+
+def _context_length(checkpoint) -> int:
+    config = checkpoint.config
+    return int(getattr(config, "n_positions", None) or getattr(config, "block_size"))
+
+
+def _check_vocabulary(checkpoint, task, path: str, command: str, option: str, tokenizer: str | None) -> None:
+    """Refuse token ids the model has no embedding for, and character tokens for a model whose
+    vocabulary is not that text's characters."""
+    vocab = int(checkpoint.config.vocab_size)
+    size = task.tokenizer.vocab_size
+    where = f"fedbasin {command}: {option} {task.name}"
+    if tokenizer is None and size != vocab:
+        raise SystemExit(f"{where}: character-level tokens ({size} symbols) do not match the {vocab}-token "
+                         f"vocabulary of {path}; pass --tokenizer DIR with the tokenizer the model was trained with")
+    if size > vocab:
+        raise SystemExit(f"{where}: tokenizer {tokenizer} has {size} tokens but {path} embeds only {vocab}")
+    largest = max(int(s.inputs.max()) for s in (task.train, task.test, task.proxy) if s is not None and len(s))
+    if largest >= vocab:
+        raise SystemExit(f"{where}: token id {largest} is outside the {vocab}-token vocabulary of {path}")
 
 
 def cmd_barrier(args) -> int:
     from fedbasin.alignment import interpolation_curve, weight_match
     from fedbasin.checkpoint import build_torch_model
-    from fedbasin.data import load_task
 
     a, b = _load(args.a, "model A"), _load(args.b, "model B")
     _same_architecture(a, b, "model B", args.b)
-    try:
-        task = load_task(args.data)
-    except (ValueError, FileNotFoundError) as exc:
-        raise SystemExit(f"fedbasin barrier: --data {args.data}: {exc}") from None
-    _check_task(a, task, args.a, "barrier", "--data")
+    task = _task_for(a, args.data, args.tokenizer, args.a, "barrier", "--data")
     split = task.split(args.split)
     if args.max_examples and len(split) > args.max_examples:
         split = split.subset(torch.arange(args.max_examples))

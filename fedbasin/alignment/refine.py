@@ -34,7 +34,7 @@ from torch import nn
 from .canonical import canonicalize, to_gauge
 from .group import GroupElement, HeadMap, NeuronMap, apply_group, compose, ones_complement, rotary_planes
 from .matching import hungarian, progress_bar, weight_match
-from .merge import average_states
+from .merge import average_states, merge
 from .spec import SymmetrySpec, check_compatible
 
 
@@ -177,7 +177,9 @@ class RefineResult:
     step whose alignment is returned (0 = the weight-matching start, i.e. no improvement).
     initial_loss / best_loss: selection-split loss of the start / of the returned alignment;
     evaluation_initial_loss / evaluation_loss: the same on the evaluation split (NaN without one),
-    which no decision ever looked at."""
+    which no decision ever looked at. reference_canonical / reference_transform: the canonical
+    reference the candidates are aligned to and g_ref with it = g_ref · canon(θ_ref) (the identity
+    unless universe matching re-aligned the reference)."""
 
     states: list[dict]
     canonical: list[dict]
@@ -189,6 +191,8 @@ class RefineResult:
     seconds: float = 0.0
     evaluation_initial_loss: float = float("nan")
     evaluation_loss: float = float("nan")
+    reference_canonical: dict | None = None
+    reference_transform: GroupElement | None = None
 
     @property
     def improved(self) -> bool:
@@ -265,6 +269,7 @@ def learned_refine(
     match_tol: float = 1e-4,
     weighting: str = "rms",
     include_reference: bool = True,
+    universe_iterations: int = 1,
     to_module_state: Callable[[dict], dict] | None = None,
     progress: bool = False,
 ) -> RefineResult:
@@ -289,8 +294,17 @@ def learned_refine(
     for i, c in enumerate(candidates):
         check_compatible(spec, reference, c, ("reference", f"candidate {i}"))
     ref_c = canonicalize(spec, reference, "reference", validate=False)
-    starts = [weight_match(spec, reference, c, mode=mode, iterations=match_iterations, tol=match_tol,
-                           weighting=weighting) for c in candidates]
+    ref_start = None
+    if universe_iterations > 1:
+        universe = merge(spec, [reference, *candidates], [float(include_reference)] + [1.0] * len(candidates),
+                         0, mode, match_iterations, match_tol, universe_iterations=universe_iterations,
+                         weighting=weighting)
+        starts = universe.matches
+        if len(starts) > len(candidates):  # the reference was re-aligned to the universe too
+            ref_start, starts = starts[0], starts[1:]
+    else:
+        starts = [weight_match(spec, reference, c, mode=mode, iterations=match_iterations, tol=match_tol,
+                               weighting=weighting) for c in candidates]
     base = [s.canonical for s in starts]
     device = next(iter(base[0].values())).device
     frozen = copy.deepcopy(model).to(device).eval()  # buffers (e.g. RoPE tables) follow the weights
@@ -299,7 +313,7 @@ def learned_refine(
     deltas = nn.ModuleList(_Delta(spec, b, permutations, init_scale=1.0) for b in base).to(device)
     optimiser = torch.optim.Adam(deltas.parameters(), lr=lr)
     rng = np.random.default_rng(seed)  # private: the caller's torch RNG stream is left alone
-    ref_state = {k: v.detach() for k, v in ref_c.state.items()}
+    ref_state = {k: v.detach() for k, v in (ref_start.canonical if ref_start else ref_c.state).items()}
     members = len(candidates) + int(include_reference)
     selection = [(x.to(device), y.to(device)) for x, y in _as_batches(selection)]
     evaluation = None if evaluation is None else [(x.to(device), y.to(device)) for x, y in _as_batches(evaluation)]
@@ -359,6 +373,8 @@ def learned_refine(
     result.states = [to_gauge(spec, s, ref_c.gains) for s in best_states]
     result.transforms = [compose(s.transform, g) for s, g in zip(starts, best_elements)]
     result.best_loss = best
+    result.reference_canonical = ref_state
+    result.reference_transform = ref_start.transform if ref_start else GroupElement.identity(spec)
     if evaluation is not None:
         result.evaluation_loss = (result.evaluation_initial_loss if result.best_step == 0
                                   else centroid_loss(best_states, evaluation))
@@ -380,5 +396,5 @@ def refined_merge(
     result = refine(states[reference], others, include_reference=weights[reference] > 0)
     ref = canonicalize(spec, states[reference])
     aligned = list(result.canonical)
-    aligned.insert(reference, ref.state)
+    aligned.insert(reference, ref.state if result.reference_canonical is None else result.reference_canonical)
     return to_gauge(spec, average_states(aligned, weights), ref.gains), result

@@ -3,7 +3,9 @@
 Recipe (Theus et al., NeurIPS 2025, public repository): ``GPT2LMHeadModel`` with 4 layers, width
 128, 4 heads, MLP 512, context 128, untied head, ``gelu_new``, dropout 0.1; the GPT-2 BPE
 tokenizer; Tiny Shakespeare split by characters into contiguous 90/5/5 train/validation/test;
-AdamW (lr 3e-4, weight decay 0.01), 5% linear warm-up then cosine decay, batch 32.
+AdamW (lr 3e-4, weight decay 0.01), 5% linear warm-up then cosine decay, batch 32. Forward and
+backward run under bfloat16 autocast (weights and optimiser in float32; the paper's scripts train
+with fp16 mixed precision on a GPU) unless ``--fp32``.
 
     python -m fedbasin.simulations.gpt2_pair --seed 0 --epochs 6 --out /work/runs/gpt2pair
 
@@ -122,7 +124,9 @@ def train_one(args, seed: int) -> dict:
         loss_value = 0.0
         for chunk in index.split(args.micro_batch):  # gradient accumulation: the same mean over the batch
             x, y = splits["train"].inputs[chunk], splits["train"].targets[chunk]
-            loss = token_loss(model(x).logits, y) * (len(chunk) / len(index))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32):
+                logits = model(x).logits
+            loss = token_loss(logits.float(), y) * (len(chunk) / len(index))
             loss.backward()
             loss_value += float(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -137,7 +141,7 @@ def train_one(args, seed: int) -> dict:
     bar.close()
     if args.measure:
         return {"seed": seed, "steps": step, "seconds_per_step": seconds / step, "steps_per_epoch": per_epoch}
-    record = {"seed": seed, "epochs": args.epochs, "steps": total, "steps_per_epoch": per_epoch,
+    record = {"seed": seed, "epochs": args.epochs, "autocast": None if args.fp32 else "bfloat16", "steps": total, "steps_per_epoch": per_epoch,
               "train_seconds": round(seconds, 1), "threads": torch.get_num_threads(),
               "validation_loss": mean_loss(model, splits["validation"]), "test_loss": mean_loss(model, splits["test"]),
               "blocks": {name: len(s) for name, s in splits.items()}}
@@ -168,6 +172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch", type=int, default=16, help="gradient-accumulation chunk (memory only)")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fp32", action="store_true", help="train in float32 (default: bfloat16 autocast)")
     parser.add_argument("--save-every", type=int, default=25, help="steps between resumable training states")
     parser.add_argument("--measure", type=int, default=0, help="time this many steps, write nothing")
     args = parser.parse_args(argv)

@@ -1,0 +1,109 @@
+"""Text proxy data through real Hugging Face tokenizers: the model's own tokenizer is found, data that
+cannot fit the model is refused in one line, and `fedbasin align --refine-data` writes a refined
+endpoint with the candidate's function."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedbasin.checkpoint import build_torch_model, load_checkpoint, save_checkpoint
+from fedbasin.cli import main
+from fedbasin.data import load_task
+
+SHARED = Path(os.environ.get("FEDBASIN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+TOKENIZER = SHARED / "gpt2_tokenizer"
+SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
+pytestmark = pytest.mark.skipif(not TOKENIZER.is_dir() or not SHAKESPEARE.is_file(),
+                                reason="needs ../shared/data (gpt2_tokenizer, tinyshakespeare)")
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "excerpt.txt"
+    path.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:30_000], encoding="utf-8")
+    return path
+
+
+def _gpt2(path, seed, vocab=50257, with_tokenizer=True):
+    """A tiny HF GPT-2 (width 16, 1 layer, context 32) saved with or without the GPT-2 tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab, n_positions=32, n_embd=16, n_layer=1, n_head=2, n_inner=32,
+                        tie_word_embeddings=False)
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():  # spread the weights like a trained model's (init is too uniform to align)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_checkpoint(path, "gpt2", config, model.state_dict(), kind="hf")
+    if with_tokenizer:
+        for item in TOKENIZER.iterdir():
+            shutil.copy(item, path / item.name)
+    return path
+
+
+def test_text_task_uses_the_hf_tokenizer(text_file):
+    from transformers import AutoTokenizer
+
+    task = load_task(f"text:{text_file}", tokenizer=str(TOKENIZER), block_size=32)
+    reference = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    ids = reference(text_file.read_text(encoding="utf-8"))["input_ids"]
+    assert task.model_overrides == {"vocab_size": 50257, "block_size": 32}
+    first = [i for i, row in enumerate(task.train.inputs.tolist()) if row == ids[:32]]  # the split is shuffled
+    assert len(first) == 1 and task.train.targets[first[0]].tolist() == ids[1:33]
+    assert task.tokenizer.decode(task.train.inputs[first[0]]) == reference.decode(ids[:32])
+
+
+def test_align_refines_on_text_with_the_models_own_tokenizer(tmp_path, text_file, capsys):
+    ref, cand = _gpt2(tmp_path / "ref", 1), _gpt2(tmp_path / "cand", 2)
+    out = tmp_path / "aligned"
+    assert main(["align", str(ref), str(cand), "--out", str(out), "--refine-data", f"text:{text_file}",
+                 "--refine-steps", "6", "--refine-examples", "60", "--refine-batch-size", "8",
+                 "--iterations", "3", "--tol", "0"]) == 0
+    summary = json.loads(capsys.readouterr().out)["refinement"]
+    assert summary["tokenizer"] == str(ref)  # found beside the reference's weights
+    assert summary["selection_loss_best"] <= summary["selection_loss_start"]
+    assert summary["evaluation_loss"] == summary["evaluation_loss"]  # reported (not NaN)
+    # the written endpoint is the candidate's function (float32)
+    ids = torch.randint(0, 50257, (3, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = build_torch_model(load_checkpoint(out))(ids).logits
+        want = build_torch_model(load_checkpoint(cand))(ids).logits
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    assert (out / "model.safetensors").is_file()
+
+
+def test_data_that_cannot_fit_the_model_is_refused(tmp_path, text_file, capsys):
+    small = _gpt2(tmp_path / "small", 1, vocab=1000)
+    small_b = _gpt2(tmp_path / "small_b", 2, vocab=1000)
+    with pytest.raises(SystemExit) as err:  # GPT-2 BPE ids into a 1000-token embedding
+        main(["align", str(small), str(small_b), "--out", str(tmp_path / "o"), "--refine-data", f"text:{text_file}",
+              "--refine-examples", "60"])
+    message = str(err.value)
+    assert "50257 tokens" in message and "embeds only 1000" in message and "\n" not in message
+    bare = _gpt2(tmp_path / "bare", 1, with_tokenizer=False)
+    bare_b = _gpt2(tmp_path / "bare_b", 2, with_tokenizer=False)
+    with pytest.raises(SystemExit, match="character-level tokens .* pass --tokenizer"):
+        main(["merge", str(bare), str(bare_b), "--out", str(tmp_path / "o"), "--refine-data", f"text:{text_file}",
+              "--refine-examples", "60"])
+    with pytest.raises(SystemExit, match="character-level tokens"):
+        main(["barrier", str(bare), str(bare_b), "--data", f"text:{text_file}"])
+    with pytest.raises(SystemExit, match="--tokenizer applies to text data only"):
+        main(["merge", str(bare), str(bare_b), "--out", str(tmp_path / "o"), "--refine-data", "digits",
+              "--tokenizer", str(TOKENIZER)])
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+def test_barrier_reads_text_with_an_explicit_tokenizer(tmp_path, text_file, capsys):
+    a = _gpt2(tmp_path / "a", 1, with_tokenizer=False)
+    b = _gpt2(tmp_path / "b", 2, with_tokenizer=False)
+    assert main(["barrier", str(a), str(b), "--data", f"text:{text_file}", "--tokenizer", str(TOKENIZER),
+                 "--points", "3", "--max-examples", "8"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["examples"] == 8 and len(summary["losses"]) == 3
