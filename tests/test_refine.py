@@ -175,3 +175,54 @@ def test_reference_left_out_of_the_mixture():
     assert "could not improve" in result.summary()["note"]
     start = weight_match(spec, ref, cand).state
     assert all(torch.equal(result.states[0][k], start[k]) for k in start)
+
+
+def test_universe_matching_then_refinement_keeps_every_function():
+    """universe_iterations > 1: the start is universe matching (the reference re-aligned too); every
+    returned model — the moved reference included — keeps its function, and the merge uses them."""
+    from fedbasin.alignment import canonicalize, merge, refined_merge, to_gauge
+
+    config = dict(VIT, norm="rmsnorm")
+    spec = spec_of("vit", config)
+    states = [trained_like("vit", config, seed=s).state_dict() for s in (1, 2, 3)]
+    x, y = _proxy(config, n=64)
+
+    def batches():
+        while True:
+            yield x[:32], y[:32]
+
+    def refine(reference, others, include_reference=True):
+        return learned_refine(spec, build_model("vit", config).double(), reference, others, F.cross_entropy,
+                              batches(), (x[32:48], y[32:48]), (x[48:], y[48:]), steps=10, eval_every=5,
+                              universe_iterations=4, match_tol=0.0, include_reference=include_reference)
+
+    merged, result = refined_merge(spec, states, [1.0, 1.0, 1.0], 0, refine)
+    universe = merge(spec, states, universe_iterations=4, universe_tol=1e-4, tol=0.0)
+    assert len(universe.universe_change) > 1  # the reference was re-aligned, so it moved
+    gains = canonicalize(spec, states[0]).gains
+    moved_reference = to_gauge(spec, result.reference_canonical, gains)
+    assert max(float((moved_reference[k] - states[0][k]).abs().max()) for k in states[0]) > 1e-3
+    probe, _ = inputs("vit", config)
+    assert rel_err(run("vit", config, moved_reference, probe), run("vit", config, states[0], probe)) < 1e-9
+    for refined, original in zip(result.states, states[1:]):
+        assert rel_err(run("vit", config, refined, probe), run("vit", config, original, probe)) < 1e-9
+    assert result.best_loss <= result.initial_loss
+    # the merge is the plain average of the returned members (reference gauge)
+    members = [moved_reference, *result.states]
+    average = {k: sum(m[k] for m in members) / 3 for k in merged}
+    assert max(float((merged[k] - average[k]).abs().max()) for k in merged) < 1e-9
+
+
+def test_cli_merge_universe_with_refinement(tmp_path, capsys):
+    from fedbasin.checkpoint import save_checkpoint
+    from fedbasin.cli import main
+
+    config = dict(image_size=8, patch_size=2, channels=1, num_classes=10, dim=16, depth=1, heads=2, mlp_dim=32)
+    for seed in (1, 2, 3):
+        m = trained_like("vit", config, seed=seed, dtype=torch.float32)
+        save_checkpoint(tmp_path / f"m{seed}", "vit", m.config, m.state_dict())
+    assert main(["merge", *(str(tmp_path / f"m{s}") for s in (1, 2, 3)), "--out", str(tmp_path / "out"),
+                 "--universe-iterations", "3", "--refine-data", "digits", "--refine-steps", "4",
+                 "--refine-examples", "100"]) == 0
+    info = json.loads(capsys.readouterr().out)["refinement"]
+    assert info["selection_loss_best"] <= info["selection_loss_start"] and "evaluation_loss" in info
