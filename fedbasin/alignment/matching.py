@@ -295,6 +295,7 @@ def weight_match(
     weighting: str = "rms",
     init: GroupElement | None = None,
     progress: bool = False,
+    token_rows: torch.Tensor | None = None,
 ) -> MatchResult:
     """Align ``candidate`` to ``reference`` (raw state dicts of the same architecture).
 
@@ -304,7 +305,15 @@ def weight_match(
     Returns the candidate transformed by an exact group element (same function), in the
     reference's gauge, with the objective record. Stops when the relative gain of J over an
     iteration is below ``tol`` or after ``iterations`` iterations. Runs on the tensors' device.
+
+    ``token_rows``: token ids whose rows count in the objective (e.g. the tokens seen in
+    training); the other rows of token-indexed tensors (:func:`token_indexed_keys`) are left out
+    of the matching — they are untrained noise — but transformed like the rest. The objective
+    record then refers to the kept rows.
     """
+    if token_rows is not None:
+        return _match_on_token_rows(spec, reference, candidate, token_rows, mode=mode, iterations=iterations,
+                                    tol=tol, weighting=weighting, init=init, progress=progress)
     if mode not in MODES:
         raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
     t0 = time.perf_counter()
@@ -374,6 +383,41 @@ def weight_match(
         start=start_name,
         elapsed=elapsed,
     )
+
+
+def token_indexed_keys(spec: SymmetrySpec, state: dict) -> set[str]:
+    """Tensors whose rows are indexed by token id: the token embeddings and every residual reader
+    with as many rows as the (first) embedding, i.e. an output head over the vocabulary."""
+    if not spec.embedding_keys:
+        return set()
+    vocab = state[spec.embedding_keys[0]].shape[0]
+    readers = {k for k, axis in spec.residual if axis == 1 and state[k].ndim == 2 and state[k].shape[0] == vocab}
+    return set(spec.embedding_keys) | readers
+
+
+def _match_on_token_rows(spec, reference, candidate, token_rows, **options) -> MatchResult:
+    """Match on the kept token rows only, then apply the group element found to the full candidate."""
+    t0 = time.perf_counter()
+    keys = token_indexed_keys(spec, reference)
+    if not keys:
+        raise ValueError("token_rows given but the model has no token embedding")
+    rows = torch.as_tensor(token_rows, dtype=torch.long)
+    vocab = reference[spec.embedding_keys[0]].shape[0]
+    if rows.numel() == 0 or int(rows.min()) < 0 or int(rows.max()) >= vocab:
+        raise ValueError(f"token_rows must be non-empty ids in [0, {vocab})")
+
+    def kept(state):
+        return {k: v.index_select(0, rows.to(v.device)) if k in keys else v for k, v in state.items()}
+
+    small = weight_match(spec, kept(reference), kept(candidate), **options)
+    dtypes = {k: v.dtype for k, v in candidate.items()}
+    gains = canonicalize(spec, _at_least_float32(reference), "reference", validate=False).gains
+    cand_c = canonicalize(spec, _at_least_float32(candidate), "candidate", validate=False)
+    state = apply_group(spec, cand_c.state, small.transform)
+    small.state = {k: v.to(dtypes[k]) for k, v in to_gauge(spec, state, gains).items()}
+    small.canonical = {k: v.to(dtypes[k]) for k, v in state.items()}
+    small.seconds = time.perf_counter() - t0
+    return small
 
 
 def _at_least_float32(state: dict) -> dict:
