@@ -97,6 +97,13 @@ def train_one(args, seed: int) -> dict:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: lr_factor(t, total, warmup))
     out = Path(args.out)
     state_file, final = out / f"seed{seed}.state.pt", out / f"seed{seed}"
+    if args.export_partial:  # the latest saved training state as a model directory, training untouched
+        saved = torch.load(state_file, weights_only=False)
+        model.load_state_dict(saved["model"])
+        partial = out / f"seed{seed}-step{saved['step']}"
+        save_checkpoint(partial, "gpt2", config, model.state_dict(), kind="hf")
+        save_tokenizer(tokenizer, partial)
+        return {"seed": seed, "exported": str(partial), "step": saved["step"], "of": saved["total"]}
     step, seconds = 0, 0.0
     if not args.measure and state_file.is_file():
         saved = torch.load(state_file, weights_only=False)
@@ -175,6 +182,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fp32", action="store_true", help="train in float32 (default: bfloat16 autocast)")
     parser.add_argument("--save-every", type=int, default=25, help="steps between resumable training states")
     parser.add_argument("--measure", type=int, default=0, help="time this many steps, write nothing")
+    parser.add_argument("--export-partial", action="store_true",
+                        help="write the latest saved training state as OUT/seed{S}-step{N} and stop")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     for seed in args.seed or [0, 1]:

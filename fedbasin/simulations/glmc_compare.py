@@ -1,0 +1,117 @@
+"""fedbasin's data-free weight matching side by side with GLMC's own, on one GPT-2 pair.
+
+The pair comes from ``gpt2_pair`` (HF GPT-2 checkpoints with the tokenizer beside the weights);
+the barrier is evaluated on the test slice (the last 5% of the text, contiguous) at ``--points``
+λ values. GLMC's weight matching (Theus et al., NeurIPS 2025) runs from its public repository at
+``--glmc-path`` in the Python given by ``--glmc-python`` (it needs transformers 4.50.1, POT and
+einops), through ``glmc_driver.py``; nothing of GLMC is copied here.
+
+    python -m fedbasin.simulations.glmc_compare RUN/seed0 RUN/seed1 --glmc-path /work/glmc \\
+        --glmc-python /work/glmc-venv/bin/python --out results.json
+
+Rows: vanilla; GLMC permutation / orthogonal (15 iterations, embedding rows restricted to tokens
+seen in training, as in its scripts); fedbasin permutation / orthogonal with every weighting,
+with and without the seen-token restriction. Note: GLMC evaluates its merge in its own merged
+architecture (LayerNorm replaced by RMSNorm on mean-free weights, and every attention head
+expanded to its full QK and OV circuits, i.e. head width d + 1), while fedbasin's merge keeps the
+GPT-2 architecture of the inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fedbasin.alignment import interpolation_curve, loss_barrier, weight_match
+from fedbasin.checkpoint import build_torch_model, load_checkpoint
+from fedbasin.simulations.gpt2_pair import DEFAULT_TEXT, mean_loss, pair_data
+
+
+def seen_tokens(train_ids: torch.Tensor) -> torch.Tensor:
+    """Token ids that occur in the training text."""
+    return torch.unique(train_ids)
+
+
+def run_glmc(args, blocks_file: Path, permutations_only: bool) -> dict:
+    command = [args.glmc_python, str(Path(__file__).with_name("glmc_driver.py")), "--glmc-path", args.glmc_path,
+               "--model0", args.a, "--model1", args.b, "--blocks", str(blocks_file), "--points", str(args.points),
+               "--iterations", str(args.glmc_iterations)]
+    if permutations_only:
+        command.append("--permutations-only")
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"glmc_compare: GLMC's weight matching failed:\n{done.stderr[-3000:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out["barrier"], out["argmax"] = loss_barrier(out["lambdas"], out["losses"])
+    out["wall_seconds"] = round(time.perf_counter() - started, 1)
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", help="model A (λ = 1), an HF GPT-2 directory from gpt2_pair")
+    parser.add_argument("b", help="model B (λ = 0)")
+    parser.add_argument("--text", default=DEFAULT_TEXT)
+    parser.add_argument("--tokenizer", help="default: the tokenizer saved with model A")
+    parser.add_argument("--glmc-path", help="GLMC's repository (omit to run fedbasin only)")
+    parser.add_argument("--glmc-python", default=sys.executable, help="Python with GLMC's requirements")
+    parser.add_argument("--glmc-iterations", type=int, default=15)
+    parser.add_argument("--iterations", type=int, default=30, help="fedbasin's weight-matching iterations")
+    parser.add_argument("--tol", type=float, default=1e-6)
+    parser.add_argument("--weightings", default="rms,cosine,uniform")
+    parser.add_argument("--points", type=int, default=11)
+    parser.add_argument("--out", help="write the results JSON here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    a, b = load_checkpoint(args.a), load_checkpoint(args.b)
+    _, splits = pair_data(args.text, args.tokenizer or args.a, a.config.n_positions)
+    test = splits["test"]
+    train_ids = torch.cat([splits["train"].inputs.reshape(-1), splits["train"].targets[:, -1]])
+    seen = seen_tokens(train_ids)
+    results = {"a": args.a, "b": args.b, "test_blocks": len(test), "points": args.points, "seen_tokens": len(seen),
+               "vocab": a.config.vocab_size, "machine": f"{platform.machine()} CPU, 1 thread", "rows": {}}
+
+    def loss(state: dict) -> float:
+        return mean_loss(build_torch_model(a, state), test)
+
+    def record(name: str, curve, seconds: float | None = None, **extra) -> None:
+        results["rows"][name] = {"barrier": curve.barrier, "argmax": curve.argmax, "losses": curve.losses,
+                                 "seconds": None if seconds is None else round(seconds, 2), **extra}
+        print(f"{name:40s} barrier {curve.barrier:.4f}  midpoint loss {curve.losses[len(curve.losses) // 2]:.4f}",
+              file=sys.stderr, flush=True)
+
+    record("vanilla", interpolation_curve(a.state, b.state, loss, args.points))
+    standard_a, standard_b = a.adapter.to_standard(a.state), b.adapter.to_standard(b.state)
+    for mode in ("permutation", "orthogonal"):
+        for weighting in args.weightings.split(","):
+            for rows, restrict in (("all tokens", None), ("seen tokens", seen)):
+                match = weight_match(a.spec, standard_a, standard_b, mode=mode, iterations=args.iterations,
+                                     tol=args.tol, weighting=weighting, token_rows=restrict)
+                curve = interpolation_curve(a.state, a.adapter.from_standard(match.state), loss, args.points)
+                record(f"fedbasin {mode} {weighting} {rows}", curve, match.seconds, iterations=match.iterations)
+    if args.glmc_path:
+        with tempfile.TemporaryDirectory() as tmp:
+            blocks = Path(tmp) / "blocks.pt"
+            torch.save({"inputs": test.inputs, "targets": test.targets, "train_ids": train_ids}, blocks)
+            for mode, perm in (("permutation", True), ("orthogonal", False)):
+                out = run_glmc(args, blocks, perm)
+                results["rows"][f"GLMC {mode}"] = {k: out[k] for k in ("barrier", "argmax", "losses", "wall_seconds",
+                                                                       "match_seconds")}
+                print(f"GLMC {mode:31s} barrier {out['barrier']:.4f}", file=sys.stderr, flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    print(json.dumps({k: round(v["barrier"], 4) for k, v in results["rows"].items()}, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
