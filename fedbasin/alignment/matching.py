@@ -118,13 +118,17 @@ def procrustes(m: torch.Tensor) -> torch.Tensor:
     return (u @ vh).to(m.dtype)
 
 
-def plane_procrustes(m: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+def plane_procrustes(m: torch.Tensor, layout: str, rotary_dims: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Best per-plane rotations for ``max tr(Aᵀ M)`` with A block-rotational on rotary planes.
 
     For the plane (a, b): ``tr = cos θ (M_aa + M_bb) + sin θ (M_ba − M_ab)``, maximised at
-    ``θ = atan2(M_ba − M_ab, M_aa + M_bb)`` with value ``hypot(·, ·)``. Returns (A, value per head).
+    ``θ = atan2(M_ba − M_ab, M_aa + M_bb)`` with value ``hypot(·, ·)``. With partial rotary
+    (``rotary_dims`` r_d < d_h) the position-free dims get the Procrustes map of their block,
+    value its nuclear norm. Returns (A, value per head).
     """
-    planes = rotary_planes(m.shape[-1], layout).to(m.device)
+    dh = m.shape[-1]
+    rd = rotary_dims or dh
+    planes = rotary_planes(dh, layout, rd).to(m.device)
     a, b = planes[:, 0], planes[:, 1]
     cos_part = m[..., a, a] + m[..., b, b]
     sin_part = m[..., b, a] - m[..., a, b]
@@ -132,7 +136,12 @@ def plane_procrustes(m: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.
     out = torch.zeros_like(m)
     c, s = torch.cos(theta), torch.sin(theta)
     out[..., a, a], out[..., a, b], out[..., b, a], out[..., b, b] = c, -s, s, c
-    return out, torch.hypot(cos_part, sin_part).sum(-1)
+    value = torch.hypot(cos_part, sin_part).sum(-1)
+    if rd < dh:
+        u, sv, vh = torch.linalg.svd(m[..., rd:, rd:].double())
+        out[..., rd:, rd:] = (u @ vh).to(m.dtype)
+        value = value + sv.sum(-1).to(m.dtype)
+    return out, value
 
 
 def _unfold(x: torch.Tensor, axis: int) -> torch.Tensor:
@@ -215,19 +224,21 @@ class _Matcher:
 
     # -- heads ------------------------------------------------------------------------------
     def _head_factors(self, a: AttentionSpec, which: dict):
-        H, dh = a.num_heads, a.head_dim
+        """Per-head factors (heads, d_h, ·) of q, k, v (bias as an extra input column) and o, each
+        scaled by √w so that products of reference and candidate factors carry the weight."""
+        dh = a.head_dim
 
-        def rows(lin, src):  # per head (H, d_h, d_in), plus bias as an extra input column
-            w = src[lin.weight].reshape(H, dh, -1) * (self.w[lin.weight] ** 0.5)
+        def rows(lin, heads):
+            w = which[lin.weight].reshape(heads, dh, -1) * (self.w[lin.weight] ** 0.5)
             if lin.bias:
-                w = torch.cat([w, (src[lin.bias].reshape(H, dh, 1) * (self.w[lin.bias] ** 0.5))], -1)
+                w = torch.cat([w, (which[lin.bias].reshape(heads, dh, 1) * (self.w[lin.bias] ** 0.5))], -1)
             return w
 
-        o_w = lambda src: (src[a.o.weight].reshape(-1, H, dh).permute(1, 2, 0) * (self.w[a.o.weight] ** 0.5))  # noqa
-        return {name: (rows(getattr(a, name), which) if name != "o" else o_w(which)) for name in "qkvo"}
+        o = which[a.o.weight].reshape(-1, a.num_heads, dh).permute(1, 2, 0) * (self.w[a.o.weight] ** 0.5)
+        return {"q": rows(a.q, a.num_heads), "k": rows(a.k, a.kv_heads), "v": rows(a.v, a.kv_heads), "o": o}
 
     def head_step(self, a: AttentionSpec, state: dict) -> HeadMap:
-        """Exact maximisation of J over (head permutation, within-head maps), O and MLPs fixed.
+        """Maximise J over (head permutation, within-head maps), O and MLPs fixed.
 
         For reference head i and candidate head j, ``M_qk[i, j] = Q_jᵀ Q_ref,i + K_jᵀ K_ref,i`` and
         ``M_ov[i, j] = V_jᵀ V_ref,i + O_j O_ref,iᵀ`` are d_h×d_h factor products (biases as extra
@@ -235,22 +246,51 @@ class _Matcher:
         ``‖M_qk‖_* + ‖M_ov‖_*`` (per-plane values under RoPE), which — like the QK/OV circuit
         similarity — ignores the candidate's within-head basis; Hungarian on these values then
         Procrustes gives the joint optimum.
+
+        Grouped-query attention (r = H/G query heads per key/value head): a pair of groups gets
+        the query heads matched inside it by the same per-head values (Hungarian on r×r), then
+        ``M_qk``/``M_ov`` sum the key/value term and the matched query/output terms; groups are
+        matched on those values and share one map. (The r×r pairing uses each head's own best
+        map, so this step is a heuristic for r > 1; the caller keeps it only if J does not drop.)
         """
         ref = self._head_factors(a, self.ref)
         cand = self._head_factors(a, state)
         ref = {k: v.to(cand[k]) for k, v in ref.items()}
         pair = lambda x, y: torch.einsum("jad,ibd->ijab", y, x)  # noqa: E731  (cand j rows) · (ref i rows)ᵀ
-        m_qk = pair(ref["q"], cand["q"]) + pair(ref["k"], cand["k"])
-        m_ov = pair(ref["v"], cand["v"]) + pair(ref["o"], cand["o"])
-        value_qk, fit_qk = self._within_head(m_qk, a.rotary, allow=self.mode == "orthogonal" or not a.rotary)
+        rotary_ok = self.mode == "orthogonal" or not a.rotary
+        r, G = a.group_size, a.kv_heads
+        if r == 1:
+            m_qk = pair(ref["q"], cand["q"]) + pair(ref["k"], cand["k"])
+            m_ov = pair(ref["v"], cand["v"]) + pair(ref["o"], cand["o"])
+            within = None
+        else:
+            m_q, m_o = pair(ref["q"], cand["q"]), pair(ref["o"], cand["o"])
+            head_value = (self._within_head(m_q, a, allow=rotary_ok)[0]
+                          + self._within_head(m_o, None, allow=True)[0]).cpu()
+            m_qk, m_ov = pair(ref["k"], cand["k"]), pair(ref["v"], cand["v"])
+            within = torch.empty(G, G, r, dtype=torch.long)
+            for gi in range(G):
+                for gj in range(G):
+                    p = hungarian(head_value[gi * r:(gi + 1) * r, gj * r:(gj + 1) * r])
+                    within[gi, gj] = p
+                    rows, cols = gi * r + torch.arange(r), gj * r + p
+                    m_qk[gi, gj] += m_q[rows, cols].sum(0)
+                    m_ov[gi, gj] += m_o[rows, cols].sum(0)
+        value_qk, fit_qk = self._within_head(m_qk, a, allow=rotary_ok)
         value_ov, fit_ov = self._within_head(m_ov, None, allow=True)
-        perm = hungarian(value_qk + value_ov)
-        idx = torch.arange(a.num_heads)
-        qk = None if fit_qk is None else fit_qk[idx, perm.to(idx.device)]
-        return HeadMap(perm, qk, fit_ov[idx, perm])
+        gperm = hungarian(value_qk + value_ov)
+        idx = torch.arange(G)
+        qk = None if fit_qk is None else fit_qk[idx, gperm.to(fit_qk.device)]
+        ov = fit_ov[idx, gperm.to(fit_ov.device)]
+        if within is None:
+            return HeadMap(gperm, qk, ov)
+        perm = (gperm[:, None] * r + within[idx, gperm]).reshape(-1)
+        return HeadMap(perm, qk, ov)
 
-    def _within_head(self, m: torch.Tensor, rotary, allow: bool):
-        """Best within-head maps for every (ref i, cand j) pair and their objective values."""
+    def _within_head(self, m: torch.Tensor, attention: AttentionSpec | None, allow: bool):
+        """Best within-head maps for every (ref i, cand j) pair and their objective values
+        (``attention`` given: its rotary layout constrains the map; None: any orthogonal map)."""
+        rotary = attention.rotary if attention is not None else None
         if not allow:  # permutation mode with RoPE: no within-head freedom
             return torch.diagonal(m, dim1=-2, dim2=-1).sum(-1), None
         if self.mode == "permutation":
@@ -264,7 +304,7 @@ class _Matcher:
                     value[i, j] = m[i, j][p, torch.arange(m.shape[-1])].sum()
             return value, fit
         if rotary:
-            fit, value = plane_procrustes(m, rotary)
+            fit, value = plane_procrustes(m, rotary, attention.rotated)
             return value, fit
         u, sv, vh = torch.linalg.svd(m.double())  # fp16/bf16 have no SVD; float64 is exact enough
         return sv.sum(-1).to(m.dtype), (u @ vh).to(m.dtype)
