@@ -117,7 +117,8 @@ def plane_rotations(angles: torch.Tensor, head_dim: int, layout: str, scales: to
     out = torch.zeros(*angles.shape[:-1], head_dim, head_dim, dtype=angles.dtype, device=angles.device)
     out[..., a, a], out[..., a, b], out[..., b, a], out[..., b, b] = c, -s, s, c
     if rd < head_dim:
-        out[..., rd:, rd:] = torch.eye(head_dim - rd, dtype=angles.dtype) if passthrough is None else passthrough
+        eye = torch.eye(head_dim - rd, dtype=angles.dtype, device=angles.device)
+        out[..., rd:, rd:] = eye if passthrough is None else passthrough.to(out)
     return out
 
 
