@@ -111,8 +111,9 @@ def _tied_pairs(kind: str, family: str, config) -> list[tuple[str, str, str]]:
     """(source, alias, config field) for each tie the config declares."""
     if kind == "fedbasin" and family == "gpt" and config.tie_embeddings:
         return [("tok_emb.weight", "head.weight", "tie_embeddings")]
-    if kind == "hf" and family == "gpt2" and _hf().hf_is_tied(config):
-        return [("transformer.wte.weight", "lm_head.weight", "tie_word_embeddings")]
+    if kind == "hf":
+        pair = _hf().hf_tied_pair(config)
+        return [(*pair, "tie_word_embeddings")] if pair else []
     return []
 
 

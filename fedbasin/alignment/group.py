@@ -91,26 +91,50 @@ def random_permutation_matrix(d: int, generator: torch.Generator, dtype=torch.fl
     return torch.eye(d, dtype=dtype)[torch.randperm(d, generator=generator)]
 
 
-def rotary_planes(head_dim: int, layout: str) -> torch.Tensor:
-    """(d_h/2, 2) index pairs of the rotary planes: (j, j+d_h/2) for "half", (2j, 2j+1) otherwise."""
-    half = head_dim // 2
+def rotary_planes(head_dim: int, layout: str, rotary_dims: int | None = None) -> torch.Tensor:
+    """(r_d/2, 2) index pairs of the rotary planes among the first r_d = ``rotary_dims`` dims
+    (default d_h): (j, j+r_d/2) for "half", (2j, 2j+1) otherwise."""
+    rd = rotary_dims or head_dim
+    half = rd // 2
     j = torch.arange(half)
     return torch.stack([j, j + half], 1) if layout == "half" else torch.stack([2 * j, 2 * j + 1], 1)
 
 
-def plane_rotations(angles: torch.Tensor, head_dim: int, layout: str, scales: torch.Tensor | None = None):
+def plane_rotations(angles: torch.Tensor, head_dim: int, layout: str, scales: torch.Tensor | None = None,
+                    passthrough: torch.Tensor | None = None):
     """Block matrices (..., d_h, d_h) acting on each rotary plane as ``s·[[cos, −sin], [sin, cos]]``.
 
+    ``angles`` (..., r_d/2) sets r_d; with partial rotary (r_d < d_h) ``passthrough``
+    (..., d_h−r_d, d_h−r_d) acts on the dims that carry no position (identity if None).
     Every such block commutes with the position rotations, so QK stays exact under RoPE.
     """
-    planes = rotary_planes(head_dim, layout)
+    rd = 2 * angles.shape[-1]
+    planes = rotary_planes(head_dim, layout, rd).to(angles.device)
     a, b = planes[:, 0], planes[:, 1]
     c, s = torch.cos(angles), torch.sin(angles)
     if scales is not None:
         c, s = c * scales, s * scales
-    out = torch.zeros(*angles.shape[:-1], head_dim, head_dim, dtype=angles.dtype)
+    out = torch.zeros(*angles.shape[:-1], head_dim, head_dim, dtype=angles.dtype, device=angles.device)
     out[..., a, a], out[..., a, b], out[..., b, a], out[..., b, b] = c, -s, s, c
+    if rd < head_dim:
+        eye = torch.eye(head_dim - rd, dtype=angles.dtype, device=angles.device)
+        out[..., rd:, rd:] = eye if passthrough is None else passthrough.to(out)
     return out
+
+
+def kv_perm(perm: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key/value head permutation (G,) implied by a group-consistent query-head permutation (H,)."""
+    r = perm.numel() // groups
+    return perm.reshape(groups, r)[:, 0] // r
+
+
+def check_group_perm(a: AttentionSpec, perm: torch.Tensor) -> None:
+    """``perm`` moves query heads only together with their key/value group (else ``ValueError``)."""
+    if a.group_size == 1:
+        return
+    blocks = perm.reshape(a.kv_heads, a.group_size) // a.group_size
+    if not bool((blocks == blocks[:, :1]).all()):
+        raise ValueError(f"{a.q.weight}: head permutation splits a key/value group (grouped-query attention)")
 
 
 def random_group_element(
@@ -154,23 +178,35 @@ def _mlp_width(m: MLPSpec, state: dict | None) -> int:
     return state[m.up.weight].shape[0]
 
 
+def random_head_perm(a: AttentionSpec, generator) -> torch.Tensor:
+    """Random group-consistent query-head permutation: groups permute, heads permute within a group."""
+    G, r = a.kv_heads, a.group_size
+    groups = torch.randperm(G, generator=generator)
+    within = torch.stack([torch.randperm(r, generator=generator) for _ in range(G)])
+    return (groups[:, None] * r + within).reshape(-1)
+
+
 def _random_head_map(a: AttentionSpec, generator, mode: str, dtype, scales: bool) -> HeadMap:
-    H, dh = a.num_heads, a.head_dim
-    perm = torch.randperm(H, generator=generator)
+    G, dh = a.kv_heads, a.head_dim
+    perm = random_head_perm(a, generator)
     if mode == "permutation":
-        ov = torch.stack([random_permutation_matrix(dh, generator, dtype) for _ in range(H)])
-        qk = None if a.rotary else torch.stack([random_permutation_matrix(dh, generator, dtype) for _ in range(H)])
+        ov = torch.stack([random_permutation_matrix(dh, generator, dtype) for _ in range(G)])
+        qk = None if a.rotary else torch.stack([random_permutation_matrix(dh, generator, dtype) for _ in range(G)])
         return HeadMap(perm, qk, ov)
-    ov = torch.stack([random_orthogonal(dh, generator, dtype) for _ in range(H)])
+    ov = torch.stack([random_orthogonal(dh, generator, dtype) for _ in range(G)])
     if not a.rotary:
-        qk = torch.stack([random_orthogonal(dh, generator, dtype) for _ in range(H)])
+        qk = torch.stack([random_orthogonal(dh, generator, dtype) for _ in range(G)])
         return HeadMap(perm, qk, ov)
-    angles = (torch.rand(H, dh // 2, generator=generator, dtype=torch.float64) * 2 - 1) * torch.pi
-    plane_scales = torch.exp(0.5 * torch.randn(H, dh // 2, generator=generator, dtype=torch.float64)) if scales else None
-    qk = plane_rotations(angles, dh, a.rotary, plane_scales).to(dtype)
+    rd = a.rotated
+    angles = (torch.rand(G, rd // 2, generator=generator, dtype=torch.float64) * 2 - 1) * torch.pi
+    plane_scales = torch.exp(0.5 * torch.randn(G, rd // 2, generator=generator, dtype=torch.float64)) if scales else None
+    passthrough = None
+    if rd < dh:
+        passthrough = torch.stack([random_orthogonal(dh - rd, generator) for _ in range(G)])
+    qk = plane_rotations(angles, dh, a.rotary, plane_scales, passthrough).to(dtype)
     dual = None
     if scales:
-        dual = plane_rotations(angles, dh, a.rotary, 1.0 / plane_scales).to(dtype)
+        dual = plane_rotations(angles, dh, a.rotary, 1.0 / plane_scales, passthrough).to(dtype)
     return HeadMap(perm, qk, ov, qk_dual=dual)
 
 
@@ -196,24 +232,34 @@ def _dual(m: torch.Tensor | None, dual: torch.Tensor | None) -> torch.Tensor | N
 
 
 def apply_head_map(a: AttentionSpec, state: dict, hm: HeadMap) -> None:
-    """In place on the dict (new tensors): permute heads, then apply A_h to Q/K, B_h to V/O."""
-    H, dh = a.num_heads, a.head_dim
+    """In place on the dict (new tensors): permute heads, then apply A_g to Q/K, B_g to V/O.
+
+    ``hm.perm`` permutes the H query heads (group-consistent under grouped-query attention);
+    key/value heads follow with :func:`kv_perm`. The maps (G, d_h, d_h) belong to key/value
+    groups: query head h and output block h use the map of group h // r.
+    """
+    H, G, dh, r = a.num_heads, a.kv_heads, a.head_dim, a.group_size
+    check_group_perm(a, hm.perm)
     perm = hm.perm.to(state[a.q.weight].device)
-    for lin, m in ((a.q, hm.qk), (a.k, _dual(hm.qk, hm.qk_dual)), (a.v, hm.ov)):
+    kv = kv_perm(perm, G)
+    per_query = lambda m: None if m is None or r == 1 else m.repeat_interleave(r, 0)  # noqa: E731
+    qk_q = hm.qk if r == 1 else per_query(hm.qk)
+    for lin, heads, p, m in ((a.q, H, perm, qk_q), (a.k, G, kv, _dual(hm.qk, hm.qk_dual)), (a.v, G, kv, hm.ov)):
         w = state[lin.weight]
-        w = w.reshape(H, dh, -1)[perm]
+        w = w.reshape(heads, dh, -1)[p]
         if m is not None:  # torch layout of W_h m is mᵀ W_hᵀ... rows: new[h] = m_hᵀ @ w[h]
             w = torch.einsum("hij,hjd->hid", m.to(w).transpose(1, 2), w)
-        state[lin.weight] = w.reshape(H * dh, -1)
+        state[lin.weight] = w.reshape(heads * dh, -1)
         if lin.bias:
-            b = state[lin.bias].reshape(H, dh)[perm]
+            b = state[lin.bias].reshape(heads, dh)[p]
             if m is not None:
                 b = torch.einsum("hi,hij->hj", b, m.to(b))
-            state[lin.bias] = b.reshape(H * dh)
+            state[lin.bias] = b.reshape(heads * dh)
     w = state[a.o.weight]
     w = w.reshape(w.shape[0], H, dh)[:, perm]
     dual = _dual(hm.ov, hm.ov_dual)
     if dual is not None:  # W_O,h ← B⁻¹ W_O,h, i.e. torch columns: o[:, h] @ B⁻ᵀ
+        dual = dual if r == 1 else per_query(dual)
         w = torch.einsum("dhi,hij->dhj", w, dual.to(w))
     state[a.o.weight] = w.reshape(w.shape[0], H * dh)
 
@@ -273,10 +319,10 @@ def apply_group(spec: SymmetrySpec, state: dict, g: GroupElement) -> dict:
 
 
 def _compose_maps(m1, m2, perm2):
-    """Map of ``first m1 then m2`` on head h: ``m1[perm2[h]] @ m2[h]`` (None = identity)."""
+    """Map of ``first m1 then m2`` on group g: ``m1[kv(perm2)[g]] @ m2[g]`` (None = identity)."""
     if m1 is None:
         return m2
-    m1 = m1[perm2]
+    m1 = m1[perm2 if m1.shape[0] == perm2.numel() else kv_perm(perm2, m1.shape[0])]
     return m1 if m2 is None else m1 @ m2.to(m1)
 
 

@@ -22,6 +22,8 @@ recorded objective never decreases:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +38,7 @@ from .group import (
     NeuronMap,
     apply_group,
     compose,
+    contract_axis,
     ones_complement,
     rotary_planes,
 )
@@ -65,6 +68,7 @@ class MatchResult:
     iterations: int = 0
     start: str = "identity"
     elapsed: list[float] = field(default_factory=list)  # seconds since the call, per objective entry
+    phases: dict = field(default_factory=dict)  # seconds per phase: setup, residual, heads, mlp, finish
 
 
 SPARSE_ASSIGNMENT_ABOVE = 1024  # n above which assignments are solved on a top-k candidate graph
@@ -86,25 +90,72 @@ def hungarian(score: torch.Tensor) -> torch.Tensor:
         return best
     n = score.shape[0]
     if n > SPARSE_ASSIGNMENT_ABOVE and score.shape[1] == n:
-        perm = _sparse_assignment(score.detach().cpu(), SPARSE_CANDIDATES)
+        top = torch.topk(score, min(SPARSE_CANDIDATES, n), dim=1)
+        perm = _sparse_assignment(top.values.cpu(), top.indices.cpu(), n)
         if perm is not None:
             return perm
+    return _dense_assignment(score)
+
+
+def _dense_assignment(score: torch.Tensor) -> torch.Tensor:
     rows, cols = linear_sum_assignment(score.detach().double().cpu().numpy(), maximize=True)
     perm = np.empty_like(cols)
     perm[rows] = cols
     return torch.as_tensor(perm, dtype=torch.long)
 
 
-def _sparse_assignment(score: torch.Tensor, k: int) -> torch.Tensor | None:
+def match_rows(ref_rows: torch.Tensor, cand_rows: torch.Tensor) -> torch.Tensor:
+    """:func:`hungarian` on ``ref_rows @ cand_rows.T`` without forming it in full precision when large.
+
+    Above ``SPARSE_ASSIGNMENT_ABOVE`` rows, on hardware with fast bfloat16 products (CUDA, or
+    CPUs with AMX/AVX512-BF16), each row's ``SPARSE_CANDIDATES`` best columns are found from a
+    bfloat16 product (≈6x faster than float32 on AMX), their scores are recomputed exactly in
+    the input precision, and the assignment is solved on those exact candidate scores.
+    """
+    n = ref_rows.shape[0]
+    if n <= SPARSE_ASSIGNMENT_ABOVE or cand_rows.shape[0] != n or not fast_bfloat16(ref_rows.device):
+        return hungarian(ref_rows @ cand_rows.T)
+    approx = ref_rows.bfloat16() @ cand_rows.bfloat16().T
+    k = min(SPARSE_CANDIDATES, n)
+    index = torch.topk(approx, k, dim=1).indices
+    del approx
+    values = torch.empty(n, k, dtype=ref_rows.dtype, device=ref_rows.device)
+    chunk = max(1, 2**26 // (k * ref_rows.shape[1]))
+    for i in range(0, n, chunk):
+        values[i:i + chunk] = torch.einsum("id,ikd->ik", ref_rows[i:i + chunk], cand_rows[index[i:i + chunk]])
+    best = index.gather(1, values.argmax(1, keepdim=True)).squeeze(1).cpu()
+    if torch.unique(best).numel() == n:
+        return best
+    perm = _sparse_assignment(values.cpu(), index.cpu(), n)
+    return perm if perm is not None else _dense_assignment(ref_rows @ cand_rows.T)
+
+
+def fast_bfloat16(device: torch.device) -> bool:
+    """Whether bfloat16 matrix products are much faster than float32 here (CUDA; AMX/AVX512-BF16 CPUs)."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and _cpu_has_bf16()
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def _sparse_assignment(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor | None:
+    """Max-score perfect matching using only the candidate edges (row i → ``index[i]``, scores ``values[i]``)."""
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
-    n = score.shape[0]
-    top = torch.topk(score, min(k, n), dim=1)
-    rows = np.repeat(np.arange(n), top.indices.shape[1])
-    values = top.values.double().numpy().reshape(-1)
-    cost = values.max() - values + 1.0  # positive costs: minimising cost maximises the score
-    graph = csr_matrix((cost, (rows, top.indices.numpy().reshape(-1))), shape=(n, n))
+    rows = np.repeat(np.arange(n), index.shape[1])
+    v = values.double().numpy().reshape(-1)
+    cost = v.max() - v + 1.0  # positive costs: minimising cost maximises the score
+    graph = csr_matrix((cost, (rows, index.numpy().reshape(-1))), shape=(n, n))
     try:
         _, cols = min_weight_full_bipartite_matching(graph)
     except ValueError:  # no perfect matching among the candidate edges
@@ -118,13 +169,17 @@ def procrustes(m: torch.Tensor) -> torch.Tensor:
     return (u @ vh).to(m.dtype)
 
 
-def plane_procrustes(m: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+def plane_procrustes(m: torch.Tensor, layout: str, rotary_dims: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Best per-plane rotations for ``max tr(Aᵀ M)`` with A block-rotational on rotary planes.
 
     For the plane (a, b): ``tr = cos θ (M_aa + M_bb) + sin θ (M_ba − M_ab)``, maximised at
-    ``θ = atan2(M_ba − M_ab, M_aa + M_bb)`` with value ``hypot(·, ·)``. Returns (A, value per head).
+    ``θ = atan2(M_ba − M_ab, M_aa + M_bb)`` with value ``hypot(·, ·)``. With partial rotary
+    (``rotary_dims`` r_d < d_h) the position-free dims get the Procrustes map of their block,
+    value its nuclear norm. Returns (A, value per head).
     """
-    planes = rotary_planes(m.shape[-1], layout).to(m.device)
+    dh = m.shape[-1]
+    rd = rotary_dims or dh
+    planes = rotary_planes(dh, layout, rd).to(m.device)
     a, b = planes[:, 0], planes[:, 1]
     cos_part = m[..., a, a] + m[..., b, b]
     sin_part = m[..., b, a] - m[..., a, b]
@@ -132,7 +187,12 @@ def plane_procrustes(m: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.
     out = torch.zeros_like(m)
     c, s = torch.cos(theta), torch.sin(theta)
     out[..., a, a], out[..., a, b], out[..., b, a], out[..., b, b] = c, -s, s, c
-    return out, torch.hypot(cos_part, sin_part).sum(-1)
+    value = torch.hypot(cos_part, sin_part).sum(-1)
+    if rd < dh:
+        u, sv, vh = torch.linalg.svd(m[..., rd:, rd:].double())
+        out[..., rd:, rd:] = (u @ vh).to(m.dtype)
+        value = value + sv.sum(-1).to(m.dtype)
+    return out, value
 
 
 def _unfold(x: torch.Tensor, axis: int) -> torch.Tensor:
@@ -165,16 +225,23 @@ class _Objective:
         ref = self.ref[key].to(tensor).reshape(-1)
         return self.w[key] * float(torch.dot(ref, tensor.reshape(-1)))
 
-    def __call__(self, state: dict, previous: dict | None = None) -> tuple[float, dict]:
-        """(J, per-key terms); with ``previous`` = (old state, old terms) only changed keys are recomputed."""
+    def __call__(self, state: dict, previous: dict | None = None, residual: torch.Tensor | None = None,
+                 free: torch.Tensor | None = None) -> tuple[float, dict]:
+        """(J, per-key terms); with ``previous`` = (old state, old terms) only changed keys are recomputed.
+
+        ``free`` = K₀ (d×d, see :meth:`_Matcher.free_covariance`) stands for the tensors that
+        only the residual map O moves and that ``state`` leaves out: they add ``tr(Oᵀ K₀)``.
+        """
+        keys = [k for k in self.keys if k in state]
         if previous is None:
-            terms = {k: self.contribution(k, state[k]) for k in self.keys}
+            terms = {k: self.contribution(k, state[k]) for k in keys}
         else:
             old_state, old_terms = previous
-            terms = {
-                k: old_terms[k] if state[k] is old_state[k] else self.contribution(k, state[k]) for k in self.keys
-            }
-        return sum(terms.values()) / self.norm, terms
+            terms = {k: old_terms[k] if state[k] is old_state[k] else self.contribution(k, state[k]) for k in keys}
+        total = sum(terms.values())
+        if free is not None:
+            total += float(torch.trace(free) if residual is None else (residual.to(free) * free).sum())
+        return total / self.norm, terms
 
 
 class _Matcher:
@@ -188,24 +255,58 @@ class _Matcher:
             block |= {lin.weight for lin in (m.up, m.gate, m.down) if lin}
         self.free_axes = [(k, ax) for k, ax in spec.residual if k not in block]
         self.fixed_ones = spec.norm_kind == "layernorm"
+        counts = {}
+        for k, _ in spec.residual:
+            counts[k] = counts.get(k, 0) + 1
+        #: keys that only the residual map moves (embeddings, head, residual biases): kept
+        #: un-rotated during matching, their cross-covariance with the reference fixed (K₀)
+        self.lazy = {k for k, _ in self.free_axes if counts[k] == 1}
 
     # -- residual ---------------------------------------------------------------------------
-    def residual_step(self, state: dict, axes=None) -> torch.Tensor:
-        axes = self.spec.residual if axes is None else axes
-        d = self.spec.width
+    def covariance(self, state: dict, axes) -> torch.Tensor | None:
+        """``C = Σ_p w_p unfold(θ_p)ᵀ unfold(θ_ref,p)`` over ``axes`` (None if all weights are 0)."""
         c = None
         for key, axis in axes:
             if self.w[key] == 0:
                 continue
             term = _unfold(state[key], axis).T @ _unfold(self.ref[key], axis).to(state[key])
             c = term * self.w[key] if c is None else c + term * self.w[key]
+        return c
+
+    def free_covariance(self, state: dict) -> torch.Tensor:
+        """K₀ = C over the lazy keys at their unmoved values. After residual maps with product
+        O, those tensors are ``θ_p ×_axis O``, their C is ``Oᵀ K₀`` and their J term ``tr(Oᵀ K₀)``:
+        the big embedding products are computed once, not every iteration."""
+        c = self.covariance(state, [(k, ax) for k, ax in self.free_axes if k in self.lazy])
         if c is None:
-            first = state[axes[0][0]]
+            first = state[self.spec.residual[0][0]]
+            c = torch.zeros(self.spec.width, self.spec.width, dtype=first.dtype, device=first.device)
+        return c
+
+    def residual_step(self, state: dict, axes=None, free: torch.Tensor | None = None,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Best residual map O for ``state`` (keys in ``axes``, default every residual axis of a
+        key present in ``state``) plus, with ``free`` = K₀, the lazy tensors now at
+        ``θ_p ×_axis residual``."""
+        d = self.spec.width
+        if axes is None:
+            axes = [(k, ax) for k, ax in self.spec.residual if k in state]
+        c = self.covariance(state, axes)
+        if free is not None:
+            moved = free if residual is None else residual.to(free).T @ free
+            c = moved if c is None else c + moved
+        return self.orthogonal_map(c, state)
+
+    def orthogonal_map(self, c: torch.Tensor | None, state: dict) -> torch.Tensor:
+        """O maximising ``tr(Oᵀ C)`` in the group (Procrustes; LayerNorm: fixing 1; or a permutation)."""
+        d = self.spec.width
+        if c is None:
+            first = next(iter(state.values()))
             return torch.eye(d, dtype=first.dtype, device=first.device)
         if self.mode == "permutation":
             perm = hungarian(c.T)  # reference dim j takes candidate dim perm[j]
             o = torch.zeros_like(c)
-            o[perm, torch.arange(d)] = 1.0
+            o[perm.to(c.device), torch.arange(d, device=c.device)] = 1.0
             return o
         if self.fixed_ones:
             q = ones_complement(d, torch.float64).to(c.device)
@@ -215,19 +316,21 @@ class _Matcher:
 
     # -- heads ------------------------------------------------------------------------------
     def _head_factors(self, a: AttentionSpec, which: dict):
-        H, dh = a.num_heads, a.head_dim
+        """Per-head factors (heads, d_h, ·) of q, k, v (bias as an extra input column) and o, each
+        scaled by √w so that products of reference and candidate factors carry the weight."""
+        dh = a.head_dim
 
-        def rows(lin, src):  # per head (H, d_h, d_in), plus bias as an extra input column
-            w = src[lin.weight].reshape(H, dh, -1) * (self.w[lin.weight] ** 0.5)
+        def rows(lin, heads):
+            w = which[lin.weight].reshape(heads, dh, -1) * (self.w[lin.weight] ** 0.5)
             if lin.bias:
-                w = torch.cat([w, (src[lin.bias].reshape(H, dh, 1) * (self.w[lin.bias] ** 0.5))], -1)
+                w = torch.cat([w, (which[lin.bias].reshape(heads, dh, 1) * (self.w[lin.bias] ** 0.5))], -1)
             return w
 
-        o_w = lambda src: (src[a.o.weight].reshape(-1, H, dh).permute(1, 2, 0) * (self.w[a.o.weight] ** 0.5))  # noqa
-        return {name: (rows(getattr(a, name), which) if name != "o" else o_w(which)) for name in "qkvo"}
+        o = which[a.o.weight].reshape(-1, a.num_heads, dh).permute(1, 2, 0) * (self.w[a.o.weight] ** 0.5)
+        return {"q": rows(a.q, a.num_heads), "k": rows(a.k, a.kv_heads), "v": rows(a.v, a.kv_heads), "o": o}
 
     def head_step(self, a: AttentionSpec, state: dict) -> HeadMap:
-        """Exact maximisation of J over (head permutation, within-head maps), O and MLPs fixed.
+        """Maximise J over (head permutation, within-head maps), O and MLPs fixed.
 
         For reference head i and candidate head j, ``M_qk[i, j] = Q_jᵀ Q_ref,i + K_jᵀ K_ref,i`` and
         ``M_ov[i, j] = V_jᵀ V_ref,i + O_j O_ref,iᵀ`` are d_h×d_h factor products (biases as extra
@@ -235,39 +338,80 @@ class _Matcher:
         ``‖M_qk‖_* + ‖M_ov‖_*`` (per-plane values under RoPE), which — like the QK/OV circuit
         similarity — ignores the candidate's within-head basis; Hungarian on these values then
         Procrustes gives the joint optimum.
+
+        Grouped-query attention (r = H/G query heads per key/value head): a pair of groups gets
+        the query heads matched inside it by the same per-head values (Hungarian on r×r), then
+        ``M_qk``/``M_ov`` sum the key/value term and the matched query/output terms; groups are
+        matched on those values and share one map. (The r×r pairing uses each head's own best
+        map, so this step is a heuristic for r > 1; the caller keeps it only if J does not drop.)
         """
         ref = self._head_factors(a, self.ref)
         cand = self._head_factors(a, state)
         ref = {k: v.to(cand[k]) for k, v in ref.items()}
         pair = lambda x, y: torch.einsum("jad,ibd->ijab", y, x)  # noqa: E731  (cand j rows) · (ref i rows)ᵀ
-        m_qk = pair(ref["q"], cand["q"]) + pair(ref["k"], cand["k"])
-        m_ov = pair(ref["v"], cand["v"]) + pair(ref["o"], cand["o"])
-        value_qk, fit_qk = self._within_head(m_qk, a.rotary, allow=self.mode == "orthogonal" or not a.rotary)
-        value_ov, fit_ov = self._within_head(m_ov, None, allow=True)
-        perm = hungarian(value_qk + value_ov)
-        idx = torch.arange(a.num_heads)
-        qk = None if fit_qk is None else fit_qk[idx, perm.to(idx.device)]
-        return HeadMap(perm, qk, fit_ov[idx, perm])
+        rotary_ok = self.mode == "orthogonal" or not a.rotary
+        r, G = a.group_size, a.kv_heads
+        if r == 1:
+            m_qk = pair(ref["q"], cand["q"]) + pair(ref["k"], cand["k"])
+            m_ov = pair(ref["v"], cand["v"]) + pair(ref["o"], cand["o"])
+            within = None
+        else:
+            m_q, m_o = pair(ref["q"], cand["q"]), pair(ref["o"], cand["o"])
+            head_value = (self._pair_values(m_q, a, rotary_ok) + self._pair_values(m_o, None, True)).cpu()
+            m_qk, m_ov = pair(ref["k"], cand["k"]), pair(ref["v"], cand["v"])
+            within = torch.empty(G, G, r, dtype=torch.long)
+            for gi in range(G):
+                for gj in range(G):
+                    p = hungarian(head_value[gi * r:(gi + 1) * r, gj * r:(gj + 1) * r])
+                    within[gi, gj] = p
+                    rows, cols = gi * r + torch.arange(r), gj * r + p
+                    m_qk[gi, gj] += m_q[rows.to(m_q.device), cols.to(m_q.device)].sum(0)
+                    m_ov[gi, gj] += m_o[rows.to(m_o.device), cols.to(m_o.device)].sum(0)
+        gperm = hungarian(self._pair_values(m_qk, a, rotary_ok) + self._pair_values(m_ov, None, True))  # CPU
+        chosen = lambda t: t[torch.arange(G, device=t.device), gperm.to(t.device)]  # noqa: E731
+        qk = self._best_maps(chosen(m_qk), a, rotary_ok)
+        ov = self._best_maps(chosen(m_ov), None, True)
+        if within is None:
+            return HeadMap(gperm, qk, ov)
+        perm = (gperm[:, None] * r + within[torch.arange(G), gperm]).reshape(-1)
+        return HeadMap(perm, qk, ov)
 
-    def _within_head(self, m: torch.Tensor, rotary, allow: bool):
-        """Best within-head maps for every (ref i, cand j) pair and their objective values."""
+    def _pair_values(self, m: torch.Tensor, attention: AttentionSpec | None, allow: bool) -> torch.Tensor:
+        """``max_A tr(Aᵀ M[i, j])`` for every (ref i, cand j) pair over the within-head maps A
+        allowed (``attention`` given: its rotary layout constrains A; None: any orthogonal A;
+        ``allow`` False: A = identity). Orthogonal: the nuclear norm (singular values only —
+        the maps are solved for the chosen pairs alone, see :meth:`_best_maps`)."""
         if not allow:  # permutation mode with RoPE: no within-head freedom
-            return torch.diagonal(m, dim1=-2, dim2=-1).sum(-1), None
+            return torch.diagonal(m, dim1=-2, dim2=-1).sum(-1)
         if self.mode == "permutation":
-            H = m.shape[0]
-            value = torch.empty(H, H, dtype=m.dtype, device=m.device)
-            fit = torch.zeros_like(m)
-            for i in range(H):
-                for j in range(H):
-                    p = hungarian(m[i, j].T)  # ref dim b ← cand dim p[b]
-                    fit[i, j, p, torch.arange(m.shape[-1])] = 1.0
-                    value[i, j] = m[i, j][p, torch.arange(m.shape[-1])].sum()
-            return value, fit
-        if rotary:
-            fit, value = plane_procrustes(m, rotary)
-            return value, fit
-        u, sv, vh = torch.linalg.svd(m.double())  # fp16/bf16 have no SVD; float64 is exact enough
-        return sv.sum(-1).to(m.dtype), (u @ vh).to(m.dtype)
+            return self._within_permutations(m)[0]
+        if attention is not None and attention.rotary:
+            return plane_procrustes(m, attention.rotary, attention.rotated)[1]
+        return torch.linalg.svdvals(m.double()).sum(-1).to(m.dtype)  # fp16/bf16 have no SVD
+
+    def _best_maps(self, m: torch.Tensor, attention: AttentionSpec | None, allow: bool) -> torch.Tensor | None:
+        """The maximising maps A (batch, d_h, d_h) of :meth:`_pair_values` for a batch of M."""
+        if not allow:
+            return None
+        if self.mode == "permutation":
+            return self._within_permutations(m)[1]
+        if attention is not None and attention.rotary:
+            return plane_procrustes(m, attention.rotary, attention.rotated)[0]
+        return procrustes(m)
+
+    @staticmethod
+    def _within_permutations(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Best within-head permutation matrices and values for every matrix in the batch ``m``."""
+        flat = m.reshape(-1, *m.shape[-2:])
+        dh = m.shape[-1]
+        value = torch.empty(flat.shape[0], dtype=m.dtype, device=m.device)
+        fit = torch.zeros_like(flat)
+        cols = torch.arange(dh)
+        for i, block in enumerate(flat):
+            p = hungarian(block.T)  # ref dim b ← cand dim p[b]
+            fit[i, p, cols] = 1.0
+            value[i] = block[p.to(m.device), cols.to(m.device)].sum()
+        return value.reshape(m.shape[:-2]), fit.reshape(m.shape)
 
     # -- MLP --------------------------------------------------------------------------------
     def neuron_step(self, m: MLPSpec, state: dict) -> NeuronMap:
@@ -282,7 +426,7 @@ class _Matcher:
                 ref, cand = ref.T, cand.T
             ref_rows.append((ref * self.w[key]).reshape(ref.shape[0], -1))
             cand_rows.append(cand.reshape(cand.shape[0], -1))
-        return NeuronMap(hungarian(torch.cat(ref_rows, 1) @ torch.cat(cand_rows, 1).T))
+        return NeuronMap(match_rows(torch.cat(ref_rows, 1), torch.cat(cand_rows, 1)))
 
 
 def weight_match(
@@ -327,19 +471,36 @@ def weight_match(
     J = _Objective(spec, ref_state, cand_c.state, weighting)
     matcher = _Matcher(spec, ref_state, J, mode)
     initial, _ = J(cand_c.state)
+    # tensors only the residual map moves stay unrotated until the end (see free_covariance)
+    lazy = {k: cand_c.state[k] for k in matcher.lazy}
+    free = matcher.free_covariance(cand_c.state)
+    inner = dataclasses.replace(spec, residual=tuple(a for a in spec.residual if a[0] not in lazy))
+    cand_inner = {k: v for k, v in cand_c.state.items() if k not in lazy}
+
+    phases = dict.fromkeys(("setup", "heads", "mlp", "residual", "finish"), 0.0)
+
+    def timed(phase: str, clock: float) -> float:
+        now = time.perf_counter()
+        phases[phase] += now - clock
+        return now
 
     def iterate(point: _Point) -> _Point:
+        clock = time.perf_counter()
         for i, a in enumerate(spec.attention):
             step = GroupElement.identity(spec)
             step.heads[i] = matcher.head_step(a, point.state)
-            point = point.try_step(spec, J, step)
+            point = point.try_step(inner, J, step, free)
+        clock = timed("heads", clock)
         for i, m in enumerate(spec.mlp):
             step = GroupElement.identity(spec)
             step.neurons[i] = matcher.neuron_step(m, point.state)
-            point = point.try_step(spec, J, step)
+            point = point.try_step(inner, J, step, free)
+        clock = timed("mlp", clock)
         step = GroupElement.identity(spec)
-        step.residual = matcher.residual_step(point.state)
-        return point.try_step(spec, J, step)
+        step.residual = matcher.residual_step(point.state, free=free, residual=point.g.residual)
+        point = point.try_step(inner, J, step, free)
+        timed("residual", clock)
+        return point
 
     # two starts: identity (right for models fine-tuned from a common parent) and the residual map
     # fitted on the tensors without head/neuron axes (independent inits); keep the higher J
@@ -352,11 +513,12 @@ def weight_match(
         starts.append(("given", init))
     points = []
     for name, g0 in starts:
-        state0 = apply_group(spec, cand_c.state, g0)
-        points.append((name, _Point(state0, g0, *J(state0))))
+        state0 = apply_group(inner, cand_inner, g0)
+        points.append((name, _Point(state0, g0, *J(state0, residual=g0.residual, free=free))))
     start_name, point = max(points, key=lambda p: p[1].value)
     objective = [point.value]
     elapsed = [time.perf_counter() - t0]
+    phases["setup"] = elapsed[0]
 
     bar = progress_bar(iterations, progress, "weight matching", "it")
     done = 0
@@ -370,11 +532,19 @@ def weight_match(
         if point.value - before <= tol * max(abs(before), 1e-12):
             break
     bar.close()
-    state, g = point.state, point.g
+    clock = time.perf_counter()
+    g = point.g
+    state = dict(point.state)
+    for key, axis in spec.residual:
+        if key in lazy:
+            state[key] = lazy[key] if g.residual is None else contract_axis(lazy[key], axis, g.residual.to(lazy[key]))
+    state = {k: state[k] for k in cand_c.state}  # the candidate's key order
     aligned = {k: v.to(dtypes[k]) for k, v in to_gauge(spec, state, ref_c.gains).items()}
+    canonical = {k: v.to(dtypes[k]) for k, v in state.items()}
+    timed("finish", clock)
     return MatchResult(
         state=aligned,
-        canonical={k: v.to(dtypes[k]) for k, v in state.items()},
+        canonical=canonical,
         transform=g,
         objective=objective,
         initial_objective=initial,
@@ -382,6 +552,7 @@ def weight_match(
         iterations=done,
         start=start_name,
         elapsed=elapsed,
+        phases=phases,
     )
 
 
@@ -434,12 +605,13 @@ class _Point:
     value: float
     terms: dict
 
-    def try_step(self, spec: SymmetrySpec, J: _Objective, step: GroupElement) -> "_Point":
+    def try_step(self, spec: SymmetrySpec, J: _Objective, step: GroupElement, free=None) -> "_Point":
         """Move by ``step`` only if J does not decrease (exact maximisers can lose to round-off)."""
         state = apply_group(spec, self.state, step)
-        value, terms = J(state, (self.state, self.terms))
+        g = compose(self.g, step)
+        value, terms = J(state, (self.state, self.terms), g.residual, free)
         if value >= self.value:
-            return _Point(state, compose(self.g, step), value, terms)
+            return _Point(state, g, value, terms)
         return self
 
 

@@ -75,6 +75,9 @@ class _Delta(nn.Module):
     """Free parameters of one candidate's correction g_Δ (identity at initialisation)."""
 
     def __init__(self, spec: SymmetrySpec, state: dict, permutations: str, init_scale: float):
+        if not all(a.is_plain for a in spec.attention):
+            raise ValueError(f"{spec.name}: learned refinement does not support grouped-query attention "
+                             "or partial rotary yet (weight matching and merging do)")
         super().__init__()
         d = spec.width
         dtype = next(v.dtype for v in state.values() if v.is_floating_point())

@@ -44,10 +44,15 @@ class Norm:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Multi-head attention: q/k/v (H·d_h, d) and o (d, H·d_h) in torch layout.
+    """Multi-head attention: q (H·d_h, d), k/v (G·d_h, d) and o (d, H·d_h) in torch layout.
 
+    ``num_kv_heads`` G (grouped-query attention; None: G = H): query heads h·r … h·r+r−1
+    (r = H/G) share key/value head h, so heads permute only together with their group and the
+    within-head maps are shared by a group.
     ``rotary``: None for absolute positions, ``"half"`` when rotary plane j pairs dims
-    (j, j + d_h/2) (HF Llama, fedbasin GPT), ``"interleaved"`` when it pairs (2j, 2j+1).
+    (j, j + r_d/2) (HF Llama/NeoX, fedbasin GPT), ``"interleaved"`` when it pairs (2j, 2j+1).
+    ``rotary_dims`` r_d: the first r_d dims of a head rotate (None: all, d_h); the other
+    d_h − r_d dims carry no position and admit any orthogonal map (GPT-NeoX ``rotary_pct``).
     """
 
     q: Linear
@@ -57,6 +62,28 @@ class AttentionSpec:
     num_heads: int
     head_dim: int
     rotary: Literal["half", "interleaved"] | None = None
+    num_kv_heads: int | None = None
+    rotary_dims: int | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        """G: number of key/value heads (= H without grouped-query attention)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def group_size(self) -> int:
+        """r = H/G query heads per key/value head."""
+        return self.num_heads // self.kv_heads
+
+    @property
+    def rotated(self) -> int:
+        """Number of rotating dims per head (0 without rotary positions)."""
+        return 0 if not self.rotary else (self.rotary_dims or self.head_dim)
+
+    @property
+    def is_plain(self) -> bool:
+        """No grouped-query attention and no partial rotary (what every algorithm supports)."""
+        return self.kv_heads == self.num_heads and self.rotated in (0, self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -125,12 +152,12 @@ class SymmetrySpec:
                     f"{what}: {key} has shape {shape}; expected residual width {self.width} on axis {axis}"
                 )
         for a in self.attention:
-            inner = a.num_heads * a.head_dim
-            for lin, ax in ((a.q, 0), (a.k, 0), (a.v, 0), (a.o, 1)):
-                if state[lin.weight].shape[ax] != inner:
+            for lin, ax, heads in ((a.q, 0, a.num_heads), (a.k, 0, a.kv_heads), (a.v, 0, a.kv_heads),
+                                   (a.o, 1, a.num_heads)):
+                if state[lin.weight].shape[ax] != heads * a.head_dim:
                     raise ValueError(
                         f"{what}: {lin.weight} has shape {tuple(state[lin.weight].shape)}; expected "
-                        f"{a.num_heads} heads x {a.head_dim} = {inner} on axis {ax}"
+                        f"{heads} heads x {a.head_dim} = {heads * a.head_dim} on axis {ax}"
                     )
         for m in self.mlp:
             n = state[m.up.weight].shape[0]

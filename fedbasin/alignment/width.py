@@ -124,6 +124,9 @@ def check_embeddable(spec_small: SymmetrySpec, spec_big: SymmetrySpec) -> None:
         diff = sorted(spec_small.keys() ^ spec_big.keys())
         raise ValueError(f"different architectures: the specs name different tensors {diff[:6]}")
     for a_s, a_b in zip(spec_small.attention, spec_big.attention):
+        if not (a_s.is_plain and a_b.is_plain):
+            raise ValueError(f"{a_s.q.weight}: width embedding does not support grouped-query attention "
+                             "or partial rotary yet")
         if a_s.head_dim != a_b.head_dim:
             raise ValueError(
                 f"{a_s.q.weight}: head width {a_s.head_dim} vs {a_b.head_dim}; heads embed only at equal head width"

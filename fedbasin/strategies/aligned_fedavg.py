@@ -87,10 +87,11 @@ class AlignedFedAvg(FedAvg):
         if mode not in MODES:
             raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
         if spec.tied and alignment:
-            raise ValueError(
-                f"{spec.name}: tied tensors {list(spec.tied)} come back untied from alignment; "
-                "train federated models with untied embeddings (e.g. tie_embeddings=False)"
-            )
+            log(WARNING, "%s: alignment unties %s (the final norm's gain is folded into the head, "
+                "which an orthogonal residual map cannot keep equal to the embedding); from round 2 "
+                "the global model carries both tensors, so clients must build untied models "
+                "(tie_word_embeddings=False / tie_embeddings=False) - replies from tied models "
+                "are excluded", spec.name, ", ".join(f"{b} = {a}" for a, b in spec.tied))
         self.spec = spec
         self.alignment = alignment
         self.mode = mode
@@ -297,6 +298,15 @@ class AlignedFedAvg(FedAvg):
             raise ReplyError(f"{self.weighted_by_key}={n!r} is not a positive number")
         return float(n)
 
+    def _check_untied(self, state: dict, template: ArrayRecord) -> None:
+        """A reply whose tied pair is bitwise equal although the broadcast's differs came from a
+        tied client model: loading the global model into it kept only one of the two tensors."""
+        for source, alias in self.spec.tied:
+            if source in state and alias in state and torch.equal(state[source], state[alias]) and not \
+                    np.array_equal(template[source].numpy(), template[alias].numpy()):
+                raise ReplyError(f"{alias} equals {source} but the global model unties them: the client "
+                                 "model ties them (build it with tie_word_embeddings=False)")
+
     def _checked_state(self, msg: Message, template: ArrayRecord) -> dict[str, torch.Tensor]:
         """The reply's arrays as tensors, after checking them against the broadcast model."""
         records = msg.content.array_records
@@ -322,6 +332,7 @@ class AlignedFedAvg(FedAvg):
             if value.dtype.kind in "fc" and not np.isfinite(value).all():
                 raise ReplyError(f"{key}: contains NaN or infinite values")
             state[key] = torch.from_numpy(value)
+        self._check_untied(state, template)
         if self.alignment:  # e.g. a zero norm gain over a non-zero bias cannot be folded
             try:
                 canonicalize(self.spec, state, validate=False)
