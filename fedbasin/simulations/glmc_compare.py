@@ -9,12 +9,14 @@ einops), through ``glmc_driver.py``; nothing of GLMC is copied here.
     python -m fedbasin.simulations.glmc_compare RUN/seed0 RUN/seed1 --glmc-path /work/glmc \\
         --glmc-python /work/glmc-venv/bin/python --out results.json
 
-Rows: vanilla; GLMC permutation / orthogonal (15 iterations, embedding rows restricted to tokens
-seen in training, as in its scripts); fedbasin permutation / orthogonal with every weighting,
-with and without the seen-token restriction. Note: GLMC evaluates its merge in its own merged
-architecture (LayerNorm replaced by RMSNorm on mean-free weights, and every attention head
-expanded to its full QK and OV circuits, i.e. head width d + 1), while fedbasin's merge keeps the
-GPT-2 architecture of the inputs.
+Rows: vanilla; fedbasin permutation / orthogonal variants (weighting; matching on all token
+rows or on the tokens seen in training); GLMC permutation / orthogonal (15 iterations, embedding
+rows restricted to tokens seen in training, as in its scripts); and one fedbasin alignment
+evaluated on GLMC's path. GLMC evaluates its merge in its own merged architecture (LayerNorm
+replaced by RMSNorm on mean-free weights, every attention head expanded to its full QK and OV
+circuits — head width d + 1 — so attention scores and OV maps interpolate linearly), while
+fedbasin's merge keeps the GPT-2 architecture of the inputs; the last row separates the quality
+of the alignment from the path it is evaluated on.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from fedbasin.alignment import interpolation_curve, loss_barrier, weight_match
+from fedbasin.alignment import Curve, interpolate, lambda_grid, loss_barrier, weight_match
 from fedbasin.checkpoint import build_torch_model, load_checkpoint
 from fedbasin.simulations.gpt2_pair import DEFAULT_TEXT, mean_loss, pair_data
 
@@ -40,10 +42,14 @@ def seen_tokens(train_ids: torch.Tensor) -> torch.Tensor:
     return torch.unique(train_ids)
 
 
-def run_glmc(args, blocks_file: Path, permutations_only: bool) -> dict:
+def run_glmc(args, blocks_file: Path, permutations_only: bool, model1: str | None = None,
+             iterations: int | None = None) -> dict:
+    """GLMC's merger on (A, ``model1`` or B): its weight matching for ``iterations`` (0: none, to
+    evaluate a given alignment on GLMC's path), losses on its λ grid."""
+    iterations = args.glmc_iterations if iterations is None else iterations
     command = [args.glmc_python, str(Path(__file__).with_name("glmc_driver.py")), "--glmc-path", args.glmc_path,
-               "--model0", args.a, "--model1", args.b, "--blocks", str(blocks_file), "--points", str(args.points),
-               "--iterations", str(args.glmc_iterations)]
+               "--model0", args.a, "--model1", model1 or args.b, "--blocks", str(blocks_file),
+               "--points", str(args.points), "--iterations", str(iterations)]
     if permutations_only:
         command.append("--permutations-only")
     started = time.perf_counter()
@@ -67,7 +73,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--glmc-iterations", type=int, default=15)
     parser.add_argument("--iterations", type=int, default=30, help="fedbasin's weight-matching iterations")
     parser.add_argument("--tol", type=float, default=1e-6)
-    parser.add_argument("--weightings", default="rms,cosine,uniform")
+    parser.add_argument("--variants", default="permutation/rms/all,permutation/rms/seen,orthogonal/rms/all,"
+                        "orthogonal/rms/seen,orthogonal/cosine/all,orthogonal/cosine/seen,orthogonal/uniform/seen",
+                        help="fedbasin rows as MODE/WEIGHTING/all|seen (seen: match on tokens seen in training)")
+    parser.add_argument("--circuit-variant", default="orthogonal/rms/seen",
+                        help="the fedbasin alignment also evaluated on GLMC's merged architecture ('' to skip)")
+    parser.add_argument("--max-blocks", type=int, default=0, help="evaluate on the first N test blocks (0: all)")
     parser.add_argument("--points", type=int, default=11)
     parser.add_argument("--out", help="write the results JSON here")
     args = parser.parse_args(argv)
@@ -75,6 +86,8 @@ def main(argv=None) -> dict:
     a, b = load_checkpoint(args.a), load_checkpoint(args.b)
     _, splits = pair_data(args.text, args.tokenizer or args.a, a.config.n_positions)
     test = splits["test"]
+    if args.max_blocks:
+        test = test.subset(torch.arange(min(args.max_blocks, len(test))))
     train_ids = torch.cat([splits["train"].inputs.reshape(-1), splits["train"].targets[:, -1]])
     seen = seen_tokens(train_ids)
     results = {"a": args.a, "b": args.b, "test_blocks": len(test), "points": args.points, "seen_tokens": len(seen),
@@ -83,30 +96,47 @@ def main(argv=None) -> dict:
     def loss(state: dict) -> float:
         return mean_loss(build_torch_model(a, state), test)
 
-    def record(name: str, curve, seconds: float | None = None, **extra) -> None:
-        results["rows"][name] = {"barrier": curve.barrier, "argmax": curve.argmax, "losses": curve.losses,
+    lambdas = lambda_grid(args.points)
+    end_a, end_b = loss(a.state), loss(b.state)  # aligned B has B's function: its loss is B's
+
+    def curve(state_b: dict) -> Curve:
+        losses = [end_b] + [loss(interpolate(a.state, state_b, lam)) for lam in lambdas[1:-1]] + [end_a]
+        return Curve(lambdas, losses, *loss_barrier(lambdas, losses))
+
+    def record(name: str, result: Curve, seconds: float | None = None, **extra) -> None:
+        results["rows"][name] = {"barrier": result.barrier, "argmax": result.argmax, "losses": result.losses,
                                  "seconds": None if seconds is None else round(seconds, 2), **extra}
-        print(f"{name:40s} barrier {curve.barrier:.4f}  midpoint loss {curve.losses[len(curve.losses) // 2]:.4f}",
+        print(f"{name:40s} barrier {result.barrier:.4f}  midpoint loss {result.losses[len(lambdas) // 2]:.4f}",
               file=sys.stderr, flush=True)
 
-    record("vanilla", interpolation_curve(a.state, b.state, loss, args.points))
+    record("vanilla", curve(b.state))
     standard_a, standard_b = a.adapter.to_standard(a.state), b.adapter.to_standard(b.state)
-    for mode in ("permutation", "orthogonal"):
-        for weighting in args.weightings.split(","):
-            for rows, restrict in (("all tokens", None), ("seen tokens", seen)):
-                match = weight_match(a.spec, standard_a, standard_b, mode=mode, iterations=args.iterations,
-                                     tol=args.tol, weighting=weighting, token_rows=restrict)
-                curve = interpolation_curve(a.state, a.adapter.from_standard(match.state), loss, args.points)
-                record(f"fedbasin {mode} {weighting} {rows}", curve, match.seconds, iterations=match.iterations)
+    aligned = {}
+    for variant in filter(None, args.variants.split(",")):
+        mode, weighting, rows = variant.split("/")
+        match = weight_match(a.spec, standard_a, standard_b, mode=mode, iterations=args.iterations, tol=args.tol,
+                             weighting=weighting, token_rows=seen if rows == "seen" else None)
+        aligned[variant] = a.adapter.from_standard(match.state)
+        record(f"fedbasin {variant}", curve(aligned[variant]), match.seconds, iterations=match.iterations)
     if args.glmc_path:
         with tempfile.TemporaryDirectory() as tmp:
             blocks = Path(tmp) / "blocks.pt"
             torch.save({"inputs": test.inputs, "targets": test.targets, "train_ids": train_ids}, blocks)
-            for mode, perm in (("permutation", True), ("orthogonal", False)):
-                out = run_glmc(args, blocks, perm)
-                results["rows"][f"GLMC {mode}"] = {k: out[k] for k in ("barrier", "argmax", "losses", "wall_seconds",
-                                                                       "match_seconds")}
-                print(f"GLMC {mode:31s} barrier {out['barrier']:.4f}", file=sys.stderr, flush=True)
+            runs = [("GLMC permutation", True, None, None), ("GLMC orthogonal", False, None, None)]
+            if args.circuit_variant:
+                from fedbasin.checkpoint import save_checkpoint
+
+                path = Path(tmp) / "aligned_b"
+                state = aligned.get(args.circuit_variant)
+                if state is None:
+                    raise SystemExit(f"glmc_compare: --circuit-variant {args.circuit_variant} is not in --variants")
+                save_checkpoint(path, "gpt2", a.config, state, kind="hf")
+                runs.append((f"fedbasin {args.circuit_variant} on GLMC's merged architecture", False, str(path), 0))
+            for name, perm, model1, iterations in runs:
+                out = run_glmc(args, blocks, perm, model1, iterations)
+                results["rows"][name] = {k: out[k] for k in ("barrier", "argmax", "losses", "wall_seconds",
+                                                             "match_seconds")}
+                print(f"{name:40s} barrier {out['barrier']:.4f}", file=sys.stderr, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     print(json.dumps({k: round(v["barrier"], 4) for k, v in results["rows"].items()}, indent=2))
