@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refine-data", help="proxy data for learned refinement: digits | cifar10:PATH | text:PATH")
     p.add_argument("--refine-steps", type=_positive_int, default=100, help="learned-refinement optimiser steps")
     p.add_argument("--refine-examples", type=_positive_int, default=512,
-                   help="proxy examples taken from the data's training split (20%% held out for keep-best)")
+                   help="proxy examples taken from the data's training split (20%% select the alignment kept, "
+                   "20%% only report its loss)")
     p.add_argument("--refine-lr", type=float, default=1e-2)
     p.add_argument("--refine-permutations", choices=["ste", "sinkhorn"], default="ste",
                    help="straight-through Hungarian (default) or Sinkhorn relaxation")
@@ -185,7 +186,7 @@ def cmd_merge(args) -> int:
 
 def _refined_merge(args, checkpoints, states) -> tuple[dict, dict]:
     """Weight matching, then learned refinement on proxy data; returns (merged state, summary)."""
-    from fedbasin.alignment import learned_refine, refined_merge
+    from fedbasin.alignment import learned_refine, proxy_streams, refined_merge
     from fedbasin.checkpoint import build_torch_model
     from fedbasin.data import load_task
     from fedbasin.training import cross_entropy
@@ -196,23 +197,14 @@ def _refined_merge(args, checkpoints, states) -> tuple[dict, dict]:
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"fedbasin merge: --refine-data {args.refine_data}: {exc}") from None
     _check_task(ref, task, args.reference, "merge", "--refine-data")
-    train_split, held = task.proxy.split(0.2, seed=0)
-    heldout = next(held.batches(len(held)))
-
-    def batches():
-        generator = torch.Generator().manual_seed(0)
-        while True:
-            yield from train_split.batches(args.refine_batch_size, generator=generator)
-
+    data = proxy_streams(task.proxy, args.refine_batch_size, seed=0)
     refine = functools.partial(
-        learned_refine, ref.spec, build_torch_model(ref), loss_fn=cross_entropy, batches=batches(), heldout=heldout,
-        steps=args.refine_steps, lr=args.refine_lr, mode=args.symmetry, permutations=args.refine_permutations,
-        match_iterations=args.iterations, to_module_state=ref.adapter.from_standard, progress=True)
+        learned_refine, ref.spec, build_torch_model(ref), loss_fn=cross_entropy, batches=data.batches,
+        selection=data.selection, evaluation=data.evaluation, steps=args.refine_steps, lr=args.refine_lr,
+        mode=args.symmetry, permutations=args.refine_permutations, match_iterations=args.iterations,
+        match_tol=args.tol, to_module_state=ref.adapter.from_standard, progress=True)
     merged, result = refined_merge(ref.spec, states, args.weights or [1.0] * len(states), 0, refine)
-    info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy), "heldout_loss_start": result.initial_loss,
-            "heldout_loss_best": result.best_loss, "best_step": result.best_step,
-            "seconds": round(result.seconds, 3)}
-    return merged, info
+    return merged, {"steps": args.refine_steps, "proxy_examples": len(task.proxy), **result.summary()}
 
 
 class _Logits(nn.Module):

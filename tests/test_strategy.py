@@ -264,7 +264,7 @@ def test_universe_matching_and_server_side_refinement_keep_the_function():
     def refine(reference, clients, include_reference):
         calls.append((len(clients), include_reference))
         return learned_refine(spec, build_model("vit", VIT), reference, clients, loss_fn=F.cross_entropy,
-                              batches=batches(), heldout=(proxy_x[32:], proxy_y[32:]), steps=4, eval_every=2,
+                              batches=batches(), selection=(proxy_x[32:], proxy_y[32:]), steps=4, eval_every=2,
                               include_reference=include_reference)
 
     refined = strategy_for(spec, base, refine=refine)

@@ -14,7 +14,7 @@ from .group import (
 from .interpolation import Curve, interpolate, interpolation_curve, lambda_grid, loss_barrier
 from .matching import MatchResult, weight_match
 from .merge import MergeResult, average_states, merge
-from .refine import RefineResult, learned_refine, refined_merge
+from .refine import ProxyStreams, RefineResult, learned_refine, proxy_streams, refined_merge
 from .spec import AttentionSpec, Linear, MLPSpec, Norm, SymmetrySpec, check_compatible
 from .width import embed, merge_heterogeneous, restrict
 
@@ -23,5 +23,5 @@ __all__ = [
     "MatchResult", "MergeResult", "NeuronMap", "Norm", "SymmetrySpec", "apply_group", "average_states",
     "canonicalize", "check_compatible", "compose", "fedbasin_adapter", "interpolate", "interpolation_curve",
     "is_canonical", "lambda_grid", "loss_barrier", "merge", "random_group_element", "random_orthogonal",
-    "to_gauge", "weight_match", "RefineResult", "learned_refine", "refined_merge", "embed", "merge_heterogeneous", "restrict",
+    "to_gauge", "weight_match", "ProxyStreams", "RefineResult", "learned_refine", "proxy_streams", "refined_merge", "embed", "merge_heterogeneous", "restrict",
 ]

@@ -13,9 +13,11 @@ of the symmetry orbit:
 
 The loss is taken at ``θ(λ) = λ₀ θ_ref + Σ_k λ_k T_k(θ_k)`` with ``λ ~ Dirichlet(α·1)`` (two
 models: ``λ₀ ~ U(0.4, 0.6)``) through ``torch.func.functional_call`` — the models stay frozen.
-The hard alignment is scored on a held-out proxy batch at the centroid every ``eval_every``
-steps and the best one seen (the start included) is returned, so refinement never returns
-something worse than its start.
+Three disjoint proxy splits keep the result honest: the optimiser sees only the *training*
+batches; the hard alignment is scored at the centroid on a *selection* split every
+``eval_every`` steps and the best one seen (the start included) is returned, so refinement never
+returns something worse than its start on that split; an optional *evaluation* split, never
+used for any decision, reports the loss of the start and of the returned alignment.
 """
 
 from __future__ import annotations
@@ -164,12 +166,18 @@ def _plane_rotation(angles: torch.Tensor, head_dim: int, layout: str) -> torch.T
     return diag + off
 
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class RefineResult:
     """states: refined candidates (reference's gauge, same functions as the inputs);
     canonical: the same in canonical form; transforms: g_k with canonical_k = g_k · canon(θ_k);
-    history: (step, held-out proxy loss at the centroid of the hard alignment); best_step: the
-    step whose alignment is returned (0 = the weight-matching start)."""
+    history: (step, selection-split loss at the centroid of the hard alignment); best_step: the
+    step whose alignment is returned (0 = the weight-matching start, i.e. no improvement).
+    initial_loss / best_loss: selection-split loss of the start / of the returned alignment;
+    evaluation_initial_loss / evaluation_loss: the same on the evaluation split (NaN without one),
+    which no decision ever looked at."""
 
     states: list[dict]
     canonical: list[dict]
@@ -179,6 +187,61 @@ class RefineResult:
     best_loss: float = float("nan")
     best_step: int = 0
     seconds: float = 0.0
+    evaluation_initial_loss: float = float("nan")
+    evaluation_loss: float = float("nan")
+
+    @property
+    def improved(self) -> bool:
+        """Whether any refined alignment beat the weight-matching start on the selection split."""
+        return self.best_step > 0
+
+    def summary(self) -> dict:
+        """JSON-ready record; says plainly when refinement returned its start unchanged."""
+        out = {"selection_loss_start": self.initial_loss, "selection_loss_best": self.best_loss,
+               "best_step": self.best_step, "improved": self.improved, "seconds": round(self.seconds, 3)}
+        if not np.isnan(self.evaluation_loss):
+            out.update(evaluation_loss_start=self.evaluation_initial_loss, evaluation_loss=self.evaluation_loss)
+        if not self.improved:
+            out["note"] = ("refinement could not improve on the weight-matching start (best_step 0): "
+                           "the start is returned unchanged")
+        return out
+
+
+@dataclass
+class ProxyStreams:
+    """Disjoint proxy data for :func:`learned_refine`: an endless shuffled training stream, and the
+    selection and evaluation splits as lists of batches."""
+
+    batches: Iterable[Batch]
+    selection: list[Batch]
+    evaluation: list[Batch] | None
+
+
+def proxy_streams(proxy, batch_size: int, seed: int = 0, selection_fraction: float = 0.2,
+                  evaluation_fraction: float = 0.2, eval_batch_size: int = 256) -> ProxyStreams:
+    """Split ``proxy`` (anything with ``split(fraction, seed)`` and ``batches(size, generator=)``,
+    e.g. :class:`fedbasin.data.Split`) into training / selection / evaluation parts (evaluation
+    may be 0: then ``evaluation`` is None)."""
+    rest, selection = proxy.split(selection_fraction, seed=seed)
+    evaluation = None
+    if evaluation_fraction > 0:
+        share = evaluation_fraction / (1.0 - selection_fraction)
+        rest, evaluation = rest.split(share, seed=seed + 1)
+        evaluation = list(evaluation.batches(eval_batch_size))
+
+    def stream():
+        generator = torch.Generator().manual_seed(seed)
+        while True:
+            yield from rest.batches(batch_size, generator=generator)
+
+    return ProxyStreams(stream(), list(selection.batches(eval_batch_size)), evaluation)
+
+
+def _as_batches(data) -> list[Batch]:
+    """One ``(inputs, targets)`` batch or a list of them → a list."""
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], torch.Tensor):
+        return [data]
+    return list(data)
 
 
 def learned_refine(
@@ -187,8 +250,9 @@ def learned_refine(
     reference: dict,
     candidates: list[dict],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    heldout: tuple[torch.Tensor, torch.Tensor],
+    batches: Iterable[Batch],
+    selection: Batch | list[Batch],
+    evaluation: Batch | list[Batch] | None = None,
     steps: int = 100,
     lr: float = 1e-2,
     mode: str = "orthogonal",
@@ -198,6 +262,7 @@ def learned_refine(
     eval_every: int = 10,
     seed: int = 0,
     match_iterations: int = 20,
+    match_tol: float = 1e-4,
     weighting: str = "rms",
     include_reference: bool = True,
     to_module_state: Callable[[dict], dict] | None = None,
@@ -206,10 +271,12 @@ def learned_refine(
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
 
     model: any module of the architecture (its parameters are not used or changed);
-    loss_fn(outputs, targets): scalar loss; batches: an (endless or long enough) iterable of
-    ``(inputs, targets)`` proxy batches; heldout: one held-out proxy batch for keep-best.
-    ``mode`` applies to the weight-matching start; ``permutations``: ``"ste"`` or ``"sinkhorn"``.
-    ``include_reference=False`` leaves the reference out of the mixture and the held-out centroid
+    loss_fn(outputs, targets): scalar (mean) loss; batches: an (endless or long enough) iterable of
+    ``(inputs, targets)`` training batches; selection: a batch or list of batches, disjoint from
+    the training ones, on which keep-best chooses; evaluation: optional batches disjoint from
+    both, only reported (see :func:`proxy_streams`). ``mode``, ``match_iterations`` and
+    ``match_tol`` apply to the weight-matching start; ``permutations``: ``"ste"`` or ``"sinkhorn"``.
+    ``include_reference=False`` leaves the reference out of the mixture and the scored centroid
     (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
     ``from_standard``; it must be differentiable). Outputs with a ``.logits`` field are unwrapped.
@@ -222,8 +289,8 @@ def learned_refine(
     for i, c in enumerate(candidates):
         check_compatible(spec, reference, c, ("reference", f"candidate {i}"))
     ref_c = canonicalize(spec, reference, "reference", validate=False)
-    starts = [weight_match(spec, reference, c, mode=mode, iterations=match_iterations, weighting=weighting)
-              for c in candidates]
+    starts = [weight_match(spec, reference, c, mode=mode, iterations=match_iterations, tol=match_tol,
+                           weighting=weighting) for c in candidates]
     base = [s.canonical for s in starts]
     device = next(iter(base[0].values())).device
     frozen = copy.deepcopy(model).to(device).eval()  # buffers (e.g. RoPE tables) follow the weights
@@ -234,7 +301,8 @@ def learned_refine(
     rng = np.random.default_rng(seed)  # private: the caller's torch RNG stream is left alone
     ref_state = {k: v.detach() for k, v in ref_c.state.items()}
     members = len(candidates) + int(include_reference)
-    heldout = (heldout[0].to(device), heldout[1].to(device))
+    selection = [(x.to(device), y.to(device)) for x, y in _as_batches(selection)]
+    evaluation = None if evaluation is None else [(x.to(device), y.to(device)) for x, y in _as_batches(evaluation)]
 
     def mixture(lam, states) -> dict:
         """``Σ_i λ_i θ_i`` over the mixed models (the reference first when it takes part)."""
@@ -248,13 +316,18 @@ def learned_refine(
         out = torch.func.functional_call(frozen, module_state(state), (x,))
         return out if isinstance(out, torch.Tensor) else out.logits
 
-    def heldout_loss(states) -> float:
+    def centroid_loss(states, split: list[Batch]) -> float:
+        """Example-weighted mean loss of the centroid over a split's batches."""
+        state = mixture([1.0 / members] * members, states)
         with torch.no_grad():
-            return float(loss_fn(forward(mixture([1.0 / members] * members, states), heldout[0]), heldout[1]))
+            total = sum(float(loss_fn(forward(state, x), y)) * len(y) for x, y in split)
+        return total / sum(len(y) for _, y in split)
 
     best_states, best_elements = base, [GroupElement.identity(spec) for _ in base]
-    initial = best = heldout_loss(base)
+    initial = best = centroid_loss(base, selection)
     result = RefineResult([], [], [], initial_loss=initial)
+    if evaluation is not None:
+        result.evaluation_initial_loss = centroid_loss(base, evaluation)
     result.history.append((0, initial))
     iterator = iter(batches)
     bar = progress_bar(steps, progress, "learned refinement", "step")
@@ -277,7 +350,7 @@ def learned_refine(
         if step % eval_every == 0 or step == steps:
             elements = [d.hard_element() for d in deltas]
             hard = [apply_group(spec, b, g) for b, g in zip(base, elements)]
-            value = heldout_loss(hard)
+            value = centroid_loss(hard, selection)
             result.history.append((step, value))
             if value < best:
                 best, best_states, best_elements, result.best_step = value, hard, elements, step
@@ -286,6 +359,9 @@ def learned_refine(
     result.states = [to_gauge(spec, s, ref_c.gains) for s in best_states]
     result.transforms = [compose(s.transform, g) for s, g in zip(starts, best_elements)]
     result.best_loss = best
+    if evaluation is not None:
+        result.evaluation_loss = (result.evaluation_initial_loss if result.best_step == 0
+                                  else centroid_loss(best_states, evaluation))
     result.seconds = time.perf_counter() - t0
     return result
 

@@ -11,13 +11,11 @@ import functools
 import time
 from logging import INFO
 
-import torch
-
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedbasin.alignment import fedbasin_adapter, learned_refine
+from fedbasin.alignment import fedbasin_adapter, learned_refine, proxy_streams
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
 from fedbasin.server.outputs import RunOutputs
 from fedbasin.strategies import AlignedFedAvg
@@ -33,17 +31,12 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def make_refiner(spec, model, task, config: dict):
-    """``refine(reference, clients)``: learned refinement on the proxy split (20% held out)."""
-    train_split, held = task.proxy.split(0.2, seed=config["seed"])
-    heldout = next(held.batches(len(held)))
-
-    def batches():
-        generator = torch.Generator().manual_seed(config["seed"])
-        while True:
-            yield from train_split.batches(config["batch-size"], generator=generator)
-
+    """``refine(reference, clients)``: learned refinement on the proxy split (20% selects the
+    alignment kept, 20% only reports its loss)."""
+    data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
     return functools.partial(
-        learned_refine, spec, model, loss_fn=task.loss_fn, batches=batches(), heldout=heldout,
+        learned_refine, spec, model, loss_fn=task.loss_fn, batches=data.batches, selection=data.selection,
+        evaluation=data.evaluation,
         steps=config["refine-steps"], lr=config["refine-lr"], mode=config["symmetry"],
         permutations=config["refine-permutations"], match_iterations=config["align-iterations"],
     )

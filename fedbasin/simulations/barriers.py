@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fedbasin.alignment import fedbasin_adapter, interpolation_curve, weight_match
-from fedbasin.alignment.refine import learned_refine
+from fedbasin.alignment.refine import learned_refine, proxy_streams
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.data import load_task
 from fedbasin.models import build_model, make_config
@@ -64,20 +64,13 @@ def trained_pair(name: str, spec: dict, task, out: Path, progress: bool) -> tupl
     return checkpoints, info
 
 
-def proxy_batches(split, batch_size: int, seed: int = 0):
-    """Endless shuffled batches of a split (learned refinement's training stream)."""
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        yield from split.batches(batch_size, generator=generator)
-
-
 def refine_pair(a, b, task, proxy_examples: int, steps: int, weighting: str):
-    """Learned refinement of B onto A on ``proxy_examples`` training examples (20% held out)."""
+    """Learned refinement of B onto A on ``proxy_examples`` training examples (20% selection,
+    20% evaluation)."""
     proxy = task.train.subset(torch.arange(min(proxy_examples, len(task.train))))
-    train_split, held = proxy.split(0.2, seed=0)
-    heldout = next(held.batches(len(held)))
+    data = proxy_streams(proxy, 64, seed=0)
     return learned_refine(a.spec, build_model(a.family, a.config), a.state, [b.state], cross_entropy,
-                          proxy_batches(train_split, 64), heldout, steps=steps, lr=1e-2, eval_every=10,
+                          data.batches, data.selection, data.evaluation, steps=steps, lr=1e-2, eval_every=10,
                           weighting=weighting)
 
 
@@ -112,6 +105,7 @@ def evaluate_pair(checkpoints, task, eval_split, modes=("permutation", "orthogon
         row["learned_seconds"] = round(refined.seconds, 1)
         row["learned_proxy_loss"] = [round(refined.initial_loss, 4), round(refined.best_loss, 4)]
         row["learned_best_step"] = refined.best_step
+        row["learned_evaluation_loss"] = [round(refined.evaluation_initial_loss, 4), round(refined.evaluation_loss, 4)]
         mid = {k: (a.state[k] + refined.states[0][k]) / 2 for k in a.state}
         row["midpoint_accuracy"]["learned"] = metrics(mid)["accuracy"]
     row["ablation"] = {}

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from fedbasin.alignment import average_states, canonicalize, merge, to_gauge
-from fedbasin.alignment.refine import learned_refine
+from fedbasin.alignment.refine import learned_refine, proxy_streams
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.data import load_task
 from fedbasin.models import build_model, make_config
-from fedbasin.simulations.barriers import TASKS, proxy_batches
+from fedbasin.simulations.barriers import TASKS
 from fedbasin.training import cross_entropy, train
 
 
@@ -80,9 +80,9 @@ def main(argv=None) -> dict:
     universe = merge(spec, states, universe_iterations=5)
     timings["universe"] = time.perf_counter() - t0
     proxy = task.train.subset(torch.arange(min(512, len(task.train))))
-    train_split, held = proxy.split(0.2, seed=0)
+    data = proxy_streams(proxy, 64, seed=0)
     refined = learned_refine(spec, build_model(family, config), states[0], states[1:], cross_entropy,
-                             proxy_batches(train_split, 64), next(held.batches(len(held))),
+                             data.batches, data.selection, data.evaluation,
                              steps=args.refine_steps, lr=1e-2, eval_every=10, alpha=1.0)
     timings["learned"] = refined.seconds
     learned_canonical = [canon_ref.state, *refined.canonical]
