@@ -7,7 +7,9 @@ passes under a mutant does not test that feature. ``scripts/mutations.py`` runs 
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import pkgutil
 import sys
 
@@ -25,7 +27,8 @@ def _import_all_fedbasin() -> None:
 
 
 def replace_everywhere(original, replacement) -> int:
-    """Rebind every module-level name bound to ``original`` (in fedbasin and tests) to ``replacement``."""
+    """Rebind every module-level name, and every default argument of a module-level function or
+    method, bound to ``original`` (in fedbasin and tests) to ``replacement``."""
     _import_all_fedbasin()
     count = 0
     for name, module in list(sys.modules.items()):
@@ -35,9 +38,32 @@ def replace_everywhere(original, replacement) -> int:
             if value is original:
                 setattr(module, attr, replacement)
                 count += 1
+            functions = [value] if inspect.isfunction(value) else []
+            if inspect.isclass(value):
+                functions += [f for f in vars(value).values() if inspect.isfunction(f)]
+            for f in functions:
+                if f.__defaults__ and any(d is original for d in f.__defaults__):
+                    f.__defaults__ = tuple(replacement if d is original else d for d in f.__defaults__)
+                    count += 1
+                if f.__kwdefaults__ and any(d is original for d in f.__kwdefaults__.values()):
+                    f.__kwdefaults__ = {k: replacement if d is original else d for k, d in f.__kwdefaults__.items()}
+                    count += 1
     if count == 0:
         raise RuntimeError(f"mutation found no reference to {original!r}")
     return count
+
+
+def _forcing(function, **forced):
+    """``function`` with some arguments forced to fixed values, however the caller passes them."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def mutant(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments.update(forced)
+        return function(*bound.args, **bound.kwargs)
+
+    return mutant
 
 
 def weights_ignored() -> None:
@@ -54,28 +80,14 @@ def universe_off() -> None:
     """Universe matching runs a single pass whatever ``universe_iterations`` asks for."""
     from fedbasin.alignment.merge import merge
 
-    def mutant(*args, **kwargs):
-        if len(args) > 7:
-            args = args[:7] + (1,) + args[8:]
-        else:
-            kwargs["universe_iterations"] = 1
-        return merge(*args, **kwargs)
-
-    replace_everywhere(merge, mutant)
+    replace_everywhere(merge, _forcing(merge, universe_iterations=1))
 
 
 def refinement_returns_start() -> None:
     """Learned refinement takes no step: it returns the weight-matching start."""
     from fedbasin.alignment.refine import learned_refine
 
-    def mutant(*args, **kwargs):
-        if len(args) > 7:
-            args = args[:7] + (0,) + args[8:]
-        else:
-            kwargs["steps"] = 0
-        return learned_refine(*args, **kwargs)
-
-    replace_everywhere(learned_refine, mutant)
+    replace_everywhere(learned_refine, _forcing(learned_refine, steps=0))
 
 
 def head_step_identity() -> None:
