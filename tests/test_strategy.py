@@ -240,8 +240,6 @@ def test_universe_matching_and_server_side_refinement_keep_the_function():
     spec = spec_of("vit", VIT)
     base = base_state()
     copies = transformed_copies(spec, base, len(NODES))
-    x, _ = inputs("vit", VIT, dtype=torch.float32)
-    expected = run("vit", VIT, base, x, torch.float32)
     replies = [reply(n, ArrayRecord(s)) for n, s in zip(NODES, copies)]
 
     # noisier copies move the average away from the reference: universe matching re-aligns

@@ -4,7 +4,6 @@ average pulls the aligned models closer together than aligning once to a single 
 from __future__ import annotations
 
 import pytest
-import torch
 from flwr.app import ArrayRecord
 
 from fedbasin.alignment import canonicalize, merge
