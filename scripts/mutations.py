@@ -71,7 +71,11 @@ def main(argv=None) -> int:
     for name in names:
         status, failed, seconds = run_pytest(SUBSETS[name], name, first=not args.all)
         if status == 1 and failed:
-            caught = "<br>".join(f"`{t.removeprefix('tests/')}`" for t in failed)
+            tests: dict[str, int] = {}
+            for test in failed:  # parametrised cases grouped under their test function
+                name_only = test.removeprefix("tests/").split("[")[0]
+                tests[name_only] = tests.get(name_only, 0) + 1
+            caught = "<br>".join(f"`{t}`" + (f" ×{n}" if n > 1 else "") for t, n in tests.items())
         else:
             caught = f"**not caught** (pytest exit {status})"
             missed.append(name)

@@ -54,13 +54,16 @@ def replace_everywhere(original, replacement) -> int:
 
 
 def _forcing(function, **forced):
-    """``function`` with some arguments forced to fixed values, however the caller passes them."""
+    """``function`` with some arguments forced, however the caller passes them: ``name=value``, or
+    ``name=callable`` mapping the given (or default) value to the forced one."""
     signature = inspect.signature(function)
 
     @functools.wraps(function)
     def mutant(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        bound.arguments.update(forced)
+        bound.apply_defaults()
+        for name, value in forced.items():
+            bound.arguments[name] = value(bound.arguments[name]) if callable(value) else value
         return function(*bound.args, **bound.kwargs)
 
     return mutant
@@ -70,8 +73,8 @@ def weights_ignored() -> None:
     """The aligned average gives every model with a positive weight the same weight."""
     from fedbasin.alignment.merge import average_states
 
-    def mutant(states, weights):
-        return average_states(states, [1.0 if w > 0 else 0.0 for w in weights])
+    def mutant(states, weights):  # invalid weights (negative, NaN, inf) pass through to the real checks
+        return average_states(states, [1.0 if 0 < w < float("inf") else w for w in weights])
 
     replace_everywhere(average_states, mutant)
 
@@ -80,14 +83,14 @@ def universe_off() -> None:
     """Universe matching runs a single pass whatever ``universe_iterations`` asks for."""
     from fedbasin.alignment.merge import merge
 
-    replace_everywhere(merge, _forcing(merge, universe_iterations=1))
+    replace_everywhere(merge, _forcing(merge, universe_iterations=lambda n: min(n, 1)))
 
 
 def refinement_returns_start() -> None:
     """Learned refinement takes no step: it returns the weight-matching start."""
     from fedbasin.alignment.refine import learned_refine
 
-    replace_everywhere(learned_refine, _forcing(learned_refine, steps=0))
+    replace_everywhere(learned_refine, _forcing(learned_refine, steps=lambda steps: min(steps, 0)))
 
 
 def head_step_identity() -> None:
