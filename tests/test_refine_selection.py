@@ -71,6 +71,26 @@ def test_refinement_improves_the_loss_on_data_it_never_saw():
     assert rel_err(run("vit", DIGITS_VIT, refined, x, torch.float32), run("vit", DIGITS_VIT, b, x, torch.float32)) < 1e-5
 
 
+@pytest.mark.parametrize("include_reference", [True, False])
+def test_three_model_refinement_improves_the_centroid_on_the_evaluation_split(include_reference):
+    """Dirichlet mixtures of three trained models (or two, the reference only as target): the
+    centroid's evaluation-split loss drops (measured 2.74 -> 1.85 and 2.42 -> 1.39)."""
+    spec = spec_of("vit", DIGITS_VIT)
+    a, b, c = (trained_digits_vit(s) for s in (1, 2, 3))
+    data = streams()
+    result = learned_refine(spec, build_model("vit", DIGITS_VIT), a, [b, c], cross_entropy, data.batches,
+                            data.selection, data.evaluation, steps=30, lr=0.05, eval_every=5,
+                            include_reference=include_reference)
+    members = ([a] if include_reference else []) + result.states
+    model = build_model("vit", DIGITS_VIT)
+    model.load_state_dict({k: sum(m[k] for m in members) / len(members) for k in a})
+    with torch.no_grad():
+        recomputed = sum(float(cross_entropy(model(x), y)) * len(y) for x, y in data.evaluation) / sum(
+            len(y) for _, y in data.evaluation)
+    assert recomputed == pytest.approx(result.evaluation_loss, rel=1e-5)
+    assert result.evaluation_loss < result.evaluation_initial_loss - 0.5
+
+
 def test_server_side_refinement_improves_the_round_model_on_the_test_split():
     """AlignedFedAvg(refine=learned_refine on proxy data): the round's model (clients aligned to the
     previous global model, refined on the proxy, averaged by num-examples) has a lower test loss
