@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -80,3 +81,31 @@ def loss(family: str, config: dict, state: dict, data, dtype=torch.float64) -> f
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+DIGITS_VIT = dict(image_size=8, patch_size=2, channels=1, num_classes=10, dim=16, depth=1, heads=2, mlp_dim=32)
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_digits_vit(seed: int) -> dict:
+    from fedbasin.data import load_task
+    from fedbasin.training import train
+
+    model = build_model("vit", DIGITS_VIT, seed=seed)
+    train(model, load_task("digits", seed=0).train, epochs=12, lr=1e-2, seed=seed)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def trained_digits_vit(seed: int) -> dict:
+    """A tiny ViT (float32) really trained on scikit-learn digits from its own init and batch order
+    (12 epochs, ~2 s, test accuracy ~0.7-0.76); trained once per test session, a fresh copy per call."""
+    return {k: v.clone() for k, v in _trained_digits_vit(seed).items()}
+
+
+def digits_loss(state: dict, split: str = "test") -> float:
+    """Mean cross-entropy of a DIGITS_VIT carrying ``state`` on the digits ``split``."""
+    from fedbasin.data import load_task
+
+    model = build_model("vit", DIGITS_VIT)
+    model.load_state_dict(state)
+    return load_task("digits", seed=0).evaluate(model, split)["loss"]

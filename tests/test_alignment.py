@@ -21,7 +21,7 @@ from fedbasin.alignment import (
 )
 from fedbasin.alignment.interpolation import interpolate, loss_barrier
 
-from .helpers import inputs, loss, rel_err, run, spec_of, trained_like, variant_id, variants
+from .helpers import GPT, VIT, inputs, loss, rel_err, run, spec_of, trained_like, variant_id, variants
 
 VARIANTS = variants()
 
@@ -219,15 +219,85 @@ def test_assignment_solver_is_optimal_on_large_problems():
 
 @pytest.mark.parametrize("mode", ["orthogonal", "permutation"])
 def test_half_precision_models_align(mode):
-    """fp16/bf16 checkpoints align (SVDs run in float64) and keep their function."""
+    """bf16 checkpoints align like their float32 values (maps found and applied in float32, SVDs in
+    float64) with a single rounding at the end, and keep their function up to that rounding."""
     family, config = VARIANTS[2]  # GPT with rotary positions
     a = trained_like(family, config, seed=1, dtype=torch.float32).state_dict()
     b = trained_like(family, config, seed=2, dtype=torch.float32).state_dict()
+    half_a = {k: v.to(torch.bfloat16) for k, v in a.items()}
     half = {k: v.to(torch.bfloat16) for k, v in b.items()}
-    result = weight_match(spec_of(family, config), {k: v.to(torch.bfloat16) for k, v in a.items()}, half,
-                          mode=mode, iterations=3)
+    spec = spec_of(family, config)
+    result = weight_match(spec, half_a, half, mode=mode, iterations=3)
     assert all(v.dtype == torch.bfloat16 for v in result.state.values())
+    as_float = weight_match(spec, {k: v.float() for k, v in half_a.items()}, {k: v.float() for k, v in half.items()},
+                            mode=mode, iterations=3)
+    assert all(torch.equal(result.state[k], as_float.state[k].to(torch.bfloat16)) for k in result.state)
     x, _ = inputs(family, config, dtype=torch.float32)
     back = {k: v.float() for k, v in result.state.items()}
+    # one bf16 rounding of rotated weights costs ~4 % of the logits (measured 0.038); permutations ~0.2 %
     assert rel_err(run(family, config, back, x, torch.float32),
-                   run(family, config, {k: v.float() for k, v in half.items()}, x, torch.float32)) < 0.05
+                   run(family, config, {k: v.float() for k, v in half.items()}, x, torch.float32)) < \
+        (0.05 if mode == "orthogonal" else 0.005)
+
+@pytest.mark.parametrize("mode", ["orthogonal", "permutation"])
+def test_aligned_barrier_is_below_vanilla_on_independently_trained_models(mode):
+    """Two ViTs trained on digits from different inits and batch orders: the loss barrier on the
+    test split after alignment is far below the barrier of plain interpolation (measured, seeds 1
+    and 2: vanilla 2.89, orthogonal 0.75, permutation 1.61)."""
+    from .helpers import DIGITS_VIT, digits_loss, trained_digits_vit
+
+    a, b = trained_digits_vit(1), trained_digits_vit(2)
+    spec = spec_of("vit", DIGITS_VIT)
+    aligned = weight_match(spec, a, b, mode=mode).state
+    vanilla = interpolation_curve(a, b, digits_loss).barrier
+    barrier = interpolation_curve(a, aligned, digits_loss).barrier
+    assert vanilla > 2.0
+    assert barrier < (0.35 if mode == "orthogonal" else 0.65) * vanilla, (barrier, vanilla)
+
+
+@pytest.mark.parametrize("family, config", [
+    ("vit", dict(VIT, activation="relu")),  # positive neuron scalings
+    ("gpt", dict(GPT, position="rope", norm="rmsnorm")),  # positive RoPE plane scalings
+], ids=["relu-neuron-scales", "rope-plane-scales"])
+@pytest.mark.parametrize("mode", ["orthogonal", "permutation"])
+def test_planted_symmetry_with_scalings_is_recovered_up_to_the_scales(family, config, mode):
+    """A planted element with the optional non-orthogonal freedoms (ReLU neuron scales s, RoPE
+    plane scales): weight matching (orthogonal/permutation group) recovers everything else exactly;
+    each scaled unit comes back as s·(reference row) with 1/s on its dual side, and the recovered
+    scales are exactly the planted ones."""
+    from fedbasin.alignment import random_group_element as rge
+
+    spec = spec_of(family, config)
+    state = trained_like(family, config, seed=5).state_dict()
+    c = canonicalize(spec, state)
+    g = rge(spec, 11, mode, scales=True, state=state)
+    moved = to_gauge(spec, apply_group(spec, c.state, g), c.gains)
+    x, _ = inputs(family, config)
+    assert rel_err(run(family, config, moved, x), run(family, config, state, x)) < 1e-10
+    result = weight_match(spec, state, moved, mode=mode, iterations=50, tol=1e-12)
+    if family == "vit":
+        planted = [n.scale for n in g.neurons]
+        pairs = [((m.up.weight, m.up.bias), (m.down.weight,)) for m in spec.mlp]
+    else:
+        planted = [None if h.qk_dual is None else torch.linalg.norm(h.qk, dim=-2).reshape(-1) for h in g.heads]
+        pairs = [((a.q.weight, a.q.bias), (a.k.weight, a.k.bias)) for a in spec.attention]
+    scaled = set()
+    for (rows_key, bias_key), dual_key in pairs:
+        scaled |= {rows_key, bias_key, *dual_key}
+    assert max(float((result.state[k] - state[k]).abs().max()) for k in state if k not in scaled) < 1e-8
+    for planted_scales, ((rows_key, bias_key), dual_key) in zip(planted, pairs):
+        ref = torch.cat([state[rows_key], state[bias_key][:, None]], 1)
+        got = torch.cat([result.state[rows_key], result.state[bias_key][:, None]], 1)
+        s = (got * ref).sum(1) / (ref * ref).sum(1)  # least-squares scale of every unit's rows
+        assert float((got - s[:, None] * ref).abs().max()) < 1e-8
+        if family == "vit":  # the dual side carries 1/s: down columns (ViT), K rows and bias (RoPE)
+            dual_ref, dual_got = state[dual_key[0]], result.state[dual_key[0]] * s[None, :]
+        else:
+            dual_ref = torch.cat([state[dual_key[0]], state[dual_key[1]][:, None]], 1)
+            dual_got = torch.cat([result.state[dual_key[0]], result.state[dual_key[1]][:, None]], 1) * s[:, None]
+        assert float((dual_got - dual_ref).abs().max()) < 1e-8
+        if planted_scales is None:  # permutation mode under RoPE plants no plane scales
+            assert torch.allclose(s, torch.ones_like(s), atol=1e-8)
+        else:
+            assert (s > 0).all()
+            assert torch.allclose(s.sort().values, planted_scales.to(s).sort().values, atol=1e-8)

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 from fedbasin.alignment import (
     apply_group,
     canonicalize,
+    merge,
     random_group_element,
     to_gauge,
     weight_match,
@@ -94,6 +95,13 @@ def rel_err(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def assert_same_tensors(got: dict, expected: dict) -> None:
+    """Same keys, and every tensor equal in value, shape and dtype."""
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
 def load_untied(model_type: str, config, state: dict):
     """A fresh HF model of ``config`` with the updates ``state`` needs, carrying ``state``."""
     config = type(config).from_dict({**config.to_dict(), **hf_config_updates(config, state)})
@@ -120,7 +128,8 @@ def test_layout_round_trip_is_exact(variant):
     for key in raw:
         assert back[key].dtype == raw[key].dtype and torch.equal(back[key], raw[key]), key
     # the standard layout is a fixed point of to_standard
-    assert adapter.to_standard(standard).keys() == standard.keys()
+    again = adapter.to_standard(standard)
+    assert again.keys() == standard.keys() and all(torch.equal(again[k], v) for k, v in standard.items())
 
 
 def test_gpt2_standard_layout_is_nn_linear_math():
@@ -153,8 +162,8 @@ def test_vit_file_layout_and_legacy_names():
     assert "vit.encoder.layer.0.attention.attention.query.weight" in on_disk
     assert "vit.encoder.layer.1.output.dense.bias" in on_disk
     adapter = hf_adapter(model)
-    assert adapter.to_standard(on_disk).keys() == adapter.to_standard(raw).keys()
-    assert hf_state_from_file(model.config, on_disk).keys() == raw.keys()
+    assert_same_tensors(adapter.to_standard(on_disk), adapter.to_standard(raw))
+    assert_same_tensors(hf_state_from_file(model.config, on_disk), raw)
 
 
 def test_gpt2_file_layout_drops_and_restores_the_tied_head():
@@ -166,7 +175,7 @@ def test_gpt2_file_layout_drops_and_restores_the_tied_head():
     hub["h.0.attn.bias"] = torch.ones(1, 1, 16, 16)
     hub["h.0.attn.masked_bias"] = torch.tensor(-1e4)
     back = hf_state_from_file(model.config, hub)
-    assert back.keys() == model.state_dict().keys()
+    assert_same_tensors(back, model.state_dict())
     assert back["lm_head.weight"] is back["transformer.wte.weight"]
 
 
@@ -254,3 +263,81 @@ def test_weight_matching_recovers_a_planted_transform(variant):
     assert diff < 1e-6, f"canonical weights not recovered: max diff {diff}"
     diff = max(float((result.state[k] - reference[k]).abs().max()) for k in reference)
     assert diff < 1e-6, f"reference-gauge weights not recovered: max diff {diff}"
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[1], VARIANTS[2]], ids=variant_id)
+def test_permutation_mode_recovers_a_planted_permutation(variant):
+    """Permutation mode (residual, head, within-head and neuron permutations only) on HF layouts."""
+    model_type, overrides = variant
+    model = hf_model(model_type, **overrides)
+    adapter = hf_adapter(model)
+    reference = adapter.to_standard(model.state_dict())
+    canonical = canonicalize(adapter.spec, reference)
+    g = random_group_element(adapter.spec, 12, "permutation", dtype=torch.float64)
+    moved = to_gauge(adapter.spec, apply_group(adapter.spec, canonical.state, g), canonical.gains)
+    x = hf_input(model_type)
+    moved_model = load_untied(model_type, model.config, adapter.from_standard(moved))
+    assert rel_err(logits(moved_model, x), logits(model, x)) < 1e-10
+    result = weight_match(adapter.spec, reference, moved, mode="permutation", iterations=50, tol=1e-12)
+    diff = max(float((result.state[k] - reference[k]).abs().max()) for k in reference)
+    assert diff < 1e-10, f"planted permutation not recovered: max diff {diff}"
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[3]], ids=variant_id)
+def test_merging_transformed_hf_copies_returns_the_model(variant):
+    """merge() of an HF model with exact transforms of itself (weights 1:2:3) computes the model;
+    plain averaging does not."""
+    model_type, overrides = variant
+    model = hf_model(model_type, **overrides)
+    adapter = hf_adapter(model)
+    reference = adapter.to_standard(model.state_dict())
+    canonical = canonicalize(adapter.spec, reference)
+    copies = [
+        to_gauge(adapter.spec, apply_group(adapter.spec, canonical.state,
+                                           random_group_element(adapter.spec, seed, dtype=torch.float64)),
+                 canonical.gains)
+        for seed in (21, 22)
+    ]
+    x = hf_input(model_type)
+    for align, bound in ((True, 1e-8), (False, None)):
+        result = merge(adapter.spec, [reference, *copies], weights=[1, 2, 3], iterations=50, tol=1e-12, align=align)
+        merged = load_untied(model_type, model.config, adapter.from_standard(result.state))
+        err = rel_err(logits(merged, x), logits(model, x))
+        assert err < bound if align else err > 1e-2
+
+
+def test_merging_independent_hf_models_is_the_weighted_aligned_average():
+    model_type, overrides = VARIANTS[1]  # untied GPT-2
+    a, b = hf_model(model_type, seed=1, **overrides), hf_model(model_type, seed=2, **overrides)
+    adapter = hf_adapter(a)
+    sa, sb = adapter.to_standard(a.state_dict()), adapter.to_standard(b.state_dict())
+    result = merge(adapter.spec, [sa, sb], weights=[1, 3])
+    ref = canonicalize(adapter.spec, sa)
+    aligned = weight_match(adapter.spec, sa, sb).canonical
+    expected = to_gauge(adapter.spec, {k: (ref.state[k] + 3 * aligned[k]) / 4 for k in sa}, ref.gains)
+    assert max(float((result.state[k] - expected[k]).abs().max()) for k in expected) < 1e-10
+    # the merged standard state loads back into the HF class
+    load_untied(model_type, a.config, adapter.from_standard(result.state))
+
+
+def test_cli_merges_hf_checkpoints(tmp_path, capsys):
+    """`fedbasin merge` on two save_pretrained GPT-2 directories (a model and an exact transform
+    of it) writes a from_pretrained-loadable model computing the same logits."""
+    import json
+
+    from fedbasin.cli import main
+
+    model = hf_model("gpt2", dtype=torch.float32)
+    model.save_pretrained(tmp_path / "ref")
+    adapter = hf_adapter(model)
+    canonical = canonicalize(adapter.spec, adapter.to_standard(model.state_dict()))
+    g = random_group_element(adapter.spec, 5, dtype=torch.float32)
+    moved = adapter.from_standard(to_gauge(adapter.spec, apply_group(adapter.spec, canonical.state, g),
+                                           canonical.gains))
+    load_untied("gpt2", model.config, moved).save_pretrained(tmp_path / "moved")
+    assert main(["merge", str(tmp_path / "ref"), str(tmp_path / "moved"), "--out", str(tmp_path / "out"),
+                 "--weights", "1,3", "--iterations", "50", "--tol", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights"] == [1.0, 3.0]
+    merged = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    x = hf_input("gpt2")
+    assert rel_err(logits(merged, x), logits(model, x)) < 1e-4

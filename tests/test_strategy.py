@@ -16,7 +16,7 @@ from flwr.app import (
 )
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedbasin.alignment import apply_group, canonicalize, random_group_element
+from fedbasin.alignment import apply_group, canonicalize, random_group_element, to_gauge
 from fedbasin.strategies import AlignedFedAvg
 from tests.helpers import VIT, inputs, rel_err, run, spec_of, trained_like
 
@@ -240,16 +240,13 @@ def test_universe_matching_and_server_side_refinement_keep_the_function():
     spec = spec_of("vit", VIT)
     base = base_state()
     copies = transformed_copies(spec, base, len(NODES))
-    x, _ = inputs("vit", VIT, dtype=torch.float32)
-    expected = run("vit", VIT, base, x, torch.float32)
     replies = [reply(n, ArrayRecord(s)) for n, s in zip(NODES, copies)]
 
     # noisier copies move the average away from the reference: universe matching re-aligns
     noisy = [reply(n, ArrayRecord(s)) for n, s in zip(NODES, transformed_copies(spec, base, len(NODES), noise=2e-3))]
     universe = strategy_for(spec, base, universe_iterations=3)
     arrays, metrics = universe.aggregate_train(2, noisy)
-    assert rel_err(run("vit", VIT, arrays.to_torch_state_dict(), x, torch.float32), expected) < 0.1
-    assert metrics["universe_passes"] >= 2
+    assert metrics["universe_passes"] >= 2  # what the passes do to trained clients: tests/test_universe.py
 
     proxy_x = torch.rand(40, 1, 8, 8)
     with torch.no_grad():
@@ -259,21 +256,26 @@ def test_universe_matching_and_server_side_refinement_keep_the_function():
         while True:
             yield proxy_x[:32], proxy_y[:32]
 
-    calls = []
+    calls, results = [], []
 
     def refine(reference, clients, include_reference):
         calls.append((len(clients), include_reference))
-        return learned_refine(spec, build_model("vit", VIT), reference, clients, loss_fn=F.cross_entropy,
+        results.append(learned_refine(spec, build_model("vit", VIT), reference, clients, loss_fn=F.cross_entropy,
                               batches=batches(), selection=(proxy_x[32:], proxy_y[32:]), steps=4, eval_every=2,
-                              include_reference=include_reference)
+                              include_reference=include_reference))
+        return results[-1]
 
     refined = strategy_for(spec, base, refine=refine)
     arrays, metrics = refined.aggregate_train(2, replies)
     # the previous global model is only the alignment target (weight 0): every client is refined, in a
     # mixture without the global model
     assert calls == [(len(NODES), False)]
-    # keep-best: the held-out proxy loss is at most that of the weight-matching start (= the base)
-    start_loss = float(F.cross_entropy(run("vit", VIT, base, proxy_x[32:], torch.float32), proxy_y[32:]))
-    assert metrics["refine_heldout_loss"] <= start_loss + 1e-4 and metrics["align_gain"] >= 0
-    merged = arrays.to_torch_state_dict()
-    assert all(merged[k].shape == v.shape for k, v in base.items())
+    # the round's model is the example-weighted mean of the refined clients, in the global model's gauge
+    # (what refinement gains on unseen data: tests/test_refine_selection.py)
+    result = results[0]
+    canonical = [canonicalize(spec, s).state for s in result.states]
+    expected_state = to_gauge(spec, {k: sum(c[k] for c in canonical) / len(canonical) for k in base},
+                              canonicalize(spec, base).gains)
+    torch.testing.assert_close(arrays.to_torch_state_dict(), expected_state, rtol=1e-5, atol=1e-6)
+    assert metrics["refine_heldout_loss"] == pytest.approx(result.best_loss)
+    assert metrics["align_gain"] == pytest.approx(result.initial_loss - result.best_loss)

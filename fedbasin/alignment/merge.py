@@ -8,6 +8,7 @@ first alignment target (e.g. the previous global model in federated rounds).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -38,8 +39,8 @@ class MergeResult:
 def average_states(states: list[dict], weights: list[float]) -> dict:
     """``Σ_k w_k θ_k / Σ_k w_k`` for floating tensors; other entries come from the first state."""
     total = float(sum(weights))
-    if total <= 0:
-        raise ValueError(f"merge weights must have a positive sum, got {weights}")
+    if not math.isfinite(total) or total <= 0:
+        raise ValueError(f"merge weights must be finite with a positive sum, got {weights}")
     out = {}
     for key, first in states[0].items():
         if not first.is_floating_point():
@@ -59,6 +60,8 @@ def _normalise_weights(weights, n):
     weights = [float(w) for w in weights]
     if len(weights) != n:
         raise ValueError(f"got {len(weights)} merge weights for {n} models")
+    if not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"merge weights must be finite, got {weights}")
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"merge weights must be non-negative with a positive sum, got {weights}")
     return weights

@@ -23,6 +23,7 @@ used for any decision, reports the loss of the start and of the returned alignme
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -293,6 +294,14 @@ def learned_refine(
         raise ValueError(f"permutations must be 'ste' or 'sinkhorn', got {permutations!r}")
     if not candidates:
         raise ValueError("learned refinement needs at least one candidate")
+    for name, value in (("steps", steps), ("eval_every", eval_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (name == "eval_every"):
+            raise ValueError(f"{name} must be an integer >= {int(name == 'eval_every')}, got {value!r}")
+    for name, value in (("lr", lr), ("alpha", alpha), ("tau", tau)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if not _as_batches(selection):
+        raise ValueError("learned refinement: the selection split is empty (keep-best needs data to choose on)")
     t0 = time.perf_counter()
     for i, c in enumerate(candidates):
         check_compatible(spec, reference, c, ("reference", f"candidate {i}"))

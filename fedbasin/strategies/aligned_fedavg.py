@@ -92,6 +92,15 @@ class AlignedFedAvg(FedAvg):
                 "the global model carries both tensors, so clients must build untied models "
                 "(tie_word_embeddings=False / tie_embeddings=False) - replies from tied models "
                 "are excluded", spec.name, ", ".join(f"{b} = {a}" for a, b in spec.tied))
+        for name, value in (("iterations", iterations), ("universe_iterations", universe_iterations)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol >= 0):
+            raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
+        if refine is not None and not callable(refine):
+            raise ValueError(f"refine must be callable (e.g. a partial of learned_refine), got {refine!r}")
+        if refine is not None and not alignment:
+            raise ValueError("refine needs alignment: plain FedAvg (alignment=False) would ignore it")
         self.spec = spec
         self.alignment = alignment
         self.mode = mode

@@ -1,0 +1,136 @@
+"""Deliberately broken variants of fedbasin features, for mutation checks of the test suite.
+
+``python -m pytest --mutate NAME`` (see tests/conftest.py) applies one of these in the test
+process before any test module is imported; nothing on disk changes. A test suite that still
+passes under a mutant does not test that feature. ``scripts/mutations.py`` runs them all.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import pkgutil
+import sys
+
+import torch
+
+
+def _import_all_fedbasin() -> None:
+    import fedbasin
+
+    for info in pkgutil.walk_packages(fedbasin.__path__, "fedbasin."):
+        try:
+            importlib.import_module(info.name)
+        except Exception:  # an optional dependency missing: that module cannot hold a reference
+            pass
+
+
+def replace_everywhere(original, replacement) -> int:
+    """Rebind every module-level name, and every default argument of a module-level function or
+    method, bound to ``original`` (in fedbasin and tests) to ``replacement``."""
+    _import_all_fedbasin()
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(("fedbasin", "tests")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, attr, replacement)
+                count += 1
+            functions = [value] if inspect.isfunction(value) else []
+            if inspect.isclass(value):
+                functions += [f for f in vars(value).values() if inspect.isfunction(f)]
+            for f in functions:
+                if f.__defaults__ and any(d is original for d in f.__defaults__):
+                    f.__defaults__ = tuple(replacement if d is original else d for d in f.__defaults__)
+                    count += 1
+                if f.__kwdefaults__ and any(d is original for d in f.__kwdefaults__.values()):
+                    f.__kwdefaults__ = {k: replacement if d is original else d for k, d in f.__kwdefaults__.items()}
+                    count += 1
+    if count == 0:
+        raise RuntimeError(f"mutation found no reference to {original!r}")
+    return count
+
+
+def _forcing(function, **forced):
+    """``function`` with some arguments forced, however the caller passes them: ``name=value``, or
+    ``name=callable`` mapping the given (or default) value to the forced one."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def mutant(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        for name, value in forced.items():
+            bound.arguments[name] = value(bound.arguments[name]) if callable(value) else value
+        return function(*bound.args, **bound.kwargs)
+
+    return mutant
+
+
+def weights_ignored() -> None:
+    """The aligned average gives every model with a positive weight the same weight."""
+    from fedbasin.alignment.merge import average_states
+
+    def mutant(states, weights):  # invalid weights (negative, NaN, inf) pass through to the real checks
+        return average_states(states, [1.0 if 0 < w < float("inf") else w for w in weights])
+
+    replace_everywhere(average_states, mutant)
+
+
+def universe_off() -> None:
+    """Universe matching runs a single pass whatever ``universe_iterations`` asks for."""
+    from fedbasin.alignment.merge import merge
+
+    replace_everywhere(merge, _forcing(merge, universe_iterations=lambda n: min(n, 1)))
+
+
+def refinement_returns_start() -> None:
+    """Learned refinement takes no step: it returns the weight-matching start."""
+    from fedbasin.alignment.refine import learned_refine
+
+    replace_everywhere(learned_refine, _forcing(learned_refine, steps=lambda steps: min(steps, 0)))
+
+
+def head_step_identity() -> None:
+    """Weight matching never moves heads (no head permutation, no within-head maps)."""
+    from fedbasin.alignment.matching import _Matcher
+
+    _Matcher.head_step = lambda self, a, state: None
+
+
+def mlp_step_identity() -> None:
+    """Weight matching never permutes MLP neurons."""
+    from fedbasin.alignment.matching import _Matcher
+
+    _Matcher.neuron_step = lambda self, m, state: None
+
+
+def residual_step_identity() -> None:
+    """Weight matching never rotates the residual stream (identity O, also as the second start)."""
+    from fedbasin.alignment.matching import _Matcher
+
+    def mutant(self, state, axes=None):
+        first = state[self.spec.residual[0][0]]
+        return torch.eye(self.spec.width, dtype=first.dtype, device=first.device)
+
+    _Matcher.residual_step = mutant
+
+
+def gauge_skipped() -> None:
+    """Results stay canonical (unit gains) instead of taking the reference's gains back."""
+    from fedbasin.alignment.canonical import to_gauge
+
+    replace_everywhere(to_gauge, lambda spec, state, gains: dict(state))
+
+
+MUTATIONS = {
+    "weights": weights_ignored,
+    "universe": universe_off,
+    "refinement": refinement_returns_start,
+    "head_step": head_step_identity,
+    "mlp_step": mlp_step_identity,
+    "residual_step": residual_step_identity,
+    "gauge": gauge_skipped,
+}
