@@ -104,10 +104,3 @@ def test_server_side_refinement_output_is_what_gets_averaged():
 def test_bad_strategy_arguments_raise_clear_errors(options, message):
     with pytest.raises(ValueError, match=message):
         AlignedFedAvg(spec_of("vit", VIT), **options)
-
-
-def test_tied_models_cannot_be_aligned_by_the_strategy():
-    tied = spec_of("gpt", dict(GPT, tie_embeddings=True))
-    with pytest.raises(ValueError, match="tie_embeddings=False"):
-        AlignedFedAvg(tied)
-    AlignedFedAvg(tied, alignment=False)  # plain FedAvg keeps tied tensors tied: allowed
