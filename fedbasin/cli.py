@@ -37,6 +37,9 @@ def _matching_options(p: argparse.ArgumentParser) -> None:
                    help="group searched: full orthogonal maps (default) or permutations only")
     p.add_argument("--iterations", type=_positive_int, default=20, help="max weight-matching iterations")
     p.add_argument("--tol", type=float, default=1e-4, help="stop when the relative objective gain is below this")
+    p.add_argument("--seen-tokens", metavar="SPEC",
+                   help="match token-embedding and output-head rows only for the tokens in this text's training "
+                   "split (text:FILE, tokenised like the proxy data); the other rows are untrained noise")
 
 
 def _refine_options(p: argparse.ArgumentParser) -> None:
@@ -156,7 +159,8 @@ def cmd_align(args) -> int:
             summary["refinement"] = {**info, **result.summary()}
         else:
             result = weight_match(ref.spec, _standard(ref), _standard(cand), mode=args.symmetry,
-                                  iterations=args.iterations, tol=args.tol, progress=True)
+                                  iterations=args.iterations, tol=args.tol, progress=True,
+                                  token_rows=_seen_tokens(args, ref, "align"))
             aligned = result.state
             summary.update(iterations=result.iterations, start=result.start,
                            initial_objective=result.initial_objective, objective=result.objective,
@@ -188,7 +192,8 @@ def cmd_merge(args) -> int:
         else:
             result = merge(checkpoints[0].spec, states, weights=args.weights, mode=args.symmetry,
                            iterations=args.iterations, tol=args.tol, universe_iterations=args.universe_iterations,
-                           align=not args.no_align, progress=True)
+                           align=not args.no_align, progress=True,
+                           token_rows=_seen_tokens(args, checkpoints[0], "merge"))
             merged = result.state
             summary.update(universe_change=result.universe_change, objectives=result.objectives,
                            seconds=round(result.seconds, 3))
@@ -223,6 +228,7 @@ def _refiner(args, ref, command: str):
         selection=data.selection, evaluation=data.evaluation, steps=args.refine_steps, lr=args.refine_lr,
         mode=args.symmetry, permutations=args.refine_permutations, match_iterations=args.iterations,
         match_tol=args.tol, universe_iterations=getattr(args, "universe_iterations", 1),
+        token_rows=_seen_tokens(args, ref, command),
         to_module_state=ref.adapter.from_standard, progress=True)
     info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy)}
     if task.tokenizer is not None:
@@ -275,6 +281,16 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
     return task
 
 
+def _seen_tokens(args, checkpoint, command: str):
+    """Token ids of ``--seen-tokens``' training split (None without the option)."""
+    if not args.seen_tokens:
+        return None
+    if not args.seen_tokens.startswith("text:"):
+        raise SystemExit(f"fedbasin {command}: --seen-tokens needs text data (text:FILE), got {args.seen_tokens}")
+    task = _task_for(checkpoint, args.seen_tokens, args.tokenizer, str(checkpoint.path), command, "--seen-tokens")
+    return torch.unique(torch.cat([task.train.inputs.reshape(-1), task.train.targets.reshape(-1)]))
+
+
 def _context_length(checkpoint) -> int:
     config = checkpoint.config
     return int(getattr(config, "n_positions", None) or getattr(config, "block_size"))
@@ -312,7 +328,8 @@ def cmd_barrier(args) -> int:
     if args.align:
         try:
             result = weight_match(a.spec, _standard(a), _standard(b), mode=args.symmetry,
-                                  iterations=args.iterations, tol=args.tol, progress=True)
+                                  iterations=args.iterations, tol=args.tol, progress=True,
+                                  token_rows=_seen_tokens(args, a, "barrier"))
         except ValueError as exc:
             raise SystemExit(f"fedbasin barrier: {exc}") from None
         state_b = a.adapter.from_standard(result.state)

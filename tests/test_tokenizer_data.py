@@ -107,3 +107,23 @@ def test_barrier_reads_text_with_an_explicit_tokenizer(tmp_path, text_file, caps
                  "--points", "3", "--max-examples", "8"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["examples"] == 8 and len(summary["losses"]) == 3
+
+
+def test_align_matches_on_the_tokens_seen_in_training(tmp_path, text_file, capsys):
+    """--seen-tokens: the alignment is weight matching restricted to the text's training tokens."""
+    from fedbasin.alignment import weight_match
+
+    ref, cand = _gpt2(tmp_path / "ref", 1), _gpt2(tmp_path / "cand", 2)
+    out = tmp_path / "aligned"
+    assert main(["align", str(ref), str(cand), "--out", str(out), "--seen-tokens", f"text:{text_file}",
+                 "--iterations", "3"]) == 0
+    a, b = load_checkpoint(ref), load_checkpoint(cand)
+    seen = load_task(f"text:{text_file}", tokenizer=str(ref), block_size=32).train
+    rows = torch.unique(torch.cat([seen.inputs.reshape(-1), seen.targets.reshape(-1)]))
+    expected = weight_match(a.spec, a.adapter.to_standard(a.state), b.adapter.to_standard(b.state), iterations=3,
+                            token_rows=rows).state
+    got = load_checkpoint(out)
+    got = got.adapter.to_standard(got.state)
+    assert max(float((got[k] - expected[k]).abs().max()) for k in expected) < 1e-6
+    plain = weight_match(a.spec, a.adapter.to_standard(a.state), b.adapter.to_standard(b.state), iterations=3).state
+    assert max(float((got[k] - plain[k]).abs().max()) for k in plain) > 1e-4  # the option changed the result

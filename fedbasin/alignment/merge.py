@@ -80,11 +80,13 @@ def merge(
     align: bool = True,
     weighting: str = "rms",
     progress: bool = False,
+    token_rows: torch.Tensor | None = None,
 ) -> MergeResult:
     """Align every model to ``states[reference]`` (then to the running universe) and average.
 
     ``align=False`` is plain weighted averaging through the same path (FedAvg). The result is
     returned in the reference's gauge and keeps the architecture (tied tensors come back untied).
+    ``token_rows``: match token-indexed rows of these ids only (see :func:`weight_match`).
     """
     t0 = time.perf_counter()
     if len(states) < 2:
@@ -112,7 +114,7 @@ def merge(
                 matches.append(None)  # the reference itself, or a weight-0 model (alignment target only)
             else:
                 matches.append(weight_match(spec, universe, s, mode=mode, iterations=iterations, tol=tol,
-                                            weighting=weighting))
+                                            weighting=weighting, token_rows=token_rows))
             bar.update(1)
         aligned = [canon[k] if m is None else m.canonical for k, m in enumerate(matches)]
         new_universe = average_states(aligned, weights)

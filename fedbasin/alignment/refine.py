@@ -274,6 +274,7 @@ def learned_refine(
     weighting: str = "rms",
     include_reference: bool = True,
     universe_iterations: int = 1,
+    token_rows: torch.Tensor | None = None,
     to_module_state: Callable[[dict], dict] | None = None,
     progress: bool = False,
 ) -> RefineResult:
@@ -310,13 +311,13 @@ def learned_refine(
     if universe_iterations > 1:
         universe = merge(spec, [reference, *candidates], [float(include_reference)] + [1.0] * len(candidates),
                          0, mode, match_iterations, match_tol, universe_iterations=universe_iterations,
-                         weighting=weighting)
+                         weighting=weighting, token_rows=token_rows)
         starts = universe.matches
         if len(starts) > len(candidates):  # the reference was re-aligned to the universe too
             ref_start, starts = starts[0], starts[1:]
     else:
         starts = [weight_match(spec, reference, c, mode=mode, iterations=match_iterations, tol=match_tol,
-                               weighting=weighting) for c in candidates]
+                               weighting=weighting, token_rows=token_rows) for c in candidates]
     base = [s.canonical for s in starts]
     device = next(iter(base[0].values())).device
     frozen = copy.deepcopy(model).to(device).eval()  # buffers (e.g. RoPE tables) follow the weights

@@ -78,6 +78,8 @@ def main(argv=None) -> dict:
                         help="fedbasin rows as MODE/WEIGHTING/all|seen (seen: match on tokens seen in training)")
     parser.add_argument("--circuit-variant", default="orthogonal/rms/seen",
                         help="the fedbasin alignment also evaluated on GLMC's merged architecture ('' to skip)")
+    parser.add_argument("--glmc-only", action="store_true",
+                        help="skip fedbasin's curves (the --circuit-variant alignment is still computed)")
     parser.add_argument("--max-blocks", type=int, default=0, help="evaluate on the first N test blocks (0: all)")
     parser.add_argument("--points", type=int, default=11)
     parser.add_argument("--out", help="write the results JSON here")
@@ -97,7 +99,10 @@ def main(argv=None) -> dict:
         return mean_loss(build_torch_model(a, state), test)
 
     lambdas = lambda_grid(args.points)
-    end_a, end_b = loss(a.state), loss(b.state)  # aligned B has B's function: its loss is B's
+    if args.glmc_only:
+        args.variants = args.circuit_variant
+    else:
+        end_a, end_b = loss(a.state), loss(b.state)  # aligned B has B's function: its loss is B's
 
     def curve(state_b: dict) -> Curve:
         losses = [end_b] + [loss(interpolate(a.state, state_b, lam)) for lam in lambdas[1:-1]] + [end_a]
@@ -109,7 +114,8 @@ def main(argv=None) -> dict:
         print(f"{name:40s} barrier {result.barrier:.4f}  midpoint loss {result.losses[len(lambdas) // 2]:.4f}",
               file=sys.stderr, flush=True)
 
-    record("vanilla", curve(b.state))
+    if not args.glmc_only:
+        record("vanilla", curve(b.state))
     standard_a, standard_b = a.adapter.to_standard(a.state), b.adapter.to_standard(b.state)
     aligned = {}
     for variant in filter(None, args.variants.split(",")):
@@ -117,7 +123,8 @@ def main(argv=None) -> dict:
         match = weight_match(a.spec, standard_a, standard_b, mode=mode, iterations=args.iterations, tol=args.tol,
                              weighting=weighting, token_rows=seen if rows == "seen" else None)
         aligned[variant] = a.adapter.from_standard(match.state)
-        record(f"fedbasin {variant}", curve(aligned[variant]), match.seconds, iterations=match.iterations)
+        if not args.glmc_only:
+            record(f"fedbasin {variant}", curve(aligned[variant]), match.seconds, iterations=match.iterations)
     if args.glmc_path:
         with tempfile.TemporaryDirectory() as tmp:
             blocks = Path(tmp) / "blocks.pt"
