@@ -8,8 +8,8 @@ import functools
 import os
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 @functools.lru_cache(maxsize=1)

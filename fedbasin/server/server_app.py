@@ -15,7 +15,6 @@ import time
 from logging import INFO, WARNING
 
 import torch
-
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp

@@ -88,14 +88,19 @@ def parse_run_config(text: str) -> dict:
     return config
 
 
-def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bool = False) -> dict:
-    """Run a resolved run config under ``flwr.simulation.run_simulation``; return results.json."""
+def simulate(
+    config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bool = False, client_app=None
+) -> dict:
+    """Run a resolved run config under ``flwr.simulation.run_simulation``; return results.json.
+    ``client_app`` replaces fedbasin's ClientApp (e.g. to add a hostile node in a test)."""
     import torch
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
-    from fedbasin.client.client_app import app as client_app
+    from fedbasin.client.client_app import app as fedbasin_client_app
     from fedbasin.server.server_app import run_server
+
+    client_app = client_app or fedbasin_client_app
 
     if config["min-nodes"] > num_supernodes:
         raise ValueError(

@@ -73,8 +73,8 @@ class AlignedFedAvg(FedAvg):
         ``max_examples_ratio`` × the round's median count (0 disables a cap).
     outlier_threshold : float
         MAD rule in the aligned basis (``fedbasin.strategies.robust``): a model whose distance
-        to the cohort's coordinate median, or whose update norm, is above
-        ``med + t·max(1.4826·MAD, med)`` is excluded (needs 3 or more replies; 0: off).
+        to the other models' coordinate median, or whose update norm, is above
+        ``med + t·max(1.4826·MAD, 0.15·med)`` is excluded (needs 3 or more replies; 0: off).
     clip_ratio : float
         > 0: clip every aligned update to ``clip_ratio`` × the median update norm.
     aggregator, trim_fraction : str, float

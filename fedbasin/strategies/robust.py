@@ -4,11 +4,13 @@ Models are state dicts with the same keys and shapes; only floating tensors take
 entries come from the first model). With ``θ_k`` the models, ``c`` a centre (the previous global
 model, or the coordinate-wise median ``m`` of the cohort when there is none):
 
-* outliers (:func:`cohort_outliers`): a model is excluded when its distance to the median
-  ``‖θ_k − m‖`` or its update norm ``‖θ_k − c‖`` is far above the cohort's:
-  ``x_k > med(x) + t · max(1.4826 · MAD(x), med(x))`` (MAD = median absolute deviation;
-  the floor keeps small or near-identical cohorts, whose MAD is tiny, from
-  flagging honest spread: nothing within (1 + t) × the median is flagged);
+* outliers (:func:`cohort_outliers`): a model is excluded when its distance to the others'
+  coordinate-wise median ``‖θ_k − m_{−k}‖`` or its update norm ``‖θ_k − c‖`` is far above the
+  cohort's: ``x_k > med(x) + t · max(1.4826 · MAD(x), 0.15 · med(x))`` (MAD = median absolute
+  deviation). Leaving ``θ_k`` out of its own reference keeps honest distances alike even for
+  K = 3 (in high dimension they concentrate); the floor keeps near-identical cohorts, whose MAD
+  is tiny, from flagging honest spread: nothing within (1 + 0.15 t) × the median is flagged,
+  nor anything below 1% of the norm of the cohort's median model (alignment residuals);
 * clipping (:func:`clip_updates`): ``θ_k ← c + (θ_k − c) · min(1, τ / ‖θ_k − c‖)`` with
   ``τ = r · med_k ‖θ_k − c‖``;
 * aggregators (:func:`aggregate`): example-weighted mean ``Σ w_k θ_k / Σ w_k``; coordinate-wise
@@ -26,7 +28,8 @@ import torch
 AGGREGATORS = ("mean", "trimmed-mean", "median")
 MIN_COHORT = 3  # the median of fewer models cannot tell an outlier from an honest model
 MAD_SCALE = 1.4826  # MAD of a normal sample × this = its standard deviation
-RELATIVE_FLOOR = 1.0  # never flag a model within (1 + t) × the median
+RELATIVE_FLOOR = 0.15  # never flag a model within (1 + 0.15 t) × the median
+NEGLIGIBLE = 0.01  # nor one whose statistic is below this × the norm of the median model
 
 
 def float_keys(state: dict) -> list[str]:
@@ -47,17 +50,23 @@ def coordinate_median(states: list[dict]) -> dict:
     return out
 
 
+def norm(a: dict) -> float:
+    """Euclidean norm over all floating entries (in float64)."""
+    return math.sqrt(sum(float(a[k].double().pow(2).sum()) for k in float_keys(a)))
+
+
 def distance(a: dict, b: dict) -> float:
     """Euclidean distance over all floating entries (in float64)."""
     return math.sqrt(sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in float_keys(a)))
 
 
-def mad_outliers(values: list[float], threshold: float) -> list[int]:
-    """Indices ``k`` with ``x_k > med + t·max(1.4826·MAD, med)`` (upper side only)."""
+def mad_outliers(values: list[float], threshold: float, negligible: float = 0.0) -> list[int]:
+    """Indices ``k`` with ``x_k > med + t·max(1.4826·MAD, 0.15·med)`` and ``x_k > negligible``
+    (upper side only)."""
     med = statistics.median(values)
     mad = statistics.median(abs(v - med) for v in values)
-    scale = max(MAD_SCALE * mad, RELATIVE_FLOOR * med)
-    return [i for i, v in enumerate(values) if v > med + threshold * scale]
+    cut = max(med + threshold * max(MAD_SCALE * mad, RELATIVE_FLOOR * med), negligible)
+    return [i for i, v in enumerate(values) if v > cut]
 
 
 def cohort_outliers(states: list[dict], center: dict | None, threshold: float) -> dict[int, str]:
@@ -65,14 +74,15 @@ def cohort_outliers(states: list[dict], center: dict | None, threshold: float) -
     for fewer than ``MIN_COHORT`` models."""
     if len(states) < MIN_COHORT:
         return {}
-    median = coordinate_median(states)
-    checks = [("distance to the cohort median", [distance(s, median) for s in states])]
+    negligible = NEGLIGIBLE * norm(coordinate_median(states))
+    others = [coordinate_median(states[:k] + states[k + 1 :]) for k in range(len(states))]
+    checks = [("distance to the others' median", [distance(s, m) for s, m in zip(states, others)])]
     if center is not None:
         checks.append(("update norm", [distance(s, center) for s in states]))
     reasons: dict[int, str] = {}
     for name, values in checks:
         med = statistics.median(values)
-        for k in mad_outliers(values, threshold):
+        for k in mad_outliers(values, threshold, negligible):
             reasons.setdefault(k, f"{name} {values[k]:.4g} is an outlier (cohort median {med:.4g}, "
                                   f"MAD threshold {threshold:g})")
     return reasons
