@@ -52,6 +52,13 @@ def make_refiner(spec, model, task, config: dict):
     )
 
 
+def robust_options(config: dict) -> dict:
+    """``AlignedFedAvg`` screening/aggregation keyword arguments from the run config."""
+    keys = ("max-abs-weight", "max-num-examples", "max-examples-ratio", "outlier-threshold",
+            "clip-ratio", "aggregator", "trim-fraction")
+    return {key.replace("-", "_"): config[key] for key in keys}
+
+
 def run_server(grid: Grid, config: dict) -> dict:
     """Run ``num-server-rounds`` rounds with a resolved run config; returns the results dict."""
     task = task_from_config(config)
@@ -93,13 +100,7 @@ def run_server(grid: Grid, config: dict) -> dict:
         min_train_nodes=config["min-nodes"],
         min_evaluate_nodes=config["min-nodes"],
         min_available_nodes=config["min-nodes"],
-        max_abs_weight=config["max-abs-weight"],
-        max_num_examples=config["max-num-examples"],
-        max_examples_ratio=config["max-examples-ratio"],
-        outlier_threshold=config["outlier-threshold"],
-        clip_ratio=config["clip-ratio"],
-        aggregator=config["aggregator"],
-        trim_fraction=config["trim-fraction"],
+        **robust_options(config),
     )
     round_started = time.perf_counter()
 

@@ -39,6 +39,7 @@ from fedbasin.client.client_app import app as client_app
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
 from fedbasin.data.task import Split
 from fedbasin.models import build_model
+from fedbasin.server.server_app import robust_options
 from fedbasin.strategies import AlignedFedAvg
 
 ATTACKS = ("clean", "scaled", "random", "sign-flip", "inflated")
@@ -144,11 +145,8 @@ class Federation:
         config = resolve_run_config({**self.overrides, **robust, "alignment": alignment})
         strategy = AlignedFedAvg(
             self.spec, alignment=alignment, iterations=config["align-iterations"],
-            max_abs_weight=config["max-abs-weight"], max_num_examples=config["max-num-examples"],
-            max_examples_ratio=config["max-examples-ratio"],
-            outlier_threshold=config["outlier-threshold"], clip_ratio=config["clip-ratio"],
-            aggregator=config["aggregator"], trim_fraction=config["trim-fraction"],
             min_train_nodes=self.clients, min_available_nodes=self.clients,
+            **robust_options(config),
         )
         arrays = ArrayRecord(self.model.state_dict())
         seconds, excluded, failed = [], [], 0

@@ -36,18 +36,24 @@ def float_keys(state: dict) -> list[str]:
     return [k for k, v in state.items() if v.is_floating_point()]
 
 
-def coordinate_median(states: list[dict]) -> dict:
-    """Coordinate-wise median (mean of the two middle values when the count is even)."""
+def _sorted_reduce(states: list[dict], reduce) -> dict:
+    """``reduce(sorted values, K)`` per coordinate of the floating entries (values sorted along
+    dim 0, in float64); other entries come from the first state."""
     out = {}
     for key, first in states[0].items():
         if not first.is_floating_point():
             out[key] = first
             continue
         stacked = torch.stack([s[key].double() for s in states]).sort(dim=0).values
-        k = len(states)
-        middle = stacked[(k - 1) // 2] if k % 2 else 0.5 * (stacked[k // 2 - 1] + stacked[k // 2])
-        out[key] = middle.to(first.dtype)
+        out[key] = reduce(stacked, len(states)).to(first.dtype)
     return out
+
+
+def coordinate_median(states: list[dict]) -> dict:
+    """Coordinate-wise median (mean of the two middle values when the count is even)."""
+    return _sorted_reduce(
+        states, lambda v, k: v[(k - 1) // 2] if k % 2 else 0.5 * (v[k // 2 - 1] + v[k // 2])
+    )
 
 
 def norm(a: dict) -> float:
@@ -107,17 +113,8 @@ def clip_updates(states: list[dict], center: dict, ratio: float) -> tuple[list[d
 
 def trimmed_mean(states: list[dict], fraction: float) -> dict:
     """Coordinate-wise mean after dropping the ``⌊fraction·K⌋`` largest and smallest values."""
-    cut = int(fraction * len(states))
-    if 2 * cut >= len(states):
-        cut = (len(states) - 1) // 2
-    out = {}
-    for key, first in states[0].items():
-        if not first.is_floating_point():
-            out[key] = first
-            continue
-        stacked = torch.stack([s[key].double() for s in states]).sort(dim=0).values
-        out[key] = stacked[cut : len(states) - cut].mean(dim=0).to(first.dtype)
-    return out
+    cut = min(int(fraction * len(states)), (len(states) - 1) // 2)
+    return _sorted_reduce(states, lambda v, k: v[cut : k - cut].mean(dim=0))
 
 
 def aggregate(states: list[dict], weights: list[float], how: str, trim_fraction: float, mean) -> dict:
