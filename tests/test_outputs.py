@@ -152,3 +152,20 @@ def test_an_unusable_final_model_is_recorded_and_raises(tmp_path):
         check_final_model(outputs, broken)
     final = json.loads((tmp_path / "run" / RESULTS_FILE).read_text())["final"]
     assert final["usable"] is False and "non-finite weights" in final["reason"]
+
+
+def test_simulate_exits_1_when_the_final_model_is_unusable(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from fedbasin.simulations import simulate
+
+    def unusable(config, *args, **kwargs):
+        raise UnusableModelError(f"the final global model of round 3 in {config['out-dir']} is unusable: x")
+
+    monkeypatch.setattr(simulate, "simulate", unusable)
+    parser = argparse.ArgumentParser()
+    simulate.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["simulate", "--out", str(tmp_path), "--overwrite"])
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "round 3" in err and "unusable" in err

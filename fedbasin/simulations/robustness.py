@@ -26,6 +26,7 @@ import hashlib
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                              "AlignedFedAvg, no defence", "AlignedFedAvg, default screening")}
     result = {
         "command": "python -m fedbasin.simulations.robustness "
-                   + " ".join(argv if argv is not None else []),
+                   + " ".join(sys.argv[1:] if argv is None else argv),
         "seed": args.seed, "clients": args.clients, "run_config": overrides,
         "machine": f"{platform.machine()}, {platform.processor() or platform.system()}, "
                    f"torch {torch.__version__}, 1 thread",
