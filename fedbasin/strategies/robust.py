@@ -51,14 +51,18 @@ def _sorted_reduce(states: list[dict], reduce) -> dict:
 
 def coordinate_median(states: list[dict]) -> dict:
     """Coordinate-wise median (mean of the two middle values when the count is even)."""
-    return _sorted_reduce(
-        states, lambda v, k: v[(k - 1) // 2] if k % 2 else 0.5 * (v[k // 2 - 1] + v[k // 2])
-    )
+    return _sorted_reduce(states, lambda v, k: _median_rows(v))
 
 
-def norm(a: dict) -> float:
-    """Euclidean norm over all floating entries (in float64)."""
-    return math.sqrt(sum(float(a[k].double().pow(2).sum()) for k in float_keys(a)))
+def flatten(state: dict) -> torch.Tensor:
+    """All floating entries as one float64 vector (key order of ``state``)."""
+    return torch.cat([state[k].detach().reshape(-1).double() for k in float_keys(state)])
+
+
+def _median_rows(x: torch.Tensor) -> torch.Tensor:
+    """Median over dim 0 (mean of the two middle rows when the count is even)."""
+    v, k = x.sort(dim=0).values, x.shape[0]
+    return v[(k - 1) // 2] if k % 2 else 0.5 * (v[k // 2 - 1] + v[k // 2])
 
 
 def distance(a: dict, b: dict) -> float:
@@ -80,11 +84,13 @@ def cohort_outliers(states: list[dict], center: dict | None, threshold: float) -
     for fewer than ``MIN_COHORT`` models."""
     if len(states) < MIN_COHORT:
         return {}
-    negligible = NEGLIGIBLE * norm(coordinate_median(states))
-    others = [coordinate_median(states[:k] + states[k + 1 :]) for k in range(len(states))]
-    checks = [("distance to the others' median", [distance(s, m) for s, m in zip(states, others)])]
+    flat = torch.stack([flatten(s) for s in states])  # (K, P) float64: one pass per statistic
+    negligible = NEGLIGIBLE * float(_median_rows(flat).norm())
+    to_others = [float((flat[k] - _median_rows(torch.cat([flat[:k], flat[k + 1 :]]))).norm())
+                 for k in range(len(states))]
+    checks = [("distance to the others' median", to_others)]
     if center is not None:
-        checks.append(("update norm", [distance(s, center) for s in states]))
+        checks.append(("update norm", (flat - flatten(center)).norm(dim=1).tolist()))
     reasons: dict[int, str] = {}
     for name, values in checks:
         med = statistics.median(values)
