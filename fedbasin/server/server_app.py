@@ -71,7 +71,12 @@ def run_server(grid: Grid, config: dict) -> dict:
     if resumed is not None:
         last, state = resumed
         for server_round in outputs.unrecorded_rounds(last):
-            model.load_state_dict(load_checkpoint(outputs.checkpoint_dir(server_round)).state)
+            try:
+                model.load_state_dict(load_checkpoint(outputs.checkpoint_dir(server_round)).state)
+            except (OSError, ValueError, RuntimeError) as error:
+                log(WARNING, "resume: round %d has no record and its checkpoint does not load "
+                    "(%s); it stays without one", server_round, error)
+                continue
             test = task.evaluate(model, "test", device)
             outputs.record(server_round, None, {"test_loss": test["loss"],
                                                 "test_accuracy": test["accuracy"], "rebuilt": True})

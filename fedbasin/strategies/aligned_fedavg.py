@@ -259,7 +259,7 @@ class AlignedFedAvg(FedAvg):
                 self._exclude(server_round, node, _reason(error))
                 continue
             accepted[node] = (msg.metadata.message_id, state, weight, msg.content)
-        nodes = list(accepted)
+        nodes = sorted(accepted)  # the aggregate does not depend on the replies' arrival order
         states = [accepted[n][1] for n in nodes]
         weights = self._capped_weights(server_round, nodes, [accepted[n][2] for n in nodes])
         log(INFO, "round %d: %d valid replies, %d excluded", server_round, len(states),
