@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .alignment.adapters import Adapter, fedbasin_adapter
-from .atomic import publish
+from .atomic import exchange, publish
 from .models import FAMILIES, build_model, make_config
 
 CONFIG_FILE = "config.json"
@@ -322,8 +322,9 @@ def _keep_sidecars(old: Path, new: Path) -> None:
 def _atomic_replace_dir(path: Path, write) -> None:
     """Run ``write(tmp)`` on a fresh sibling directory, then swap it in at ``path``.
 
-    The previous directory at ``path`` is moved aside only once the new one is complete and
-    deleted only after the new one is in place; on any failure the temporary directory is
+    The new directory is swapped in only once complete, in one step where the platform can
+    (:func:`~fedbasin.atomic.exchange`: ``path`` always names a whole checkpoint, old or new),
+    and the old one is deleted only after that; on any failure the temporary directory is
     removed and ``path`` is left as it was.
     """
     if path.exists() and not path.is_dir():
@@ -343,7 +344,9 @@ def _atomic_replace_dir(path: Path, write) -> None:
         for item in tmp.iterdir():
             if item.is_file():
                 publish(item)
-        if path.exists():
+        if path.exists() and exchange(tmp, path):  # no moment without a checkpoint at path
+            shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
+        elif path.exists():  # no atomic exchange on this platform: a short window remains
             old = path.parent / f".{path.name}.old-{tag}"
             os.replace(path, old)
             try:

@@ -7,6 +7,7 @@ fall back to :data:`DEFAULT_RUN_CONFIG`, which a test keeps equal to the pyproje
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import fields
 
@@ -54,9 +55,19 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "fraction-train": 1.0,
     "fraction-evaluate": 1.0,
     "min-nodes": 2,
+    # robust aggregation (server side; see fedbasin.strategies.AlignedFedAvg, docs/robustness.md)
+    "max-abs-weight": 1e6,  # a reply holding any |value| above this is excluded
+    "max-num-examples": 1000000,  # num-examples cap (0: none)
+    "max-examples-ratio": 10.0,  # and at most this × the round's median count (0: none)
+    "outlier-threshold": 3.5,  # MAD rule in the aligned basis (0: off)
+    "clip-ratio": 0.0,  # >0: clip updates to this × the median update norm
+    "aggregator": "mean",  # mean | trimmed-mean | median (coordinate-wise, after alignment)
+    "trim-fraction": 0.25,  # trimmed-mean: fraction dropped at each end
     # server outputs
     "out-dir": "runs/flower",
     "resume": False,
+    "overwrite": False,  # a fresh run may replace the outputs of an earlier run in out-dir
+    "rebuild-results": False,  # resume: rebuild a missing/damaged results.json from checkpoints
 }
 
 CHOICES = {
@@ -64,7 +75,22 @@ CHOICES = {
     "init": ("server", "client"),
     "symmetry": ("orthogonal", "permutation"),
     "refine-permutations": ("ste", "sinkhorn"),
+    "aggregator": ("mean", "trimmed-mean", "median"),
 }
+
+# (keys, lower bound, lower bound included): numeric keys outside their range are refused
+RANGES = (
+    (("num-server-rounds", "local-epochs", "batch-size", "block-size", "align-iterations",
+      "universe-iterations", "min-nodes"), 1, True),
+    (("seed", "proxy-size", "max-train-examples", "refine-steps", "max-num-examples",
+      "model.dim", "model.depth", "model.heads", "model.mlp-dim", "model.patch-size",
+      "weight-decay", "max-examples-ratio", "outlier-threshold", "clip-ratio", "trim-fraction"),
+     0, True),
+    (("lr",), 0, True),
+    (("refine-lr", "dirichlet-alpha", "max-abs-weight", "fraction-train",
+      "fraction-evaluate"), 0, False),
+)
+UPPER = {"fraction-train": 1.0, "fraction-evaluate": 1.0, "trim-fraction": 0.5}
 
 
 def resolve_run_config(run_config: Mapping[str, object] | None = None) -> dict:
@@ -89,10 +115,20 @@ def resolve_run_config(run_config: Mapping[str, object] | None = None) -> dict:
     if config["refine-steps"] > 0 and config["proxy-size"] < 10:
         raise ValueError(f"run-config refine-steps={config['refine-steps']} needs proxy-size >= 10 "
                          f"(got {config['proxy-size']}): the server refines on its proxy split")
-    if config["universe-iterations"] < 1:
-        raise ValueError(f"run-config universe-iterations={config['universe-iterations']} must be at least 1")
-    if config["min-nodes"] < 1:
-        raise ValueError(f"run-config min-nodes={config['min-nodes']} must be at least 1")
+    for keys, low, inclusive in RANGES:
+        for key in keys:
+            value = config[key]
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"run-config {key}={value!r} must be finite")
+            if value < low or (value == low and not inclusive):
+                bound = f"at least {low}" if inclusive else f"greater than {low}"
+                raise ValueError(f"run-config {key}={value!r} must be {bound}")
+    for key, high in UPPER.items():
+        if config[key] > high or (key == "trim-fraction" and config[key] == high):
+            raise ValueError(f"run-config {key}={config[key]!r} must be "
+                             f"{'below' if key == 'trim-fraction' else 'at most'} {high}")
+    if config["resume"] and config["overwrite"]:
+        raise ValueError("run-config resume=true and overwrite=true contradict each other")
     return config
 
 

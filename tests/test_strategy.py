@@ -211,10 +211,14 @@ def test_all_replies_bad_keeps_the_previous_model():
     spec = spec_of("vit", VIT)
     base = base_state()
     strategy = strategy_for(spec, base)
-    assert strategy.aggregate_train(
+    arrays, metrics = strategy.aggregate_train(
         1, [reply(1, corrupt(base, "nan")), reply(2, error="boom")]
-    ) == (None, None)
-    assert strategy.aggregate_train(1, []) == (None, None)
+    )
+    assert arrays is None  # Flower keeps broadcasting the previous global model
+    assert metrics["round_failed"] == 1 and metrics["excluded_nodes"] == [1, 2]
+    assert strategy.screening[1]["failed"] == "no valid replies"
+    arrays, metrics = strategy.aggregate_train(2, [])
+    assert arrays is None and metrics["round_failed"] == 1 and metrics["num_excluded"] == 0
 
 
 def test_evaluate_replies_without_examples_are_excluded():

@@ -81,12 +81,15 @@ def merge(
     weighting: str = "rms",
     progress: bool = False,
     token_rows: torch.Tensor | None = None,
+    combine=average_states,
 ) -> MergeResult:
     """Align every model to ``states[reference]`` (then to the running universe) and average.
 
     ``align=False`` is plain weighted averaging through the same path (FedAvg). The result is
     returned in the reference's gauge and keeps the architecture (tied tensors come back untied).
     ``token_rows``: match token-indexed rows of these ids only (see :func:`weight_match`).
+    ``combine(aligned_canonical_states, weights)`` replaces the weighted mean (e.g. a robust
+    aggregator that screens the aligned models first).
     """
     t0 = time.perf_counter()
     if len(states) < 2:
@@ -100,7 +103,7 @@ def merge(
     ref_c = canonicalize(spec, states[reference], names[reference], validate=False)
     canon = [canonicalize(spec, s, names[i], validate=False).state for i, s in enumerate(states)]
     if not align:
-        merged = average_states(canon, weights)
+        merged = combine(canon, weights)
         return MergeResult(to_gauge(spec, merged, ref_c.gains), merged, [], seconds=time.perf_counter() - t0,
                            untied=ref_c.untied)
 
@@ -117,7 +120,7 @@ def merge(
                                             weighting=weighting, token_rows=token_rows))
             bar.update(1)
         aligned = [canon[k] if m is None else m.canonical for k, m in enumerate(matches)]
-        new_universe = average_states(aligned, weights)
+        new_universe = combine(aligned, weights)
         change = _relative_change(spec, universe, new_universe)
         universe = new_universe
         result.matches = [m for m in matches if m is not None]

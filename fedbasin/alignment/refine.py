@@ -401,13 +401,14 @@ def refined_merge(
     weights: list[float],
     reference: int,
     refine: Callable[..., RefineResult],
+    combine: Callable[[list, list], dict] = average_states,
 ) -> tuple[dict, RefineResult]:
     """``Σ_k w_k g_k·θ_k / Σ_k w_k`` with every g_k from ``refine(θ_ref, others, include_reference=
     w_ref > 0)`` (e.g. a partial of :func:`learned_refine`), in the reference's gauge; returns
-    (merged state, refine result)."""
+    (merged state, refine result). ``combine`` replaces the weighted mean (see :func:`merge`)."""
     others = [s for k, s in enumerate(states) if k != reference]
     result = refine(states[reference], others, include_reference=weights[reference] > 0)
     ref = canonicalize(spec, states[reference])
     aligned = list(result.canonical)
     aligned.insert(reference, ref.state if result.reference_canonical is None else result.reference_canonical)
-    return to_gauge(spec, average_states(aligned, weights), ref.gains), result
+    return to_gauge(spec, combine(aligned, weights), ref.gains), result

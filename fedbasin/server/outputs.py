@@ -5,8 +5,12 @@ Layout of ``out-dir``::
     round-0000/ ... round-NNNN/   fedbasin checkpoints (config.json + model.safetensors) of the
                                   global model after each round (0: the initial model)
     results.json                  {"run_config", "model", "rounds": [{"round", "test_loss",
-                                  "test_accuracy", ...train/eval/strategy metrics}]}
+                                  "test_accuracy", ...train/eval/strategy metrics, "excluded":
+                                  [{"node", "stage", "reason"}], "capped", "failure"}],
+                                  "final": {"round", "usable", "reason"}}
     curves.png                    test accuracy and loss against the round
+    *.damaged-<time>              a checkpoint or results file that resume found unusable,
+                                  kept aside (nothing is deleted except by ``overwrite``)
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import asdict
+from logging import WARNING
 from pathlib import Path
 
 import torch
+from flwr.common.logger import log
 
 from fedbasin.atomic import atomic_write
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
@@ -56,41 +63,133 @@ class RunOutputs:
     def checkpoint_dir(self, server_round: int) -> Path:
         return self.dir / f"round-{server_round:04d}"
 
-    def start_fresh(self) -> list[int]:
-        """Remove a previous run's checkpoints, results and curves; return the removed rounds."""
-        stale = self.saved_rounds()
-        for server_round in stale:
-            shutil.rmtree(self.checkpoint_dir(server_round))
-        for name in (RESULTS_FILE, CURVES_FILE):
-            (self.dir / name).unlink(missing_ok=True)
-        return stale
+    def prepare_fresh(self, overwrite: bool) -> list[str]:
+        """Make ``out_dir`` ready for a fresh run. A non-empty directory is refused (a fresh run
+        never deletes an earlier run's outputs) unless ``overwrite``; then this run's own kinds
+        of files (round checkpoints, results, curves) are removed, and their names returned."""
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ValueError(f"out-dir {self.dir} exists and is not a directory")
+        entries = sorted(p.name for p in self.dir.iterdir()) if self.dir.is_dir() else []
+        if entries and not overwrite:
+            shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+            raise ValueError(
+                f"out-dir {self.dir} is not empty ({shown}); a fresh run never replaces earlier "
+                "outputs: set resume=true to continue that run, overwrite=true (fedbasin "
+                "simulate --overwrite) to replace it, or choose another out-dir"
+            )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.dir, os.W_OK | os.X_OK):
+            raise ValueError(f"out-dir {self.dir} is not writable")
+        removed = []
+        for name in entries:
+            path = self.dir / name
+            if _ROUND_DIR.match(name) and path.is_dir():
+                shutil.rmtree(path)
+            elif name in (RESULTS_FILE, CURVES_FILE) and path.is_file():
+                path.unlink()
+            else:
+                continue
+            removed.append(name)
+        return removed
 
-    def resume(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """``(k, state)`` of the last checkpoint (None if there is none), keeping the results of
-        rounds ``0..k``. A checkpoint of a different model raises ``ValueError``."""
+    def resume(self, rebuild_results: bool = False) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """``(k, state)`` of the newest usable checkpoint (None if there is no checkpoint),
+        keeping the recorded results of rounds ``0..k``.
+
+        A checkpoint that does not load or holds non-finite values is moved aside (renamed
+        ``round-NNNN.damaged-<time>``, never deleted) with a log line, and the next older one is
+        tried. A checkpoint of a different model raises ``ValueError``. ``results.json`` must
+        be readable when checkpoints exist; if it is missing or damaged this raises
+        ``ValueError`` naming it, unless ``rebuild_results`` (then a damaged file is kept aside
+        and the history restarts; :meth:`unrecorded_rounds` lists what to re-evaluate).
+        """
         rounds = self.saved_rounds()
         if not rounds:
+            if (self.dir / RESULTS_FILE).exists():
+                raise ValueError(
+                    f"cannot resume: {self.dir / RESULTS_FILE} exists but {self.dir} holds no "
+                    "round-NNNN checkpoint; restore them, or start a fresh run elsewhere"
+                )
             return None
-        last = rounds[-1]
-        checkpoint = load_checkpoint(self.checkpoint_dir(last))
-        if checkpoint.family != self.family or checkpoint.config != self.model_config:
-            raise ValueError(
-                f"cannot resume from {checkpoint.path}: it holds a {checkpoint.family} model with "
-                f"{checkpoint.config}, but this run builds a {self.family} model with "
-                f"{self.model_config}"
-            )
-        results_path = self.dir / RESULTS_FILE
-        if results_path.is_file():
-            previous = json.loads(results_path.read_text())["rounds"]
-            self.results["rounds"] = [r for r in previous if r["round"] <= last]
-        return last, checkpoint.state
+        for last in reversed(rounds):
+            path = self.checkpoint_dir(last)
+            try:
+                checkpoint = load_checkpoint(path)
+                bad = [k for k, v in checkpoint.state.items()
+                       if v.is_floating_point() and not torch.isfinite(v).all()]
+                if bad:
+                    raise ValueError(f"non-finite values in {bad[:3]}")
+            except (OSError, ValueError) as error:
+                aside = self._move_aside(path)
+                log(WARNING, "resume: checkpoint %s is unusable (%s); moved it to %s and "
+                    "falling back to the previous checkpoint", path, error, aside.name)
+                continue
+            if checkpoint.family != self.family or checkpoint.config != self.model_config:
+                raise ValueError(
+                    f"cannot resume from {checkpoint.path}: it holds a {checkpoint.family} model "
+                    f"with {checkpoint.config}, but this run builds a {self.family} model with "
+                    f"{self.model_config}"
+                )
+            self.results["rounds"] = [
+                r for r in self._read_history(rounds, rebuild_results) if r["round"] <= last
+            ]
+            return last, checkpoint.state
+        raise ValueError(
+            f"cannot resume: no usable checkpoint in {self.dir} (the damaged ones were moved "
+            "aside); start a fresh run in another out-dir"
+        )
 
-    def record(self, server_round: int, state: dict[str, torch.Tensor], metrics: dict) -> None:
-        """Checkpoint the global model of ``server_round``, then add its metrics to the results."""
+    def _read_history(self, rounds: list[int], rebuild: bool) -> list[dict]:
+        """The recorded rounds of ``results.json`` (see :meth:`resume`)."""
+        path = self.dir / RESULTS_FILE
+        try:
+            history = json.loads(path.read_text())["rounds"]
+            if not isinstance(history, list) or not all(
+                isinstance(r, dict) and type(r.get("round")) is int for r in history
+            ):
+                raise ValueError("'rounds' is not a list of records with an integer 'round'")
+            return history
+        except FileNotFoundError:
+            problem = "is missing"
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+            problem = f"is damaged ({type(error).__name__}: {error})"
+        if not rebuild:
+            raise ValueError(
+                f"cannot resume: {path} {problem}, but checkpoints of rounds {rounds} exist; "
+                "restore it, or set rebuild-results=true to rebuild the test metrics of every "
+                "round from its checkpoint (the damaged file is kept aside)"
+            )
+        if path.exists():
+            log(WARNING, "resume: %s %s; kept as %s, rebuilding the history from checkpoints",
+                path, problem, self._move_aside(path).name)
+        return []
+
+    def _move_aside(self, path: Path) -> Path:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = path.with_name(f"{path.name}.damaged-{stamp}")
+        n = 1
+        while aside.exists():
+            aside, n = path.with_name(f"{path.name}.damaged-{stamp}-{n}"), n + 1
+        os.replace(path, aside)
+        return aside
+
+    def unrecorded_rounds(self, last: int) -> list[int]:
+        """Saved rounds up to ``last`` without a record (e.g. after an interrupted write)."""
+        recorded = {r["round"] for r in self.results["rounds"]}
+        return [k for k in self.saved_rounds() if k <= last and k not in recorded]
+
+    def record(self, server_round: int, state: dict[str, torch.Tensor] | None, metrics: dict) -> None:
+        """Checkpoint the global model of ``server_round`` (unless ``state`` is None: already
+        saved), then add its metrics to the results."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(self.checkpoint_dir(server_round), self.family, self.model_config, state)
+        if state is not None:
+            save_checkpoint(self.checkpoint_dir(server_round), self.family, self.model_config, state)
         rounds = [r for r in self.results["rounds"] if r["round"] != server_round]
-        self.results["rounds"] = rounds + [{"round": server_round, **metrics}]
+        self.results["rounds"] = sorted(rounds + [{"round": server_round, **metrics}],
+                                        key=lambda r: r["round"])
+        self.save_results()
+
+    def save_results(self) -> None:
         write_json_atomic(self.dir / RESULTS_FILE, self.results)
         self.plot()
 

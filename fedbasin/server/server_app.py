@@ -2,20 +2,25 @@
 
 Each round the global model is evaluated on the server's test split, checkpointed, and its
 metrics are added to ``results.json`` and ``curves.png`` in ``out-dir`` (see ``outputs.py``).
-``resume = true`` continues from the last checkpoint in ``out-dir``.
+``resume = true`` continues from the newest usable checkpoint in ``out-dir``; a fresh run refuses a
+non-empty ``out-dir`` unless ``overwrite = true``. A run whose final model is unusable (non-finite
+weights or test loss) raises :class:`UnusableModelError` after recording it in ``results.json``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import time
-from logging import INFO
+from logging import INFO, WARNING
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from fedbasin.alignment import fedbasin_adapter, learned_refine, proxy_streams
+from fedbasin.checkpoint import load_checkpoint
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
 from fedbasin.server.outputs import RunOutputs
 from fedbasin.strategies import AlignedFedAvg
@@ -42,24 +47,44 @@ def make_refiner(spec, model, task, config: dict):
     )
 
 
+def robust_options(config: dict) -> dict:
+    """``AlignedFedAvg`` screening/aggregation keyword arguments from the run config."""
+    keys = ("max-abs-weight", "max-num-examples", "max-examples-ratio", "outlier-threshold",
+            "clip-ratio", "aggregator", "trim-fraction")
+    return {key.replace("-", "_"): config[key] for key in keys}
+
+
 def run_server(grid: Grid, config: dict) -> dict:
     """Run ``num-server-rounds`` rounds with a resolved run config; returns the results dict."""
     task = task_from_config(config)
     model = model_from_config(task, config, seed=config["seed"])
     outputs = RunOutputs(config["out-dir"], task.family, model.config, config)
     num_rounds = config["num-server-rounds"]
+    device = resolve_device(config["device"])
     first_round = 1
-    resumed = outputs.resume() if config["resume"] else None
+    resumed = outputs.resume(config["rebuild-results"]) if config["resume"] else None
     if resumed is not None:
         last, state = resumed
+        for server_round in outputs.unrecorded_rounds(last):
+            try:
+                model.load_state_dict(load_checkpoint(outputs.checkpoint_dir(server_round)).state)
+            except (OSError, ValueError, RuntimeError) as error:
+                log(WARNING, "resume: round %d has no record and its checkpoint does not load "
+                    "(%s); it stays without one", server_round, error)
+                continue
+            test = task.evaluate(model, "test", device)
+            outputs.record(server_round, None, {"test_loss": test["loss"],
+                                                "test_accuracy": test["accuracy"], "rebuilt": True})
+            log(INFO, "resume: round %d had no record; rebuilt its test metrics from %s",
+                server_round, outputs.checkpoint_dir(server_round))
         model.load_state_dict(state)
         first_round = last + 1
         log(INFO, "resuming after round %d from %s", last, outputs.checkpoint_dir(last))
         if last >= num_rounds:
             log(INFO, "all %d rounds are already done", num_rounds)
             return outputs.results
-    elif stale := outputs.start_fresh():
-        log(INFO, "fresh run: removed checkpoints of rounds %s from %s", stale, outputs.dir)
+    elif removed := outputs.prepare_fresh(config["overwrite"]):
+        log(INFO, "fresh run (overwrite=true): removed %s from %s", removed, outputs.dir)
 
     spec = fedbasin_adapter(task.family, model.config).spec
     strategy = AlignedFedAvg(
@@ -75,8 +100,8 @@ def run_server(grid: Grid, config: dict) -> dict:
         min_train_nodes=config["min-nodes"],
         min_evaluate_nodes=config["min-nodes"],
         min_available_nodes=config["min-nodes"],
+        **robust_options(config),
     )
-    device = resolve_device(config["device"])
     round_started = time.perf_counter()
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -90,6 +115,10 @@ def run_server(grid: Grid, config: dict) -> dict:
             extra = {"round_seconds": seconds} if server_round else {}
             for record in (strategy.train_metrics, strategy.evaluate_metrics):
                 extra.update(record.get(server_round, {}))
+            screening = strategy.screening.get(server_round, {})
+            for key, name in (("excluded", "excluded"), ("capped", "capped"), ("failed", "failure")):
+                if screening.get(key):
+                    extra[name] = screening[key]
             outputs.record(server_round, model.state_dict(), {**metrics, **extra})
             log(
                 INFO,
@@ -109,4 +138,32 @@ def run_server(grid: Grid, config: dict) -> dict:
         evaluate_fn=evaluate,
         first_round=first_round,
     )
+    check_final_model(outputs, model.state_dict())  # evaluate() loaded the final global model
     return outputs.results
+
+
+class UnusableModelError(RuntimeError):
+    """The run finished but its final global model is unusable (non-finite weights or loss)."""
+
+
+def check_final_model(outputs: RunOutputs, state: dict[str, torch.Tensor]) -> None:
+    """Record ``final = {round, usable, reason}`` in results.json; raise
+    :class:`UnusableModelError` if the final model has non-finite weights or test metrics."""
+    last = outputs.results["rounds"][-1] if outputs.results["rounds"] else {}
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    reason = ""
+    if bad:
+        reason = f"non-finite weights in {bad[:3]}"
+    elif not all(math.isfinite(last.get(k, math.nan)) for k in ("test_loss", "test_accuracy")):
+        reason = f"test loss {last.get('test_loss')}, accuracy {last.get('test_accuracy')}"
+    failed = [r["round"] for r in outputs.results["rounds"] if r.get("round_failed")]
+    outputs.results["final"] = {"round": last.get("round"), "usable": not reason,
+                                "reason": reason, "failed_rounds": failed}
+    outputs.save_results()
+    if failed:
+        log(WARNING, "rounds %s failed and kept the previous global model", failed)
+    if reason:
+        raise UnusableModelError(
+            f"the final global model of round {last.get('round')} in {outputs.dir} is unusable: "
+            f"{reason}"
+        )

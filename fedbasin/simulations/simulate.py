@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fedbasin.config import resolve_run_config
 from fedbasin.server.outputs import RESULTS_FILE
+from fedbasin.server.server_app import UnusableModelError
 
 DEFAULT_SUPERNODES = 3
 TABLE_COLUMNS = (  # results key, header, format
@@ -30,11 +31,13 @@ TABLE_COLUMNS = (  # results key, header, format
     ("aggregate_seconds", "agg s", "{:.2f}"),
     ("round_seconds", "round s", "{:.1f}"),
     ("num_excluded", "excl", "{}"),
+    ("round_failed", "failed", "{}"),
 )
 TABLE_CAPTION = (
     "acc, loss: global model on the server's test split; train: clients' mean train loss; "
     "client: accuracy on the clients' held-out data; gain: alignment objective gain; "
-    "agg s, round s: aggregation and round seconds; excl: excluded replies"
+    "agg s, round s: aggregation and round seconds; excl: excluded replies; failed: 1 if the "
+    "round kept the previous global model"
 )
 
 
@@ -59,6 +62,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help=f"virtual SuperNodes, one data partition each (default {DEFAULT_SUPERNODES})",
     )
     p.add_argument("--out", help="output directory (overrides the run config's out-dir)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the outputs of an earlier run in the output directory (run config "
+        "overwrite=true); without it a non-empty output directory is refused",
+    )
     p.add_argument("--verbose", action="store_true", help="Flower debug logs")
     p.set_defaults(func=run)
     return p
@@ -79,14 +88,19 @@ def parse_run_config(text: str) -> dict:
     return config
 
 
-def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bool = False) -> dict:
-    """Run a resolved run config under ``flwr.simulation.run_simulation``; return results.json."""
+def simulate(
+    config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bool = False, client_app=None
+) -> dict:
+    """Run a resolved run config under ``flwr.simulation.run_simulation``; return results.json.
+    ``client_app`` replaces fedbasin's ClientApp (e.g. to add a hostile node in a test)."""
     import torch
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
-    from fedbasin.client.client_app import app as client_app
+    from fedbasin.client.client_app import app as fedbasin_client_app
     from fedbasin.server.server_app import run_server
+
+    client_app = client_app or fedbasin_client_app
 
     if config["min-nodes"] > num_supernodes:
         raise ValueError(
@@ -133,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         overrides = parse_run_config(args.run_config)
         if args.out:
             overrides["out-dir"] = args.out
+        if args.overwrite:
+            overrides["overwrite"] = True
         config = resolve_run_config(overrides)
         if args.num_supernodes < 1:
             raise ValueError(f"--num-supernodes must be at least 1, got {args.num_supernodes}")
@@ -140,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"fedbasin simulate: {error}", file=sys.stderr)
         return 2
+    except UnusableModelError as error:
+        print(f"fedbasin simulate: {error}", file=sys.stderr)
+        return 1
     print_table(results["rounds"])
     print(f"results: {Path(config['out-dir']) / RESULTS_FILE}")
     return 0

@@ -13,18 +13,26 @@ Per round, with client states ``θ_k`` and example counts ``n_k``:
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Iterable
 from logging import INFO, WARNING
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fedbasin.alignment import SymmetrySpec, average_states, canonicalize, merge, refined_merge
+from fedbasin.strategies.robust import (
+    AGGREGATORS,
+    aggregate,
+    clip_updates,
+    cohort_outliers,
+    coordinate_median,
+)
 
 MODES = ("orthogonal", "permutation")
 
@@ -57,17 +65,37 @@ class AlignedFedAvg(FedAvg):
         :class:`~fedbasin.alignment.RefineResult` (the ServerApp binds the model and its proxy
         split into it, e.g. ``functools.partial(learned_refine, spec, model, ...)``). The
         refined, canonical client models are averaged instead of the weight-matched ones.
+    max_abs_weight : float
+        A reply holding any value with ``|x|`` above this is excluded before any arithmetic
+        (no overflow downstream).
+    max_num_examples, max_examples_ratio : float
+        Averaging weights are ``num-examples`` capped at ``max_num_examples`` and at
+        ``max_examples_ratio`` × the round's median count (0 disables a cap).
+    outlier_threshold : float
+        MAD rule in the aligned basis (``fedbasin.strategies.robust``): a model whose distance
+        to the other models' coordinate median, or whose update norm, is above
+        ``med + t·max(1.4826·MAD, 0.15·med)`` is excluded (needs 3 or more replies; 0: off).
+    clip_ratio : float
+        > 0: clip every aligned update to ``clip_ratio`` × the median update norm.
+    aggregator, trim_fraction : str, float
+        ``"mean"`` (example-weighted), ``"trimmed-mean"`` (drop the ``⌊f·K⌋`` largest and
+        smallest values of every coordinate) or ``"median"`` (coordinate-wise), after alignment.
     **kwargs
         ``FedAvg`` options (``fraction_train``, ``min_train_nodes``, ...).
 
-    Every reply is checked against the broadcast model (same keys, shapes and dtypes, finite
-    values, one MetricRecord with a positive ``num-examples``); a failing reply is excluded with
-    a log line naming the node and the reason, and the round goes on. ``aggregate_train``
-    returns the merged arrays and metrics: the clients' weighted train metrics plus
+    Screening, in order: every reply is checked on its own against the broadcast model (no
+    client error, one reply per node, one MetricRecord with a positive finite ``num-examples``,
+    one ArrayRecord with the same keys, shapes and dtypes, finite values within
+    ``max_abs_weight``, foldable norm gains); counts are capped; after alignment the cohort is
+    screened; then the models are clipped and aggregated. Every exclusion is logged and kept in
+    ``screening[round] = {"excluded": [{"node", "stage", "reason"}], "capped": [...],
+    "failed": reason or ""}``; nothing a client sends raises out of ``aggregate_train``. If no
+    reply is left or the aggregate is not finite, the round fails: ``(None, metrics)`` keeps the
+    previous global model. The metrics are the clients' weighted train metrics plus
     ``align_gain`` (mean increase of the matching objective), ``align_seconds``,
-    ``aggregate_seconds``, ``num_excluded`` and ``excluded_nodes``. ``train_metrics`` and
-    ``evaluate_metrics`` keep the aggregated metrics by round as they arrive (for per-round
-    records while ``start`` runs).
+    ``screen_seconds``, ``aggregate_seconds``, ``num_excluded``, ``excluded_nodes``,
+    ``capped_nodes`` and ``round_failed``. ``train_metrics`` and ``evaluate_metrics`` keep the
+    aggregated metrics by round as they arrive (for per-round records while ``start`` runs).
     """
 
     def __init__(
@@ -81,6 +109,13 @@ class AlignedFedAvg(FedAvg):
         independent_init: bool = False,
         universe_iterations: int = 1,
         refine=None,
+        max_abs_weight: float = 1e6,
+        max_num_examples: float = 1_000_000,
+        max_examples_ratio: float = 10.0,
+        outlier_threshold: float = 3.5,
+        clip_ratio: float = 0.0,
+        aggregator: str = "mean",
+        trim_fraction: float = 0.25,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -101,6 +136,18 @@ class AlignedFedAvg(FedAvg):
             raise ValueError(f"refine must be callable (e.g. a partial of learned_refine), got {refine!r}")
         if refine is not None and not alignment:
             raise ValueError("refine needs alignment: plain FedAvg (alignment=False) would ignore it")
+        if aggregator not in AGGREGATORS:
+            raise ValueError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
+        if not 0 <= trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
+        for name, value in (("max_abs_weight", max_abs_weight),
+                            ("max_num_examples", max_num_examples),
+                            ("max_examples_ratio", max_examples_ratio),
+                            ("outlier_threshold", outlier_threshold), ("clip_ratio", clip_ratio)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if max_abs_weight <= 0:
+            raise ValueError(f"max_abs_weight must be positive, got {max_abs_weight}")
         self.spec = spec
         self.alignment = alignment
         self.mode = mode
@@ -109,6 +156,14 @@ class AlignedFedAvg(FedAvg):
         self.independent_init = independent_init
         self.universe_iterations = universe_iterations
         self.refine = refine
+        self.max_abs_weight = max_abs_weight
+        self.max_num_examples = max_num_examples
+        self.max_examples_ratio = max_examples_ratio
+        self.outlier_threshold = outlier_threshold
+        self.clip_ratio = clip_ratio
+        self.aggregator = aggregator
+        self.trim_fraction = trim_fraction
+        self.screening: dict[int, dict] = {}
         self.train_metrics: dict[int, MetricRecord] = {}
         self.evaluate_metrics: dict[int, MetricRecord] = {}
         self._global: ArrayRecord | None = None
@@ -184,7 +239,13 @@ class AlignedFedAvg(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate, align to the reference, and average weighted by ``num-examples``."""
+        """Screen every reply, align to the reference, screen the cohort, aggregate.
+
+        Nothing a client sends can raise out of here: a reply that fails a check is excluded
+        (log line and ``self.screening[round]`` name the node and the reason); if no reply is
+        left, or merging fails or gives a non-finite model, the round is recorded as failed and
+        ``(None, metrics)`` keeps the previous global model.
+        """
         t0 = time.perf_counter()
         server_round += self._round_offset
         if self._global is None:
@@ -192,103 +253,187 @@ class AlignedFedAvg(FedAvg):
                 "aggregate_train needs the broadcast model: call configure_train first"
             )
         template = self._global
-        states, weights, contents, excluded = [], [], [], []
+        record = self.screening[server_round] = {"excluded": [], "capped": [], "failed": ""}
+        accepted: dict[int, tuple] = {}  # node -> (message id, state, num-examples, content)
         for msg in replies:
             node = msg.metadata.src_node_id
             try:
+                if node in accepted:
+                    raise ReplyError(
+                        f"duplicate reply {msg.metadata.message_id[:12]}: a node counts once per "
+                        f"round (kept its reply {accepted[node][0][:12]})"
+                    )
                 weight = self._num_examples(msg)
                 state = self._checked_state(msg, template)
-            except ReplyError as error:
-                log(
-                    WARNING, "round %d: excluding reply from node %d: %s", server_round, node, error
-                )
-                excluded.append(node)
+            except Exception as error:  # noqa: BLE001 - no client content may stop the round
+                self._exclude(server_round, node, _reason(error))
                 continue
-            states.append(state)
-            weights.append(weight)
-            contents.append(msg.content)
-        log(
-            INFO,
-            "round %d: aggregating %d replies, %d excluded",
-            server_round,
-            len(states),
-            len(excluded),
-        )
-        if not states:
-            log(
-                WARNING,
-                "round %d: no valid replies; keeping the previous global model",
-                server_round,
-            )
-            return None, None
+            accepted[node] = (msg.metadata.message_id, state, weight, msg.content)
+        nodes = sorted(accepted)  # the aggregate does not depend on the replies' arrival order
+        states = [accepted[n][1] for n in nodes]
+        weights = self._capped_weights(server_round, nodes, [accepted[n][2] for n in nodes])
+        log(INFO, "round %d: %d valid replies, %d excluded", server_round, len(states),
+            len(record["excluded"]))
 
-        t_align = time.perf_counter()
-        merged, align_metrics = self._merge(server_round, template, states, weights)
-        align_seconds = time.perf_counter() - t_align
+        metrics = MetricRecord()
+        merged = None
+        if not states:
+            record["failed"] = "no valid replies"
+        else:
+            t_align = time.perf_counter()
+            try:
+                merged, align_metrics = self._merge(server_round, template, nodes, states, weights)
+                if bad := _non_finite_keys(merged):
+                    raise ValueError(f"the aggregate has non-finite values in {bad[:5]}")
+            except Exception as error:  # noqa: BLE001 - a failed merge keeps the previous model
+                record["failed"] = f"aggregation failed: {_reason(error)}"
+                merged = None
+            else:
+                metrics = self._client_metrics(
+                    server_round,
+                    [_with_weight(accepted[n][3], w, self.weighted_by_key)
+                     for n, w in zip(nodes, weights) if n not in self._cohort_excluded(server_round)],
+                    self.train_metrics_aggr_fn,
+                )
+                metrics.update(align_metrics)
+                metrics["align_seconds"] = time.perf_counter() - t_align
+        if record["failed"]:
+            log(WARNING, "round %d failed (%s); keeping the previous global model",
+                server_round, record["failed"])
+        excluded = [e["node"] for e in record["excluded"]]
+        metrics["aggregate_seconds"] = time.perf_counter() - t0
+        metrics["num_excluded"] = len(excluded)
+        metrics["excluded_nodes"] = excluded
+        metrics["capped_nodes"] = [c["node"] for c in record["capped"]]
+        metrics["round_failed"] = int(bool(record["failed"]))
+        self.train_metrics[server_round] = metrics
+        if merged is None:
+            return None, metrics
         arrays = ArrayRecord(
             {
                 key: Array(merged[key].numpy().astype(template[key].dtype, copy=False))
                 for key in template
             }
         )
-        metrics = self._client_metrics(server_round, contents, self.train_metrics_aggr_fn)
-        metrics.update(align_metrics)
-        metrics["align_seconds"] = align_seconds
-        metrics["aggregate_seconds"] = time.perf_counter() - t0
-        metrics["num_excluded"] = len(excluded)
-        metrics["excluded_nodes"] = excluded
-        self.train_metrics[server_round] = metrics
         return arrays, metrics
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Example-weighted mean of the clients' evaluation metrics; bad replies are excluded."""
+        """Example-weighted mean of the clients' evaluation metrics (counts capped as in
+        training, one reply per node); bad replies are excluded."""
         server_round += self._round_offset
-        contents = []
+        counts: dict[int, tuple[float, RecordDict]] = {}
         for msg in replies:
+            node = msg.metadata.src_node_id
             try:
-                self._num_examples(msg)
-            except ReplyError as error:
-                log(
-                    WARNING,
-                    "round %d: excluding evaluation reply from node %d: %s",
-                    server_round,
-                    msg.metadata.src_node_id,
-                    error,
-                )
-                continue
-            contents.append(msg.content)
-        if not contents:
+                if node in counts:
+                    raise ReplyError("duplicate reply: a node counts once per round")
+                counts[node] = (self._num_examples(msg), msg.content)
+            except Exception as error:  # noqa: BLE001 - no client content may stop the round
+                log(WARNING, "round %d: excluding evaluation reply from node %d: %s",
+                    server_round, node, _reason(error))
+        if not counts:
             return None
+        self.screening.setdefault(server_round, {"excluded": [], "capped": [], "failed": ""})
+        nodes = list(counts)
+        weights = self._capped_weights(server_round, nodes, [counts[n][0] for n in nodes])
+        contents = [_with_weight(counts[n][1], w, self.weighted_by_key)
+                    for n, w in zip(nodes, weights)]
         metrics = self._client_metrics(server_round, contents, self.evaluate_metrics_aggr_fn)
         self.evaluate_metrics[server_round] = metrics
         return metrics
 
     def _merge(
-        self, server_round: int, previous: ArrayRecord, states: list, weights: list
+        self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list
     ) -> tuple[dict, dict]:
-        """Merged state and alignment metrics (objective gain, universe passes run)."""
-        if not self.alignment:
-            return average_states(states, weights), {"align_gain": 0.0}
-        if self.independent_init and server_round == 1:
-            if len(states) == 1:
-                return states[0], {"align_gain": 0.0}
-            reference = max(range(len(weights)), key=weights.__getitem__)
-        else:  # previous global model: alignment target only
+        """Merged state (cohort screened and aggregated in the aligned basis) and metrics."""
+        owners = list(nodes)  # node id per entry; None: the previous global model (weight 0)
+        if not (self.independent_init and server_round == 1):
             states, weights = [previous.to_torch_state_dict(), *states], [0.0, *weights]
-            reference = 0
+            owners = [None, *owners]
+        combine = self._combiner(server_round, owners)
+        if not self.alignment:
+            return combine(states, weights), {"align_gain": 0.0, **combine.metrics}
+        if len(states) == 1:
+            return states[0], {"align_gain": 0.0}
+        reference = 0 if owners[0] is None else max(range(len(weights)), key=weights.__getitem__)
         if self.refine is not None:
-            merged, refined = refined_merge(self.spec, states, weights, reference, self.refine)
+            merged, refined = refined_merge(self.spec, states, weights, reference, self.refine,
+                                            combine=combine)
             log(INFO, "round %d: learned refinement, held-out proxy loss %.4f -> %.4f (step %d)",
                 server_round, refined.initial_loss, refined.best_loss, refined.best_step)
             return merged, {"align_gain": refined.initial_loss - refined.best_loss,
-                            "refine_heldout_loss": refined.best_loss}
+                            "refine_heldout_loss": refined.best_loss, **combine.metrics}
         result = merge(self.spec, states, weights, reference, self.mode, self.iterations, self.tol,
-                       universe_iterations=self.universe_iterations)
+                       universe_iterations=self.universe_iterations, combine=combine)
         gains = [m.objective[-1] - m.initial_objective for m in result.matches]
         return result.state, {"align_gain": float(sum(gains) / len(gains)) if gains else 0.0,
-                              "universe_passes": len(result.universe_change)}
+                              "universe_passes": len(result.universe_change), **combine.metrics}
+
+    def _combiner(self, server_round: int, owners: list):
+        """``combine(states, weights)`` for :func:`~fedbasin.alignment.merge`, called on aligned
+        models: the weight-0 entry (previous global model) is only the centre; the first call
+        excludes cohort outliers (kept for later universe passes), then updates are clipped and
+        the rest aggregated. ``combine.metrics`` holds ``screen_seconds`` and ``num_clipped``."""
+        kept: list[int] | None = None
+
+        def combine(states: list, weights: list) -> dict:
+            nonlocal kept
+            t0 = time.perf_counter()
+            center = states[0] if owners[0] is None else None
+            clients = [k for k, owner in enumerate(owners) if owner is not None]
+            if kept is None:
+                outliers = {}
+                if self.outlier_threshold > 0:
+                    outliers = cohort_outliers(
+                        [states[k] for k in clients], center, self.outlier_threshold
+                    )
+                for i, reason in sorted(outliers.items()):
+                    self._exclude(server_round, owners[clients[i]], reason, stage="cohort")
+                kept = [k for i, k in enumerate(clients) if i not in outliers]
+            group, group_weights = [states[k] for k in kept], [weights[k] for k in kept]
+            if self.clip_ratio > 0:
+                group, clipped = clip_updates(
+                    group, coordinate_median(group) if center is None else center, self.clip_ratio
+                )
+                combine.metrics["num_clipped"] = len(clipped)
+            combine.metrics["screen_seconds"] += time.perf_counter() - t0
+            return aggregate(group, group_weights, self.aggregator, self.trim_fraction,
+                             average_states)
+
+        combine.metrics = {"screen_seconds": 0.0}
+        return combine
+
+    def _exclude(self, server_round: int, node: int, reason: str, stage: str = "reply") -> None:
+        log(WARNING, "round %d: excluding reply from node %d: %s", server_round, node, reason)
+        self.screening[server_round]["excluded"].append(
+            {"node": node, "stage": stage, "reason": reason}
+        )
+
+    def _cohort_excluded(self, server_round: int) -> set[int]:
+        return {e["node"] for e in self.screening[server_round]["excluded"]
+                if e["stage"] == "cohort"}
+
+    def _capped_weights(self, server_round: int, nodes: list, counts: list) -> list[float]:
+        """Averaging weights: ``num-examples`` capped at ``max_num_examples`` and at
+        ``max_examples_ratio`` × the cohort's median count (0 disables either cap)."""
+        if not counts:
+            return []
+        limit = self.max_num_examples if self.max_num_examples > 0 else math.inf
+        counts_capped = [min(n, limit) for n in counts]
+        if self.max_examples_ratio > 0:
+            limit = min(limit, self.max_examples_ratio * statistics.median(counts_capped))
+        weights = []
+        for node, n in zip(nodes, counts):
+            if n > limit:
+                log(WARNING, "round %d: node %d reports %s=%.4g; capped at %.4g", server_round,
+                    node, self.weighted_by_key, n, limit)
+                self.screening[server_round]["capped"].append(
+                    {"node": node, "num_examples": n, "weight": limit}
+                )
+            weights.append(min(n, limit))
+        return weights
 
     # -- reply checks -------------------------------------------------------------------------
 
@@ -338,8 +483,13 @@ class AlignedFedAvg(FedAvg):
                 raise ReplyError(f"{key}: shape {value.shape}, expected {tuple(expected.shape)}")
             if str(value.dtype) != expected.dtype:
                 raise ReplyError(f"{key}: dtype {value.dtype}, expected {expected.dtype}")
-            if value.dtype.kind in "fc" and not np.isfinite(value).all():
-                raise ReplyError(f"{key}: contains NaN or infinite values")
+            if value.dtype.kind in "fc" and value.size:
+                if not np.isfinite(value).all():
+                    raise ReplyError(f"{key}: contains NaN or infinite values")
+                largest = float(np.abs(value).max())
+                if largest > self.max_abs_weight:
+                    raise ReplyError(f"{key}: largest magnitude {largest:.3g} exceeds "
+                                     f"max_abs_weight={self.max_abs_weight:g}")
             state[key] = torch.from_numpy(value)
         self._check_untied(state, template)
         if self.alignment:  # e.g. a zero norm gain over a non-zero bias cannot be folded
@@ -352,8 +502,8 @@ class AlignedFedAvg(FedAvg):
     def _client_metrics(self, server_round: int, contents: list, aggregate) -> MetricRecord:
         """The clients' metrics, combined by ``aggregate`` (``FedAvg``'s weighted mean by default)."""
         try:
-            return aggregate(contents, self.weighted_by_key)
-        except (TypeError, ValueError) as error:  # e.g. a metric that is a list on one client only
+            metrics = aggregate(contents, self.weighted_by_key)
+        except Exception as error:  # noqa: BLE001 - e.g. a metric that is a list on one client only
             log(
                 WARNING,
                 "round %d: cannot aggregate client metrics (%s); skipping them",
@@ -361,3 +511,23 @@ class AlignedFedAvg(FedAvg):
                 error,
             )
             return MetricRecord()
+        for key, value in list(metrics.items()):
+            if not np.isfinite(np.asarray(value, dtype=float)).all():
+                log(WARNING, "round %d: client metric %s=%s is not finite; dropped",
+                    server_round, key, value)
+                del metrics[key]
+        return metrics
+
+
+def _reason(error: Exception) -> str:
+    return str(error) if isinstance(error, ReplyError) else f"{type(error).__name__}: {error}"
+
+
+def _non_finite_keys(state: dict) -> list[str]:
+    return [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+
+
+def _with_weight(content: RecordDict, weight: float, key: str) -> RecordDict:
+    """``content`` whose single MetricRecord carries ``key = weight`` (the capped count)."""
+    name, metrics = next(iter(content.metric_records.items()))
+    return RecordDict({name: MetricRecord({**metrics, key: weight})})

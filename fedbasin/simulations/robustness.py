@@ -1,0 +1,264 @@
+"""Attack table: one hostile client among K, final test accuracy per aggregation setting.
+
+Every round the server's ``AlignedFedAvg.configure_train`` builds the instructions, the real
+ClientApp (``fedbasin.client.client_app``) trains each honest node on its partition, the
+attacker rewrites its own reply, and ``AlignedFedAvg.aggregate_train`` aggregates the Flower
+Messages: the same code path as a Flower run, without the Ray simulation around it. Attacks
+(node K−1; the clean column has K honest nodes):
+
+* ``scaled``: the attacker's trained weights × 1e6;
+* ``random``: an untrained model of the same architecture (a new seed every round);
+* ``sign-flip``: the update reversed, ``θ_g − (θ_k − θ_g)``;
+* ``inflated``: trained on shuffled labels and claiming ``num-examples = 1e12``.
+
+Settings (rows): plain FedAvg and AlignedFedAvg with no defence, then AlignedFedAvg with the
+default screening (per-reply magnitude check, capped counts, MAD rule) and with each robust
+option on its own. Also reports the screening overhead per round: aggregation seconds of the
+default settings against no defence, on the clean replies.
+
+    python -m fedbasin.simulations.robustness --out docs/robustness.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from tqdm import tqdm
+
+from fedbasin.alignment import fedbasin_adapter
+from fedbasin.client.client_app import app as client_app
+from fedbasin.config import model_from_config, resolve_run_config, task_from_config
+from fedbasin.data.task import Split
+from fedbasin.models import build_model
+from fedbasin.server.server_app import robust_options
+from fedbasin.strategies import AlignedFedAvg
+
+ATTACKS = ("clean", "scaled", "random", "sign-flip", "inflated")
+OFF = {"max-abs-weight": 3e38, "max-num-examples": 0, "max-examples-ratio": 0.0,
+       "outlier-threshold": 0.0}
+SETTINGS = {  # name: (alignment, run-config overrides of the robust keys)
+    "FedAvg, no defence": (False, OFF),
+    "FedAvg, default screening": (False, {}),
+    "AlignedFedAvg, no defence": (True, OFF),
+    "AlignedFedAvg, default screening": (True, {}),
+    "Aligned, MAD rule only": (True, {**OFF, "outlier-threshold": 3.5}),
+    "Aligned, count caps only": (True, {**OFF, "max-num-examples": 1000000,
+                                        "max-examples-ratio": 10.0}),
+    "Aligned, clipping (ratio 1) only": (True, {**OFF, "clip-ratio": 1.0}),
+    "Aligned, trimmed mean (0.25) only": (True, {**OFF, "aggregator": "trimmed-mean"}),
+    "Aligned, coordinate median only": (True, {**OFF, "aggregator": "median"}),
+}
+RUN_CONFIG = {"local-epochs": 3, "num-server-rounds": 3}
+
+
+class Grid:
+    """The part of ``flwr.serverapp.Grid`` that ``FedAvg.configure_train`` uses."""
+
+    def __init__(self, node_ids):
+        self.node_ids = list(node_ids)
+
+    def get_node_ids(self):
+        return self.node_ids
+
+
+def _digest(arrays: ArrayRecord) -> str:
+    h = hashlib.sha1()
+    for key, array in arrays.items():
+        h.update(key.encode())
+        h.update(array.data)
+    return h.hexdigest()
+
+
+class Federation:
+    """K nodes running the real ClientApp; honest replies are cached by (node, round, model),
+    so every setting shares the identical first round."""
+
+    def __init__(self, overrides: dict, clients: int):
+        self.overrides, self.clients = overrides, clients
+        config = self.config = resolve_run_config(overrides)
+        self.task = task_from_config(config)
+        self.model = model_from_config(self.task, config, seed=config["seed"])
+        self.spec = fedbasin_adapter(self.task.family, self.model.config).spec
+        self.nodes = list(range(1, clients + 1))
+        self.cache: dict = {}
+
+    def context(self, node: int, run_config: dict | None = None) -> Context:
+        return Context(run_id=1, node_id=node, state=RecordDict(), run_config=run_config or {},
+                       node_config={"partition-id": node - 1, "num-partitions": self.clients})
+
+    def honest(self, instruction: Message, server_round: int) -> Message:
+        node = instruction.metadata.dst_node_id
+        key = (node, server_round, _digest(instruction.content["arrays"]))
+        if key not in self.cache:
+            self.cache[key] = client_app(instruction, self.context(node))
+        return self.cache[key]
+
+    def attack(self, kind: str, instruction: Message, server_round: int) -> Message:
+        """The attacker's reply to ``instruction``."""
+        broadcast = instruction.content["arrays"].to_torch_state_dict()
+        trained = self.honest(instruction, server_round)
+        state = trained.content["arrays"].to_torch_state_dict()
+        n = trained.content["metrics"]["num-examples"]
+        if kind == "scaled":
+            state = {k: v * 1e6 for k, v in state.items()}
+        elif kind == "random":
+            seed = 10_000 + server_round
+            state = build_model(self.task.family, self.model.config, seed=seed).state_dict()
+        elif kind == "sign-flip":
+            state = {k: 2 * broadcast[k] - v for k, v in state.items()}
+        elif kind == "inflated":
+            state, n = self.shuffled_labels(instruction, server_round), 10**12
+        content = RecordDict({"arrays": ArrayRecord(state),
+                              "metrics": MetricRecord({"train_loss": 1.0, "num-examples": n})})
+        return Message(content, reply_to=instruction)
+
+    def shuffled_labels(self, instruction: Message, server_round: int) -> dict:
+        """The attacker's model trained on its partition with shuffled labels."""
+        from fedbasin.training import train
+
+        node = instruction.metadata.dst_node_id
+        key = ("shuffled", node, server_round, _digest(instruction.content["arrays"]))
+        if key not in self.cache:
+            data = self.task.partition(self.clients, node - 1, seed=self.config["seed"])
+            g = torch.Generator().manual_seed(server_round)
+            data = Split(data.inputs, data.targets[torch.randperm(len(data), generator=g)],
+                         data.transform)
+            model = model_from_config(self.task, self.config, seed=self.config["seed"])
+            model.load_state_dict(instruction.content["arrays"].to_torch_state_dict())
+            train(model, data, epochs=self.config["local-epochs"], lr=self.config["lr"],
+                  batch_size=self.config["batch-size"], seed=server_round,
+                  weight_decay=self.config["weight-decay"])
+            self.cache[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return self.cache[key]
+
+    def strategy(self, alignment: bool, robust: dict) -> tuple[AlignedFedAvg, dict]:
+        config = resolve_run_config({**self.overrides, **robust, "alignment": alignment})
+        strategy = AlignedFedAvg(
+            self.spec, alignment=alignment, iterations=config["align-iterations"],
+            min_train_nodes=self.clients, min_available_nodes=self.clients,
+            **robust_options(config),
+        )
+        return strategy, config
+
+    def overhead(self, repeats: int) -> dict:
+        """Median seconds of ``aggregate_train`` on the same clean round-1 replies, without
+        defence and with the default screening (interleaved, ``repeats`` times each), and the
+        median ``screen_seconds`` (cohort rule) of the screened runs."""
+        arrays = ArrayRecord(self.model.state_dict())
+        timings: dict = {}
+        for _ in range(repeats):
+            for name in ("FedAvg, no defence", "FedAvg, default screening",
+                         "AlignedFedAvg, no defence", "AlignedFedAvg, default screening"):
+                strategy, config = self.strategy(*SETTINGS[name])
+                instructions = strategy.configure_train(1, arrays, ConfigRecord(config),
+                                                        Grid(self.nodes))
+                replies = [self.honest(m, 1) for m in instructions]
+                _, metrics = strategy.aggregate_train(1, replies)
+                timings.setdefault(name, []).append(
+                    (metrics["aggregate_seconds"], metrics.get("screen_seconds", 0.0)))
+        return {name: {"aggregate_seconds": statistics.median(t[0] for t in runs),
+                       "screen_seconds": statistics.median(t[1] for t in runs)}
+                for name, runs in timings.items()}
+
+    def run(self, alignment: bool, robust: dict, attack: str) -> dict:
+        """Rounds of configure_train → replies → aggregate_train; final test metrics."""
+        strategy, config = self.strategy(alignment, robust)
+        arrays = ArrayRecord(self.model.state_dict())
+        seconds, excluded, failed = [], [], 0
+        for server_round in range(1, config["num-server-rounds"] + 1):
+            instructions = list(strategy.configure_train(server_round, arrays, ConfigRecord(config),
+                                                         Grid(self.nodes)))
+            replies = [
+                self.attack(attack, m, server_round)
+                if attack != "clean" and m.metadata.dst_node_id == self.nodes[-1]
+                else self.honest(m, server_round)
+                for m in instructions
+            ]
+            new, metrics = strategy.aggregate_train(server_round, replies)
+            arrays = new if new is not None else arrays
+            seconds.append(metrics["aggregate_seconds"])
+            excluded.append(list(metrics["excluded_nodes"]))
+            failed += metrics["round_failed"]
+        model = model_from_config(self.task, self.config, seed=0)
+        model.load_state_dict(arrays.to_torch_state_dict())
+        test = self.task.evaluate(model, "test", "cpu")
+        return {"accuracy": test["accuracy"], "loss": test["loss"],
+                "aggregate_seconds": seconds, "excluded": excluded, "failed_rounds": failed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("docs/robustness.json"))
+    parser.add_argument("--repeats", type=int, default=7, help="timing repeats (overhead)")
+    parser.add_argument("--overhead-only", action="store_true", help="skip the attack table")
+    args = parser.parse_args(argv)
+    for name, value in (("_run_id", 1), ("_task_id", 1), ("_node_id", 0)):
+        setattr(TaskIdentity, name, value)  # a ServerApp process sets its run identity first
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    overrides = {**RUN_CONFIG, "seed": args.seed}
+    federation = Federation(overrides, args.clients)
+    table: dict = {}
+    if not args.overhead_only:
+        bar = tqdm(total=len(SETTINGS) * len(ATTACKS), desc="attack table")
+        for name, (alignment, robust) in SETTINGS.items():
+            table[name] = {}
+            for attack in ATTACKS:
+                table[name][attack] = federation.run(alignment, robust, attack)
+                bar.update()
+        bar.close()
+    overhead = federation.overhead(args.repeats)
+    result = {
+        "command": "python -m fedbasin.simulations.robustness "
+                   + " ".join(sys.argv[1:] if argv is None else argv),
+        "seed": args.seed, "clients": args.clients, "run_config": overrides,
+        "machine": f"{platform.machine()}, {platform.processor() or platform.system()}, "
+                   f"torch {torch.__version__}, 1 thread",
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "overhead_per_round_clean": overhead,
+        "table": table,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
+    return 0
+
+
+def markdown(result: dict) -> str:
+    """The accuracy table and the overhead lines as Markdown."""
+    lines = ["| setting | " + " | ".join(ATTACKS) + " |", "|---" * (len(ATTACKS) + 1) + "|"]
+    for name, row in result["table"].items():
+        cells = []
+        for attack in ATTACKS:
+            run = row[attack]
+            attacker = result["clients"]
+            caught = sum(attacker in e for e in run["excluded"]) if attack != "clean" else 0
+            honest = sum(len([n for n in e if n != attacker or attack == "clean"])
+                         for e in run["excluded"])
+            notes = [f"{caught}/{len(run['excluded'])} out"] if caught else []
+            notes += [f"{honest} honest out"] if honest else []
+            notes += [f"{run['failed_rounds']} failed"] if run["failed_rounds"] else []
+            cells.append(f"{run['accuracy']:.3f}" + (f" ({', '.join(notes)})" if notes else ""))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for name, t in result["overhead_per_round_clean"].items():
+        lines.append(f"- {name}: aggregate_train {1000 * t['aggregate_seconds']:.1f} ms per round, "
+                     f"of which cohort screening {1000 * t['screen_seconds']:.1f} ms")
+    lines.append(f"- wall time {result['wall_seconds']} s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
