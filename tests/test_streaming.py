@@ -98,3 +98,20 @@ def test_streamed_alignment_refuses_non_standard_layouts(tmp_path):
     with pytest.raises(ValueError, match="standard layout"):
         stream_align(tmp_path / "g", tmp_path / "g", tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_stream_option(tmp_path, capsys):
+    from fedbasin.cli import main
+
+    a = hf_model("llama", seed=0, dtype=torch.float32, **GQA)
+    b = hf_model("llama", seed=1, dtype=torch.float32, **GQA)
+    saved(a, tmp_path / "a")
+    saved(b, tmp_path / "b")
+    assert main(["align", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "o"), "--stream",
+                 "--iterations", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["stream"] and summary["objective"][-1] > summary["initial_objective"]
+    out = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "o").eval()
+    assert rel_err(logits(out), logits(b)) < 1e-4
+    with pytest.raises(SystemExit, match="nowhere"):
+        main(["align", str(tmp_path / "a"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"), "--stream"])
