@@ -162,9 +162,11 @@ def stream_match(
         clock = time.perf_counter()
         c = g.residual.to(free).T @ free if g.residual is not None else free.clone()
         total = 0.0
+        layer_bar = progress_bar(len(units) - 1, progress, f"streamed matching: pass {done + 1}", "layer")
         for unit in units:
             if unit.layer is None:
                 continue
+            layer_bar.update(1)
             i = unit.layer
             ref_c, cand_c = canonical_pair(unit)
             current = sliced(layer_element(i), i)
@@ -195,6 +197,7 @@ def stream_match(
             if cov is not None:
                 c += cov
             total += value * J.norm
+        layer_bar.close()
         phases["layers"] += time.perf_counter() - clock
         clock = time.perf_counter()
         # residual step from C alone: J is linear in the step O_s, J(O_s) = const + tr(O_sᵀ C)
