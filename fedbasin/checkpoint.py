@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -453,8 +454,238 @@ def build_torch_model(checkpoint: Checkpoint, state: dict | None = None) -> nn.M
 
 __all__ = [
     "Checkpoint",
+    "LazyWeights",
+    "ShardWriter",
+    "stream_align",
     "build_torch_model",
     "config_updates",
     "load_checkpoint",
     "save_checkpoint",
 ]
+
+
+# ----------------------------------------------------------------------------------------------
+# lazy reading and streamed writing (large checkpoints)
+
+
+class LazyWeights:
+    """The tensors of a checkpoint's safetensors file(s), read on demand in their stored dtype.
+
+    ``path``: a checkpoint directory with ``model.safetensors`` or a sharded
+    ``model.safetensors.index.json``. Keys are the file's keys (``rename`` maps them to module
+    keys, e.g. adding a missing base-model prefix); ``aliases`` maps a missing key to the key it
+    shares storage with (a tied head). ``load(keys)`` opens each shard once per call and copies
+    out only the requested tensors, so memory holds what the caller keeps, not the checkpoint.
+    """
+
+    def __init__(self, path: str | os.PathLike, rename=None, aliases: dict | None = None):
+        path = Path(path)
+        single, index = path / WEIGHTS_FILE, path / WEIGHTS_INDEX_FILE
+        if single.is_file():
+            files = [single]
+        elif index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{index}: malformed shard index, expected a 'weight_map' object ({e})") from e
+            files = [path / shard for shard in sorted(set(weight_map.values()))]
+            for f in files:
+                if not f.is_file():
+                    raise FileNotFoundError(f"{index}: shard {f.name} is missing from {path}")
+        else:
+            raise FileNotFoundError(f"{path}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} (streamed reading needs safetensors)")
+        self.path = path
+        self.where: dict[str, tuple[Path, str]] = {}  # module key -> (file, stored key)
+        for f in files:
+            try:
+                with safetensors.safe_open(str(f), framework="pt") as handle:
+                    stored = list(handle.keys())
+                    shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in stored}
+                    dtypes = {k: handle.get_slice(k).get_dtype() for k in stored}
+            except Exception as e:
+                raise ValueError(f"{f}: cannot read safetensors file ({e})") from e
+            for key in stored:
+                name = rename(key) if rename else key
+                if name in self.where:
+                    raise ValueError(f"{f}: tensor {key!r} also stored in {self.where[name][0].name}")
+                self.where[name] = (f, key)
+                self._shapes = getattr(self, "_shapes", {})
+                self._shapes[name] = shapes[key]
+                self._dtypes = getattr(self, "_dtypes", {})
+                self._dtypes[name] = dtypes[key]
+        for alias, source in (aliases or {}).items():
+            if alias not in self.where and source in self.where:
+                self.where[alias] = self.where[source]
+                self._shapes[alias] = self._shapes[source]
+                self._dtypes[alias] = self._dtypes[source]
+
+    def keys(self) -> list[str]:
+        return list(self.where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._shapes[key]
+
+    def nbytes(self) -> int:
+        """Bytes the stored tensors take (each stored tensor once)."""
+        seen, total = set(), 0
+        for f, stored in self.where.values():
+            if (f, stored) in seen:
+                continue
+            seen.add((f, stored))
+            with safetensors.safe_open(str(f), framework="pt") as handle:
+                t = handle.get_slice(stored)
+                total += math.prod(t.get_shape()) * _DTYPE_BYTES.get(t.get_dtype(), 4)
+        return total
+
+    def load(self, keys) -> dict[str, torch.Tensor]:
+        """Copies of the tensors ``keys`` (stored dtype, CPU); a missing key is a ``KeyError`` naming it."""
+        missing = [k for k in keys if k not in self.where]
+        if missing:
+            raise KeyError(f"{self.path}: no tensor(s) {missing[:5]}")
+        by_file: dict[Path, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.where[key][0], []).append(key)
+        out = {}
+        for f, names in by_file.items():
+            with safetensors.safe_open(str(f), framework="pt") as handle:
+                for name in names:
+                    out[name] = handle.get_tensor(self.where[name][1]).clone()
+        return out
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class ShardWriter:
+    """Write tensors into safetensors shards of at most ``max_shard_bytes`` as they arrive, then
+    ``model.safetensors.index.json`` (or a single ``model.safetensors`` if one shard suffices)."""
+
+    def __init__(self, directory: Path, max_shard_bytes: int = 2 * 2**30):
+        self.directory, self.max = Path(directory), max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.weight_map: dict[str, str] = {}
+        self.shards: list[str] = []
+        self.total = 0
+
+    def add(self, tensors: dict) -> None:
+        for key, value in _file_tensors(tensors).items():
+            size = value.numel() * value.element_size()
+            if self.pending and self.pending_bytes + size > self.max:
+                self._flush()
+            self.pending[key] = value
+            self.pending_bytes += size
+            self.total += size
+
+    def _flush(self) -> None:
+        name = f"model-{len(self.shards) + 1:05d}.safetensors"
+        safetensors.torch.save_file(self.pending, str(self.directory / name), metadata={"format": "pt"})
+        self.weight_map.update(dict.fromkeys(self.pending, name))
+        self.shards.append(name)
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.shards:
+            self._flush()
+        if len(self.shards) == 1:
+            os.replace(self.directory / self.shards[0], self.directory / WEIGHTS_FILE)
+            return
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.weight_map.items()))}
+        (self.directory / WEIGHTS_INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def stream_align(
+    reference: str | os.PathLike,
+    candidate: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    mode: str = "orthogonal",
+    iterations: int = 2,
+    tol: float = 1e-4,
+    max_shard_bytes: int = 2 * 2**30,
+    device: str = "cpu",
+    progress: bool = False,
+):
+    """Align checkpoint ``candidate`` to ``reference`` layer by layer and write it to ``out``.
+
+    For checkpoints stored in the standard layout (Hugging Face Llama/Mistral/Qwen2, fedbasin
+    models): tensors are read lazily (sharded safetensors included), computed in float32 one
+    layer at a time and written shard by shard in the stored dtype (see
+    :func:`fedbasin.alignment.streaming.stream_match`). Tensors outside the spec are copied.
+    The output directory is written atomically and loads with ``from_pretrained``. Returns the
+    :class:`~fedbasin.alignment.streaming.StreamResult`.
+    """
+    from .alignment.streaming import stream_match
+
+    paths = [Path(reference), Path(candidate)]
+    configs = []
+    for p in paths:
+        if not p.is_dir():
+            raise FileNotFoundError(f"checkpoint directory {p} does not exist")
+        configs.append(_read_config(p))
+    data = configs[0]
+    if FAMILY_FIELD in data:
+        kind, family = "fedbasin", data[FAMILY_FIELD]
+        config = make_config(family, {k: v for k, v in data.items() if k != FAMILY_FIELD})
+        rename = None
+    else:
+        kind, family = "hf", data.get("model_type")
+        hf = _hf()
+        config = hf.hf_config_class(family).from_dict(data)
+        fam = hf.family(family)
+        if fam.to_standard.__name__ != "_same":
+            raise ValueError(f"{paths[0]}: streamed alignment needs checkpoints stored in the standard layout "
+                             f"(Llama/Mistral/Qwen2, fedbasin models); {family} is not — use `fedbasin align`")
+        expected = hf.hf_expected_shapes(config)
+        rename = lambda key: hf.hf_module_key(config, key, expected)  # noqa: E731
+    for p, c in zip(paths[1:], configs[1:]):
+        other = c.get(FAMILY_FIELD, c.get("model_type"))
+        if other != family:
+            raise ValueError(f"{p}: a {other} checkpoint but the reference is {family}")
+    adapter = _adapter(kind, family, config)
+    spec = adapter.spec
+    aliases = {alias: source for source, alias, _ in _tied_pairs(kind, family, config)}
+    sources = [LazyWeights(p, rename, aliases) for p in paths]
+    expected = _expected_shapes(kind, family, config)
+    for p, src in zip(paths, sources):
+        _check_state({k: _Shape(src.shape(k)) for k in src.keys()
+                      if k in expected or not (kind == "hf" and _hf().family(family).ignores(k))},
+                     expected, str(p), f"the {family} architecture in {paths[0] / CONFIG_FILE}")
+    result_box = {}
+
+    def write(tmp: Path) -> None:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        written: dict[str, torch.Tensor] = {}
+        tie_kept = {}
+
+        def sink(tensors: dict) -> None:
+            for source, alias, _ in _tied_pairs(kind, family, config):
+                if source in tensors and alias in tensors:
+                    tie_kept[alias] = torch.equal(tensors[source], tensors[alias])
+            writer.add({k: v for k, v in tensors.items() if not (k in aliases and tie_kept.get(k))})
+
+        result_box["result"] = stream_match(spec, sources[0].load, sources[1].load, sink, mode=mode,
+                                            iterations=iterations, tol=tol, device=device, progress=progress)
+        rest = [k for k in expected if k not in spec.keys() and k in sources[1].keys()]
+        if rest:
+            writer.add(sources[1].load(rest))
+        writer.close()
+        updates = {field: False for _, alias, field in _tied_pairs(kind, family, config) if not tie_kept.get(alias)}
+        final = _with_updates(kind, config, updates)
+        if kind == "fedbasin":
+            text = json.dumps({FAMILY_FIELD: family, **dataclasses.asdict(final)}, indent=2)
+        else:
+            final = copy.deepcopy(final)
+            final.architectures = [_hf().SUPPORTED_MODEL_TYPES[family]]
+            text = final.to_json_string(use_diff=True)
+        (tmp / CONFIG_FILE).write_text(text)
+
+    _atomic_replace_dir(Path(out), write)
+    return result_box["result"]
+
+
+class _Shape:
+    """A stand-in with only ``.shape`` for checking lazily read tensors against a config."""
+
+    def __init__(self, shape):
+        self.shape = torch.Size(shape)

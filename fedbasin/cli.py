@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output checkpoint directory")
     _matching_options(p)
     _refine_options(p)
+    p.add_argument("--stream", action="store_true",
+                   help="layer by layer from disk, for checkpoints too large for memory (standard-layout "
+                        "safetensors: Llama/Mistral/Qwen2, fedbasin); output written shard by shard")
     p.set_defaults(func=cmd_align)
 
     p = sub.add_parser("merge", help="align every MODEL to REFERENCE and write the weighted average")
@@ -147,6 +150,8 @@ def _emit(summary: dict) -> int:
 def cmd_align(args) -> int:
     from fedbasin.alignment import weight_match
 
+    if getattr(args, "stream", False):
+        return _stream_align(args)
     ref, cand = _load(args.reference, "reference"), _load(args.candidate, "candidate")
     _same_architecture(ref, cand, "candidate", args.candidate)
     summary = {"command": "align", "reference": args.reference, "candidate": args.candidate, "out": args.out,
@@ -169,6 +174,21 @@ def cmd_align(args) -> int:
         raise SystemExit(f"fedbasin align: {exc}") from None
     _save(args.out, ref, aligned)
     return _emit(summary)
+
+
+def _stream_align(args) -> int:
+    from fedbasin.checkpoint import stream_align
+
+    try:
+        result = stream_align(args.reference, args.candidate, args.out, mode=args.symmetry,
+                              iterations=args.iterations, tol=args.tol, progress=True)
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        raise SystemExit(f"fedbasin align --stream: {exc}") from None
+    return _emit({
+        "command": "align", "stream": True, "reference": args.reference, "candidate": args.candidate,
+        "out": args.out, "symmetry": args.symmetry, "iterations": result.iterations,
+        "initial_objective": result.objective[0], "objective": result.objective, "seconds": round(result.seconds, 3),
+    })
 
 
 def cmd_merge(args) -> int:

@@ -23,7 +23,6 @@ recorded objective never decreases:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from dataclasses import dataclass, field
 
@@ -68,7 +67,7 @@ class MatchResult:
     iterations: int = 0
     start: str = "identity"
     elapsed: list[float] = field(default_factory=list)  # seconds since the call, per objective entry
-    phases: dict = field(default_factory=dict)  # seconds per phase: setup, residual, heads, mlp, finish
+    phases: dict = field(default_factory=dict)  # wall (and ``*_cpu`` process CPU) seconds per phase
 
 
 SPARSE_ASSIGNMENT_ABOVE = 1024  # n above which assignments are solved on a top-k candidate graph
@@ -102,49 +101,6 @@ def _dense_assignment(score: torch.Tensor) -> torch.Tensor:
     perm = np.empty_like(cols)
     perm[rows] = cols
     return torch.as_tensor(perm, dtype=torch.long)
-
-
-def match_rows(ref_rows: torch.Tensor, cand_rows: torch.Tensor) -> torch.Tensor:
-    """:func:`hungarian` on ``ref_rows @ cand_rows.T`` without forming it in full precision when large.
-
-    Above ``SPARSE_ASSIGNMENT_ABOVE`` rows, on hardware with fast bfloat16 products (CUDA, or
-    CPUs with AMX/AVX512-BF16), each row's ``SPARSE_CANDIDATES`` best columns are found from a
-    bfloat16 product (≈6x faster than float32 on AMX), their scores are recomputed exactly in
-    the input precision, and the assignment is solved on those exact candidate scores.
-    """
-    n = ref_rows.shape[0]
-    if n <= SPARSE_ASSIGNMENT_ABOVE or cand_rows.shape[0] != n or not fast_bfloat16(ref_rows.device):
-        return hungarian(ref_rows @ cand_rows.T)
-    approx = ref_rows.bfloat16() @ cand_rows.bfloat16().T
-    k = min(SPARSE_CANDIDATES, n)
-    index = torch.topk(approx, k, dim=1).indices
-    del approx
-    values = torch.empty(n, k, dtype=ref_rows.dtype, device=ref_rows.device)
-    chunk = max(1, 2**26 // (k * ref_rows.shape[1]))
-    for i in range(0, n, chunk):
-        values[i:i + chunk] = torch.einsum("id,ikd->ik", ref_rows[i:i + chunk], cand_rows[index[i:i + chunk]])
-    best = index.gather(1, values.argmax(1, keepdim=True)).squeeze(1).cpu()
-    if torch.unique(best).numel() == n:
-        return best
-    perm = _sparse_assignment(values.cpu(), index.cpu(), n)
-    return perm if perm is not None else _dense_assignment(ref_rows @ cand_rows.T)
-
-
-def fast_bfloat16(device: torch.device) -> bool:
-    """Whether bfloat16 matrix products are much faster than float32 here (CUDA; AMX/AVX512-BF16 CPUs)."""
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and _cpu_has_bf16()
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def _sparse_assignment(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor | None:
@@ -426,7 +382,7 @@ class _Matcher:
                 ref, cand = ref.T, cand.T
             ref_rows.append((ref * self.w[key]).reshape(ref.shape[0], -1))
             cand_rows.append(cand.reshape(cand.shape[0], -1))
-        return NeuronMap(match_rows(torch.cat(ref_rows, 1), torch.cat(cand_rows, 1)))
+        return NeuronMap(hungarian(torch.cat(ref_rows, 1) @ torch.cat(cand_rows, 1).T))
 
 
 def weight_match(
@@ -460,7 +416,7 @@ def weight_match(
                                     tol=tol, weighting=weighting, init=init, progress=progress)
     if mode not in MODES:
         raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
-    t0 = time.perf_counter()
+    t0, cpu_t0 = time.perf_counter(), time.process_time()
     check_compatible(spec, reference, candidate)
     dtypes = {k: v.dtype for k, v in candidate.items()}
     reference, candidate = _at_least_float32(reference), _at_least_float32(candidate)
@@ -478,14 +434,19 @@ def weight_match(
     cand_inner = {k: v for k, v in cand_c.state.items() if k not in lazy}
 
     phases = dict.fromkeys(("setup", "heads", "mlp", "residual", "finish"), 0.0)
+    cpu = dict.fromkeys(phases, 0.0)  # process CPU seconds (all threads): robust on a shared machine
+    cpu_clock = [cpu_t0]
 
     def timed(phase: str, clock: float) -> float:
         now = time.perf_counter()
         phases[phase] += now - clock
+        cpu[phase] += time.process_time() - cpu_clock[0]
+        cpu_clock[0] = time.process_time()
         return now
 
     def iterate(point: _Point) -> _Point:
         clock = time.perf_counter()
+        cpu_clock[0] = time.process_time()
         for i, a in enumerate(spec.attention):
             step = GroupElement.identity(spec)
             step.heads[i] = matcher.head_step(a, point.state)
@@ -518,7 +479,7 @@ def weight_match(
     start_name, point = max(points, key=lambda p: p[1].value)
     objective = [point.value]
     elapsed = [time.perf_counter() - t0]
-    phases["setup"] = elapsed[0]
+    timed("setup", t0)
 
     bar = progress_bar(iterations, progress, "weight matching", "it")
     done = 0
@@ -533,6 +494,7 @@ def weight_match(
             break
     bar.close()
     clock = time.perf_counter()
+    cpu_clock[0] = time.process_time()
     g = point.g
     state = dict(point.state)
     for key, axis in spec.residual:
@@ -552,7 +514,7 @@ def weight_match(
         iterations=done,
         start=start_name,
         elapsed=elapsed,
-        phases=phases,
+        phases={**phases, **{f"{k}_cpu": v for k, v in cpu.items()}},
     )
 
 

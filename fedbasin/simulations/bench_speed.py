@@ -2,16 +2,22 @@
 
     python -m fedbasin.simulations.bench_speed [--iterations 5] [--mode orthogonal] [--device cpu]
 
-Prints wall time per phase and the peak resident memory of the process, as JSON.
+Prints wall time per phase (setup = canonicalise + starts, heads, MLP, residual, finish = gauge;
+I/O = writing the aligned model to safetensors and reading it back), the 1-minute load average
+(the machine may be shared) and the peak resident memory of the process, as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
+import tempfile
 import time
+
+import safetensors.torch
 
 import torch
 
@@ -30,6 +36,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--mode", default="orthogonal", choices=["orthogonal", "permutation"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--profile", action="store_true",
+                        help="also report process CPU seconds per matching function (cProfile); works on "
+                             "older fedbasin versions too, for same-conditions comparisons")
     args = parser.parse_args(argv)
     config = dict(vocab_size=50257, block_size=1024, dim=768, depth=args.layers, heads=12, mlp_dim=3072)
     t0 = time.perf_counter()
@@ -40,7 +49,30 @@ def main(argv=None) -> dict:
     spec = fedbasin_adapter("gpt", make_config("gpt", config)).spec
     build_s = time.perf_counter() - t0
     rss_before = _peak_rss_gib()
+    load_before = os.getloadavg()[0]
+    cpu0 = time.process_time()
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile(time.process_time)
+        profiler.enable()
     result = weight_match(spec, a, b, mode=args.mode, iterations=args.iterations, tol=args.tol, progress=True)
+    cpu_align = time.process_time() - cpu0
+    profile = {}
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        stats = pstats.Stats(profiler).stats
+        for (_, _, name), (_, _, _, cumulative, _) in stats.items():
+            if name in ("head_step", "neuron_step", "residual_step", "try_step", "canonicalize", "to_gauge"):
+                profile[name] = round(profile.get(name, 0.0) + cumulative, 2)
+    t_io = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        safetensors.torch.save_file({k: v.contiguous() for k, v in result.state.items()}, f"{tmp}/aligned.safetensors")
+        safetensors.torch.load_file(f"{tmp}/aligned.safetensors")
+    io_s = time.perf_counter() - t_io
     gain = result.objective[-1] - result.objective[0]
     to_99 = next(t for j, t in zip(result.objective, result.elapsed) if j - result.objective[0] >= 0.99 * gain)
     out = {
@@ -50,9 +82,13 @@ def main(argv=None) -> dict:
         "device": args.device,
         "iterations_run": result.iterations,
         "align_seconds": round(result.seconds, 2),
+        "align_cpu_seconds": round(cpu_align, 2),  # all threads; robust to other processes on the machine
+        "profile_cpu_seconds": profile,
         "seconds_to_99pct_of_gain": round(to_99, 2),
         "seconds_per_iteration": round((result.elapsed[-1] - result.elapsed[0]) / max(result.iterations, 1), 2),
         "objective": [round(x, 5) for x in result.objective],
+        "phase_seconds": {**{k: round(v, 2) for k, v in getattr(result, "phases", {}).items()}, "io": round(io_s, 2)},
+        "load_average_1min": [round(os.getloadavg()[0], 2), round(load_before, 2)],
         "build_seconds": round(build_s, 1),
         "peak_rss_gib": round(_peak_rss_gib(), 2),
         "peak_rss_before_align_gib": round(rss_before, 2),

@@ -40,9 +40,7 @@ def to_standard(state: dict, config=None) -> dict:
     for key, value in state.items():
         m = _RAW.match(key)
         if m is None:
-            if key in out:
-                raise ValueError(f"{key} appears in both the GPT-2 and the standard layout")
-            out[key] = value
+            _put(out, {}, key, value)
             continue
         layer, module, param = m.groups()
         prefix = f"transformer.h.{layer}."
@@ -61,9 +59,7 @@ def from_standard(state: dict, config=None) -> dict:
     for key, value in state.items():
         m = _STD.match(key)
         if m is None:
-            if key in out:
-                raise ValueError(f"{key} appears in both the GPT-2 and the standard layout")
-            out[key] = value
+            _put(out, {}, key, value)
             continue
         layer, module, param = m.groups()
         prefix = f"transformer.h.{layer}."
