@@ -66,6 +66,26 @@ CHOICES = {
     "refine-permutations": ("ste", "sinkhorn"),
 }
 
+# numeric keys that must be > 0 (every other numeric key must be finite and >= 0)
+POSITIVE = ("local-epochs", "batch-size", "block-size", "align-iterations", "universe-iterations", "min-nodes",
+            "refine-lr", "dirichlet-alpha")
+FRACTIONS = ("fraction-train", "fraction-evaluate")
+
+
+def _check_numbers(config: Mapping[str, object]) -> None:
+    """Sizes, rates and fractions are finite and in range; the error names the key."""
+    for key, value in config.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"run-config {key}={value!r} must be finite")
+        if key in POSITIVE and value <= 0:
+            raise ValueError(f"run-config {key}={value!r} must be positive")
+        if value < 0:
+            raise ValueError(f"run-config {key}={value!r} must not be negative")
+        if key in FRACTIONS and value > 1:
+            raise ValueError(f"run-config {key}={value!r} must be between 0 and 1")
+
 
 def resolve_run_config(run_config: Mapping[str, object] | None = None) -> dict:
     """``DEFAULT_RUN_CONFIG`` updated by ``run_config``; unknown keys, wrong types and bad choices
@@ -86,6 +106,7 @@ def resolve_run_config(run_config: Mapping[str, object] | None = None) -> dict:
     for key, allowed in CHOICES.items():
         if config[key] not in allowed:
             raise ValueError(f"run-config {key}={config[key]!r}; expected one of {allowed}")
+    _check_numbers(config)
     if config["refine-steps"] > 0 and config["proxy-size"] < 10:
         raise ValueError(f"run-config refine-steps={config['refine-steps']} needs proxy-size >= 10 "
                          f"(got {config['proxy-size']}): the server refines on its proxy split")
