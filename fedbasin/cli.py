@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-
 # ------------------------------------------------------------------------------------------------
 # errors and exit codes (the table in README.md, "Command line")
 

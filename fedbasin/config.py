@@ -7,6 +7,7 @@ fall back to :data:`DEFAULT_RUN_CONFIG`, which a test keeps equal to the pyproje
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import fields
 
@@ -77,7 +78,7 @@ def _check_numbers(config: Mapping[str, object]) -> None:
     for key, value in config.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if value != value or value in (float("inf"), float("-inf")):
+        if not math.isfinite(value):
             raise ValueError(f"run-config {key}={value!r} must be finite")
         if key in POSITIVE and value <= 0:
             raise ValueError(f"run-config {key}={value!r} must be positive")

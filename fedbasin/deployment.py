@@ -19,8 +19,8 @@ import ssl
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 FEDERATION = "local-deployment"
 
@@ -149,7 +149,8 @@ class LocalFederation:
         return "\n".join(f"--- {name}.log\n{self.tail(name)}" for name in self.processes)
 
     def close(self, timeout: float = 20) -> None:
-        """SIGTERM every process group, wait up to ``timeout`` s, SIGKILL whatever is left."""
+        """SIGTERM every process group, wait up to ``timeout`` s, SIGKILL whatever is left and
+        wait (bounded) until no live process remains in any of the groups."""
         for process in self.processes.values():
             _signal_group(process.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -160,6 +161,24 @@ class LocalFederation:
                 pass
             _signal_group(process.pid, signal.SIGKILL)  # the group's other members (app processes)
             process.wait()
+        try:  # SIGKILL is delivered asynchronously; callers check left_running() themselves
+            wait_for(lambda: not self.left_running(), timeout, "the federation's processes to exit", interval=0.2)
+        except TimeoutError:
+            pass
+
+    def left_running(self) -> list[int]:
+        """PIDs of live (non-zombie) processes in the process groups this federation started."""
+        import psutil
+
+        groups = {process.pid for process in self.processes.values()}
+        left = []
+        for candidate in psutil.process_iter():
+            try:
+                if os.getpgid(candidate.pid) in groups and candidate.status() != psutil.STATUS_ZOMBIE:
+                    left.append(candidate.pid)
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        return left
 
     def __enter__(self) -> LocalFederation:
         return self

@@ -5,7 +5,6 @@ unregistered SuperNode refused."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -39,17 +38,6 @@ def test_make_certs_refuses_to_overwrite_a_ca(certificates):
     verified = subprocess.run(["openssl", "verify", "-CAfile", str(certificates / "ca.crt"),
                                str(certificates / "server.pem")], capture_output=True, text=True, check=False)
     assert verified.returncode == 0, verified.stderr
-
-
-def _groups_gone(federation: LocalFederation) -> bool:
-    """No process is left in any process group the federation started."""
-    for process in federation.processes.values():
-        try:
-            os.killpg(process.pid, 0)
-            return False
-        except ProcessLookupError:
-            pass
-    return True
 
 
 @pytest.mark.slow
@@ -86,4 +74,4 @@ def test_tls_round_with_registered_supernodes_and_unregistered_refused(certifica
         assert {int(n["node-id"]) for n in nodes} == registered  # the intruder never joined
     finally:
         federation.close()
-    assert _groups_gone(federation)
+    assert federation.left_running() == []  # SuperExec and app processes included
