@@ -111,7 +111,9 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
         _stop_at_next_exchange(grid, stop)
         run_server(grid, config)
 
-    _adopt_orphans()
+    children_before = _children()
+    threads_before = set(threading.enumerate())
+    adopting = _set_subreaper(True)
     gpus = 1.0 / num_supernodes if torch.cuda.is_available() else 0.0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # server-side evaluation must not compete with the 1-CPU clients
@@ -128,9 +130,12 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
         raise
     finally:
         torch.set_num_threads(threads)
-        _stop_ray()
-        if stop.is_set():
-            _join_server_thread(STOP_GRACE_SECONDS)
+        _stop_ray(exclude=children_before)
+        if adopting:
+            _set_subreaper(False)
+        if stop.is_set():  # the ServerApp thread leaves at its next grid call; bounded wait
+            for thread in set(threading.enumerate()) - threads_before:
+                thread.join(STOP_GRACE_SECONDS)
     return json.loads((Path(config["out-dir"]) / RESULTS_FILE).read_text())
 
 
@@ -156,31 +161,40 @@ def _stop_at_next_exchange(grid, stop: threading.Event) -> None:
         setattr(grid, name, checked)
 
 
-def _adopt_orphans() -> bool:
-    """Linux: make this process the subreaper of its descendants, so that processes Ray leaves
-    behind after ``ray.shutdown()`` (its dashboard and runtime-env agents outlive the raylet)
-    stay our children and can be stopped. Returns whether it worked."""
+def _set_subreaper(on: bool) -> bool:
+    """Linux: make this process the subreaper of its descendants (or stop being one), so that
+    processes Ray leaves behind after ``ray.shutdown()`` (its dashboard and runtime-env agents
+    outlive the raylet) stay our children and can be stopped. Returns whether it worked."""
     if not sys.platform.startswith("linux"):
         return False
     import ctypes
 
     PR_SET_CHILD_SUBREAPER = 36
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    return libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
 
 
-def _stop_ray(grace: float = 5.0) -> None:
+def _children() -> set:
+    import psutil
+
+    return {(p.pid, p.create_time()) for p in psutil.Process().children(recursive=True)}
+
+
+def _stop_ray(exclude: set, grace: float = 5.0) -> None:
     """Shut down the Ray instance this process started (GCS, raylet, agents, workers), then
-    stop every descendant still running: SIGTERM, ``grace`` seconds, SIGKILL."""
+    stop every descendant started since (not in ``exclude``, ``(pid, create_time)`` pairs) that
+    is still running: SIGTERM, ``grace`` seconds, SIGKILL."""
+    import psutil
+
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
-    import psutil
-
-    left = psutil.Process().children(recursive=True)
-    for process in left:
+    left = []
+    for process in psutil.Process().children(recursive=True):
         try:
-            process.terminate()
+            if (process.pid, process.create_time()) not in exclude:
+                process.terminate()
+                left.append(process)
         except psutil.NoSuchProcess:
             pass
     _, alive = psutil.wait_procs(left, timeout=grace)
@@ -192,20 +206,6 @@ def _stop_ray(grace: float = 5.0) -> None:
     psutil.wait_procs(alive, timeout=grace)
 
 
-def _join_server_thread(timeout: float) -> None:
-    """Wait (bounded) for the ServerApp thread to leave; if it does not, exit without waiting
-    for it (the interpreter would otherwise block at shutdown)."""
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join(timeout)
-            if thread.is_alive():
-                print(f"fedbasin simulate: the ServerApp did not stop within {timeout:.0f}s; exiting",
-                      file=sys.stderr)
-                sys.stderr.flush()
-                os._exit(EXIT_INTERRUPTED)
-
-
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 
@@ -215,6 +215,16 @@ class _Terminated(KeyboardInterrupt):
 
 def _raise_terminated(signum, frame) -> None:
     raise _Terminated()
+
+
+def _exit_if_stuck(code: int) -> None:
+    """CLI only: if the ServerApp thread did not leave within the grace period, exit now rather
+    than let the interpreter wait for it at shutdown."""
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        print(f"fedbasin simulate: the ServerApp did not stop within {STOP_GRACE_SECONDS:.0f}s; exiting",
+              file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def print_table(rounds: list[dict]) -> None:
@@ -253,8 +263,10 @@ def run(args: argparse.Namespace) -> int:
         # ray.init replaces our SIGTERM handler with one that raises SystemExit(SIGTERM)
         terminated = isinstance(stopped, (_Terminated, SystemExit))
         name, code = ("SIGTERM", EXIT_TERMINATED) if terminated else ("SIGINT", EXIT_INTERRUPTED)
-        print(f"fedbasin simulate: stopped by {name}; Ray shut down; finished rounds are in "
-              f"{config['out-dir']}", file=sys.stderr)
+        where = args.out or "the run config's out-dir"
+        print(f"fedbasin simulate: stopped by {name}; Ray shut down; finished rounds are in {where}",
+              file=sys.stderr)
+        _exit_if_stuck(code)
         return code
     print_table(results["rounds"])
     print(f"results: {Path(config['out-dir']) / RESULTS_FILE}")
