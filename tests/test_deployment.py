@@ -58,10 +58,16 @@ def test_tls_round_with_registered_supernodes_and_unregistered_refused(certifica
 
         wait_for(online, 90, "both registered SuperNodes online", interval=1.0)
 
-        intruder = federation.start_supernode("intruder", "partition-id=0 num-partitions=2", keys[2])
-        wait_for(lambda: intruder.poll() is not None, 90, "the unregistered SuperNode to be refused")
-        assert intruder.returncode != 0
-        assert "Failed to activate SuperNode" in federation.tail("intruder"), federation.tail("intruder")
+        # an unregistered key is refused at activation; a node without a key would register
+        # itself, which --enable-supernode-auth forbids
+        intruders = {"unregistered-key": federation.start_supernode("unregistered-key", "partition-id=0 "
+                                                                    "num-partitions=2", keys[2]),
+                     "no-key": federation.start_supernode("no-key", "partition-id=1 num-partitions=2")}
+        wait_for(lambda: all(p.poll() is not None for p in intruders.values()), 90, "the intruders to be refused")
+        for name, intruder in intruders.items():
+            assert intruder.returncode != 0, federation.tail(name)
+        assert "Failed to activate SuperNode" in federation.tail("unregistered-key"), federation.tail("unregistered-key")
+        assert "All SuperNodes must be registered via the CLI" in federation.tail("no-key"), federation.tail("no-key")
 
         run_config = f"num-server-rounds=1 local-epochs=1 fraction-evaluate=0.0 out-dir='{out}'"
         run_id = federation.submit(ROOT, run_config)
@@ -71,7 +77,7 @@ def test_tls_round_with_registered_supernodes_and_unregistered_refused(certifica
         assert [r["round"] for r in rounds] == [0, 1]
         assert rounds[1]["num_excluded"] == 0 and "train_loss" in rounds[1]
         nodes = federation.flwr("supernode", "list", "local-deployment")["nodes"]
-        assert {int(n["node-id"]) for n in nodes} == registered  # the intruder never joined
+        assert {int(n["node-id"]) for n in nodes} == registered  # no intruder ever joined
     finally:
         federation.close()
     assert federation.left_running() == []  # SuperExec and app processes included
