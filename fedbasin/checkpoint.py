@@ -162,6 +162,48 @@ def _check_state(state: dict, expected: dict, what: str, arch: str) -> None:
             )
 
 
+def _check_finite(state: dict, what: str) -> None:
+    """Every floating-point tensor is finite; the error names the first tensor with NaN/inf."""
+    for key, value in state.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise ValueError(f"{what}: tensor {key} has {bad} NaN or infinite value(s)")
+
+
+# fields of Hugging Face configs that change the function without changing any tensor shape
+_HF_FUNCTION_FIELDS = ("activation_function", "hidden_act", "layer_norm_epsilon", "layer_norm_eps",
+                       "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn")
+
+
+def architecture_mismatch(reference: Checkpoint, other: Checkpoint) -> str | None:
+    """Why ``other`` cannot be aligned to / averaged with ``reference`` (``None`` if it can):
+    a different kind or family, tensors one has and the other lacks (e.g. a different depth),
+    a different shape, or a config field that changes the function (norm, activation, ...)."""
+    if (reference.kind, reference.family) != (other.kind, other.family):
+        return (f"it is a {other.kind} {other.family} model but the reference is a "
+                f"{reference.kind} {reference.family} model")
+    extra = [k for k in other.state if k not in reference.state]
+    missing = [k for k in reference.state if k not in other.state]
+    if extra or missing:
+        parts = ([f"extra tensor(s) {extra[:4]}"] if extra else []) + (
+            [f"missing tensor(s) {missing[:4]}"] if missing else [])
+        return f"different architecture: {' and '.join(parts)} compared with the reference"
+    for key, value in reference.state.items():
+        if other.state[key].shape != value.shape:
+            return (f"different architecture: {key} has shape {tuple(other.state[key].shape)}, "
+                    f"the reference's {tuple(value.shape)}")
+    if reference.kind == "fedbasin":
+        ref_fields, other_fields = dataclasses.asdict(reference.config), dataclasses.asdict(other.config)
+    else:
+        ref_fields, other_fields = ({f: getattr(c.config, f, None) for f in _HF_FUNCTION_FIELDS}
+                                    for c in (reference, other))
+    differing = [f"{f}={other_fields[f]!r} (reference {ref_fields[f]!r})" for f in ref_fields
+                 if f != "tie_embeddings" and other_fields.get(f) != ref_fields[f]]  # ties: see config_updates
+    if differing:
+        return f"different architecture: {', '.join(differing[:4])}"
+    return None
+
+
 def _alias_ties(kind: str, family: str, config, state: dict, what: str) -> None:
     """Make tied entries one tensor (as in ``state_dict()``); differing values are an error."""
     for source, alias, field_name in _tied_pairs(kind, family, config):
@@ -230,7 +272,8 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
     Raises ``FileNotFoundError`` for a missing directory, ``config.json`` or weights file and
     ``ValueError`` for malformed JSON, an unknown family/model_type, or tensors that are missing,
-    unexpected or mis-shaped for the config's architecture — each naming the file and key.
+    unexpected or mis-shaped for the config's architecture, or that hold NaN or infinite values —
+    each naming the file and key.
     """
     path = Path(path)
     if not path.exists():
@@ -272,6 +315,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     state = _hf().hf_state_from_file(config, stored) if kind == "hf" else stored
     arch = f"the {family} architecture in {config_path}"
     _check_state(state, expected, str(weights_path), arch)
+    _check_finite(state, str(weights_path))
     _alias_ties(kind, family, config, state, str(weights_path))
     return Checkpoint(kind, family, config, state, _adapter(kind, family, config), path)
 
@@ -457,6 +501,7 @@ __all__ = [
     "LazyWeights",
     "ShardWriter",
     "stream_align",
+    "architecture_mismatch",
     "build_torch_model",
     "config_updates",
     "load_checkpoint",

@@ -106,18 +106,3 @@ def test_hf_gpt2_align_round_trip(tmp_path, capsys):
     ids = torch.randint(0, 50, (2, 10))
     with torch.no_grad():
         assert torch.allclose(aligned(ids).logits, models[1](ids).logits, atol=1e-4)
-
-
-def test_cli_errors_name_the_culprit(vit_pair, tmp_path, capsys):
-    with pytest.raises(SystemExit, match="nowhere"):
-        main(["align", str(vit_pair / "a"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")])
-    gpt = trained_like("gpt", dict(vocab_size=20, block_size=8, dim=16, depth=1, heads=2, mlp_dim=32), seed=0,
-                       dtype=torch.float32)
-    save_checkpoint(tmp_path / "gpt", "gpt", gpt.config, gpt.state_dict())
-    with pytest.raises(SystemExit, match="gpt model but the reference is a fedbasin vit"):
-        main(["merge", str(vit_pair / "a"), str(tmp_path / "gpt"), "--out", str(tmp_path / "o")])
-    with pytest.raises(SystemExit, match="--weights has 3 values for 2 models"):
-        main(["merge", str(vit_pair / "a"), str(vit_pair / "b"), "--out", str(tmp_path / "o"), "--weights", "1,2,3"])
-    with pytest.raises(SystemExit, match="unknown data source"):
-        main(["barrier", str(vit_pair / "a"), str(vit_pair / "b"), "--data", "imagenet"])
-    assert not (tmp_path / "o").exists()

@@ -1,134 +1,83 @@
-"""Deployment runtime on localhost: a SuperLink, two SuperNodes, one round via ``flwr run``."""
+"""Deployment security on localhost: certificates from scripts/make_certs.sh, a TLS SuperLink with
+SuperNode authentication, two registered SuperNodes completing a round via ``flwr run``, and an
+unregistered SuperNode refused."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from fedbasin.deployment import LocalFederation, wait_for, write_node_keys
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+def make_certs(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "make_certs.sh"), str(out)], capture_output=True,
+                          text=True, timeout=120, check=False)
 
 
-def wait_for(condition, timeout: float, what: str, interval: float = 1.0):
-    """Poll ``condition()`` until it returns a truthy value or ``timeout`` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tls") / "certificates"
+    made = make_certs(out)
+    assert made.returncode == 0, made.stderr
+    return out
 
 
-def healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
-            return response.status == 200
-    except OSError:
-        return False
+def test_make_certs_refuses_to_overwrite_a_ca(certificates):
+    before = {p.name: p.read_bytes() for p in certificates.iterdir()}
+    assert sorted(before) == ["ca.crt", "ca.key", "server.key", "server.pem"]
+    again = make_certs(certificates)
+    assert again.returncode == 1
+    assert "refusing to overwrite an existing CA" in again.stderr
+    assert {p.name: p.read_bytes() for p in certificates.iterdir()} == before  # nothing touched, no temp dir
+    verified = subprocess.run(["openssl", "verify", "-CAfile", str(certificates / "ca.crt"),
+                               str(certificates / "server.pem")], capture_output=True, text=True, check=False)
+    assert verified.returncode == 0, verified.stderr
 
 
 @pytest.mark.slow
-def test_one_round_on_a_superlink_with_two_supernodes(tmp_path):
-    link_port, *node_ports = free_ports(3)
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "local-deployment"\n\n'
-        f'[superlink.local-deployment]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n'
-    )
-    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
+def test_tls_round_with_registered_supernodes_and_unregistered_refused(certificates, tmp_path):
     out = tmp_path / "run"
-    commands = [["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(link_port)]]
-    commands += [
-        [
-            "flower-supernode",
-            "--insecure",
-            "--superlink",
-            f"127.0.0.1:{link_port}",
-            "--port",
-            str(port),
-            "--node-config",
-            f"partition-id={i} num-partitions=2",
-        ]
-        for i, port in enumerate(node_ports)
-    ]
-    logs = [tmp_path / f"{cmd[0]}-{i}.log" for i, cmd in enumerate(commands)]
-    processes: list[subprocess.Popen] = []
+    federation = LocalFederation(tmp_path / "deployment", certificates=certificates, node_auth=True)
     try:
-        for cmd, log in zip(commands, logs):
-            with open(
-                log, "w"
-            ) as f:  # own session: the SuperExec and app processes they spawn go with them
-                processes.append(
-                    subprocess.Popen(
-                        cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-                    )
-                )
-            if cmd[0] == "flower-superlink":
-                wait_for(lambda: healthy(link_port), 60, "the SuperLink")
+        federation.start_superlink()
+        keys = [tmp_path / f"supernode-{i}" for i in range(3)]
+        public = [write_node_keys(k) for k in keys]
+        registered = {federation.register(public[i]) for i in range(2)}  # supernode-2 stays unregistered
+        for i in range(2):
+            federation.start_supernode(f"supernode-{i}", f"partition-id={i} num-partitions=2", keys[i])
+
+        def online() -> bool:
+            nodes = federation.flwr("supernode", "list", "local-deployment")["nodes"]
+            return {int(n["node-id"]) for n in nodes if n["status"] == "online"} == registered
+
+        wait_for(online, 90, "both registered SuperNodes online", interval=1.0)
+
+        # an unregistered key is refused at activation; a node without a key would register
+        # itself, which --enable-supernode-auth forbids
+        intruders = {"unregistered-key": federation.start_supernode("unregistered-key", "partition-id=0 "
+                                                                    "num-partitions=2", keys[2]),
+                     "no-key": federation.start_supernode("no-key", "partition-id=1 num-partitions=2")}
+        wait_for(lambda: all(p.poll() is not None for p in intruders.values()), 90, "the intruders to be refused")
+        for name, intruder in intruders.items():
+            assert intruder.returncode != 0, federation.tail(name)
+        assert "Failed to activate SuperNode" in federation.tail("unregistered-key"), federation.tail("unregistered-key")
+        assert "All SuperNodes must be registered via the CLI" in federation.tail("no-key"), federation.tail("no-key")
 
         run_config = f"num-server-rounds=1 local-epochs=1 fraction-evaluate=0.0 out-dir='{out}'"
-        started = subprocess.run(
-            ["flwr", "run", str(ROOT), "--run-config", run_config, "--format", "json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert started.returncode == 0, started.stderr
-        run_id = json.loads(started.stdout)["run-id"]
-
-        def status() -> str | None:
-            listed = subprocess.run(
-                ["flwr", "list", "--run-id", run_id, "--format", "json"],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=False,
-            )
-            value = json.loads(listed.stdout)["runs"][0]["status"] if listed.returncode == 0 else ""
-            return value if value.startswith("finished") else None
-
-        final = wait_for(status, 240, f"run {run_id} to finish", interval=5.0)
-        tail = "\n".join(f"--- {log.name}\n{log.read_text()[-2000:]}" for log in logs)
-        assert final == "finished:completed", tail
+        run_id = federation.submit(ROOT, run_config)
+        status = federation.wait_finished(run_id, 240)
+        assert status == "finished:completed", federation.tails()
         rounds = json.loads((out / "results.json").read_text())["rounds"]
         assert [r["round"] for r in rounds] == [0, 1]
-        assert rounds[1]["num_excluded"] == 0
+        assert rounds[1]["num_excluded"] == 0 and "train_loss" in rounds[1]
+        nodes = federation.flwr("supernode", "list", "local-deployment")["nodes"]
+        assert {int(n["node-id"]) for n in nodes} == registered  # no intruder ever joined
     finally:
-        for process in processes:
-            signal_group(process, signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=20)
-            finally:  # whatever is left of the session (SuperExec, app processes)
-                signal_group(process, signal.SIGKILL)
-                process.wait()
-
-
-def signal_group(process: subprocess.Popen, sig: int) -> None:
-    """Signal the session (process group) that ``process`` leads, if any member is left."""
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
+        federation.close()
+    assert federation.left_running() == []  # SuperExec and app processes included

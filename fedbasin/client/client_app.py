@@ -30,13 +30,14 @@ def train(msg: Message, context: Context) -> Message:
     ``init = "client"`` starts round 1 from an independent, node-specific initialisation
     (seed + 1 + node index) instead of the broadcast weights (the one-shot setting).
     """
+    clock = _Clock(msg)
     config, server_round = _run_config(msg, context)
     node_index, task, train_data, _ = _local_data(context, config)
     if config["init"] == "client" and server_round == 1:
         model = model_from_config(task, config, seed=config["seed"] + 1 + node_index)
     else:
         model = model_from_config(task, config, seed=config["seed"])
-        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        model.load_state_dict(clock.decode(msg.content["arrays"]))
     started = time.perf_counter()
     result = train_model(
         model,
@@ -53,26 +54,65 @@ def train(msg: Message, context: Context) -> Message:
         "train_seconds": time.perf_counter() - started,
         "num-examples": len(train_data),
     }
-    content = RecordDict(
-        {"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)}
-    )
+    encode_started = time.perf_counter()
+    arrays = ArrayRecord(model.state_dict())
+    clock.encode_seconds = time.perf_counter() - encode_started
+    metrics.update(clock.metrics("train_"))
+    content = RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the broadcast model on the held-out part of the local partition."""
+    clock = _Clock(msg)
     config, _ = _run_config(msg, context)
     _, task, _, validation = _local_data(context, config)
     model = model_from_config(task, config, seed=config["seed"])
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    model.load_state_dict(clock.decode(msg.content["arrays"]))
     result = evaluate_model(model, validation, device=resolve_device(config["device"]))
     metrics = {
         "eval_loss": result["loss"],
         "eval_accuracy": result["accuracy"],
         "num-examples": len(validation),
+        **clock.metrics("eval_"),
     }
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+class _Clock:
+    """Where a message's time goes on this node (``docs/round_time.md``), as reply metrics:
+
+    ``wait_seconds``: from the server creating the message to this handler starting (push,
+    SuperNode polling, ClientApp process start); ``startup_seconds``: from this ClientApp process
+    starting to the handler (interpreter, imports); ``decode_seconds``: arrays → tensors;
+    ``encode_seconds``: tensors → reply arrays; ``handler_seconds``: the whole handler.
+    Wall-clock differences across processes: meaningful on one machine or with synced clocks.
+    """
+
+    def __init__(self, msg: Message):
+        self.started = time.time()
+        self.perf_started = time.perf_counter()
+        self.created_at = msg.metadata.created_at
+        self.decode_seconds = self.encode_seconds = 0.0
+
+    def decode(self, arrays: ArrayRecord) -> dict:
+        started = time.perf_counter()
+        state = arrays.to_torch_state_dict()
+        self.decode_seconds = time.perf_counter() - started
+        return state
+
+    def metrics(self, prefix: str) -> dict:
+        import psutil
+
+        values = {
+            "wait_seconds": self.started - self.created_at,
+            "startup_seconds": self.started - psutil.Process().create_time(),
+            "decode_seconds": self.decode_seconds,
+            "encode_seconds": self.encode_seconds,
+            "handler_seconds": time.perf_counter() - self.perf_started,
+        }
+        return {prefix + key: float(value) for key, value in values.items()}
 
 
 def _run_config(msg: Message, context: Context) -> tuple[dict, int]:

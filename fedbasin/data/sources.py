@@ -6,10 +6,11 @@ Source strings::
     cifar10              Hugging Face hub dataset ``uoft-cs/cifar10`` (train/test)
     cifar10:PATH         a directory with train.parquet and test.parquet, or one parquet file
                          (then 20% is held out), with the hub's columns ``img`` and ``label``
-    text:PATH            a UTF-8 text file, or else a hub dataset id with a ``text`` column;
+    text:PATH            a local UTF-8 text file (a missing file is an error, never a download);
                          the last 10% held out for test; tokens from the Hugging Face tokenizer
                          in ``load_task(..., tokenizer=DIR)`` (e.g. the one saved beside an HF
                          model), else character-level tokens
+    text:hub:ID          a Hugging Face hub dataset with a ``text`` column (train split)
 """
 
 from __future__ import annotations
@@ -196,18 +197,22 @@ def _cifar10(path: str, seed: int, test_fraction: float) -> Task:
 
 
 def _text(path: str, block_size: int, tokenizer_dir: str | None = None) -> Task:
+    hub_id = path.removeprefix("hub:") if path.startswith("hub:") else None
     where = Path(path).expanduser()
-    if where.is_file():
-        text = where.read_text(encoding="utf-8")
-    else:
+    if hub_id:
         from datasets import load_dataset
 
         try:
-            text = "\n".join(load_dataset(path, split="train")["text"])
+            text = "\n".join(load_dataset(hub_id, split="train")["text"])
         except Exception as error:
-            raise RuntimeError(
-                f"{path!r} is not a local file and could not be loaded from the hub ({error})"
-            ) from error
+            raise RuntimeError(f"could not load {hub_id!r} from the Hugging Face hub ({error})") from error
+        where = Path(hub_id)
+    elif where.is_file():
+        text = where.read_text(encoding="utf-8")
+    elif where.exists():
+        raise ValueError(f"text source {where} is not a file")
+    else:
+        raise FileNotFoundError(f"text file {where} does not exist (for a hub dataset use text:hub:ID)")
     tokenizer = HFTokenizer(tokenizer_dir) if tokenizer_dir else CharTokenizer(text)
     ids = tokenizer.encode(text)
     cut = int(0.9 * len(ids))

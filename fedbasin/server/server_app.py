@@ -54,6 +54,26 @@ def robust_options(config: dict) -> dict:
     return {key.replace("-", "_"): config[key] for key in keys}
 
 
+def time_exchanges(grid: Grid) -> dict:
+    """Wrap ``grid.send_and_receive`` to time each exchange: message type (``train``,
+    ``evaluate``) → seconds from pushing the messages to holding every reply (the round-time
+    breakdown in docs/round_time.md)."""
+    seconds: dict = {}
+    send_and_receive = grid.send_and_receive
+
+    def timed(messages, *args, **kwargs):
+        messages = list(messages)
+        kind = messages[0].metadata.message_type.split(".")[0] if messages else "none"
+        started = time.perf_counter()
+        try:
+            return send_and_receive(messages, *args, **kwargs)
+        finally:
+            seconds[kind] = time.perf_counter() - started
+
+    grid.send_and_receive = timed
+    return seconds
+
+
 def run_server(grid: Grid, config: dict) -> dict:
     """Run ``num-server-rounds`` rounds with a resolved run config; returns the results dict."""
     task = task_from_config(config)
@@ -102,17 +122,22 @@ def run_server(grid: Grid, config: dict) -> dict:
         min_available_nodes=config["min-nodes"],
         **robust_options(config),
     )
+    exchanges = time_exchanges(grid)
     round_started = time.perf_counter()
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Test-split metrics of the global model; records every round not recorded yet."""
         nonlocal round_started
         seconds, round_started = time.perf_counter() - round_started, time.perf_counter()
+        eval_started = time.perf_counter()
         model.load_state_dict(arrays.to_torch_state_dict())
         test = task.evaluate(model, "test", device)
         metrics = {"test_loss": test["loss"], "test_accuracy": test["accuracy"]}
+        timing = {f"{kind}_exchange_seconds": s for kind, s in exchanges.items()}
+        timing["server_eval_seconds"] = time.perf_counter() - eval_started
+        exchanges.clear()
         if server_round >= first_round or resumed is None:
-            extra = {"round_seconds": seconds} if server_round else {}
+            extra = {"round_seconds": seconds, **timing} if server_round else {}
             for record in (strategy.train_metrics, strategy.evaluate_metrics):
                 extra.update(record.get(server_round, {}))
             screening = strategy.screening.get(server_round, {})

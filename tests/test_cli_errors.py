@@ -1,0 +1,329 @@
+"""Every CLI error path: the documented exit code, one line on stderr naming the culprit, no
+traceback, and nothing written or deleted."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from fedbasin import cli
+from fedbasin.checkpoint import save_checkpoint
+from fedbasin.cli import EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OUTPUT, EXIT_USAGE, main
+
+from .helpers import trained_like
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRESS = re.compile(r"\d+/\d+ \[[^\]]*\]\s*$")  # tqdm's "3/20 [00:01<00:02, 9.1it/s]"
+VIT = dict(image_size=8, patch_size=2, channels=1, num_classes=10, dim=16, depth=1, heads=2, mlp_dim=32)
+
+
+def _save_vit(path: Path, seed: int = 0, **changes) -> Path:
+    model = trained_like("vit", {**VIT, **changes}, seed=seed, dtype=torch.float32)
+    save_checkpoint(path, "vit", model.config, model.state_dict())
+    return path
+
+
+@pytest.fixture
+def models(tmp_path):
+    """Two compatible digits ViTs, a deeper one, one with another activation, one with a NaN."""
+    ckpts = tmp_path / "ckpts"
+    paths = {
+        "a": _save_vit(ckpts / "a", 1),
+        "b": _save_vit(ckpts / "b", 2),
+        "deep": _save_vit(ckpts / "deep", 3, depth=2),
+        "relu": _save_vit(ckpts / "relu", 4, activation="relu"),
+        "nan": _save_vit(ckpts / "nan", 5),
+    }
+    weights = paths["nan"] / "model.safetensors"
+    state = safetensors.torch.load_file(weights)
+    state["blocks.0.mlp.up.weight"][0, 0] = float("nan")
+    safetensors.torch.save_file(state, weights)
+    return {k: str(v) for k, v in paths.items()}
+
+
+def _tree(root: Path) -> dict:
+    """Every path under ``root``, files with size and mtime: 'nothing written or deleted'."""
+    return {str(p): "dir" if p.is_dir() else (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+def _error_lines(err: str) -> list[str]:
+    """stderr without progress bars (errors after work started follow its tqdm output)."""
+    return [line for line in err.splitlines() if line.strip() and not PROGRESS.search(line)]
+
+
+def _fails(capsys, root: Path, code: int, argv: list, *culprits: str) -> str:
+    """Run the CLI; assert the exit code, one stderr line naming every culprit, no stdout, and
+    that nothing under ``root`` changed. Returns the line."""
+    before = _tree(root)
+    assert main([str(a) for a in argv]) == code
+    captured = capsys.readouterr()
+    lines = _error_lines(captured.err)
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert lines[0].startswith(f"fedbasin {argv[0]}: ")
+    for culprit in culprits:
+        assert culprit in lines[0], lines[0]
+    assert _tree(root) == before
+    return lines[0]
+
+
+def _usage_fails(capsys, root: Path, argv: list, *culprits: str) -> str:
+    """argparse errors exit through SystemExit(2) with one line (what the console script sees)."""
+    before = _tree(root)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in argv])
+    assert exit_info.value.code == EXIT_USAGE
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    for culprit in culprits:
+        assert culprit in lines[0], lines[0]
+    assert _tree(root) == before
+    return lines[0]
+
+
+# ---- argument values ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "weights, culprit",
+    [("nan,1", "weight 0 is nan"), ("1,-1", "weight 1 is -1"), ("0,0", "all weights are zero"),
+     ("1,inf", "weight 1 is inf"), ("1,two", "weight 1 is 'two'")],
+)
+def test_merge_refuses_bad_weights(models, tmp_path, capsys, weights, culprit):
+    _usage_fails(capsys, tmp_path, ["merge", models["a"], models["b"], "--out", tmp_path / "m",
+                                    "--weights", weights], "--weights", culprit)
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("--max-examples", "-5"), ("--max-examples", "many"), ("--points", "0"), ("--iterations", "2.5"),
+     ("--tol", "nan"), ("--tol", "-1")],
+)
+def test_barrier_refuses_bad_sizes(models, tmp_path, capsys, option, value):
+    _usage_fails(capsys, tmp_path, ["barrier", models["a"], models["b"], "--data", "digits",
+                                    f"{option}={value}"], option, value)
+
+
+def test_weight_count_must_match_the_models(models, tmp_path, capsys):
+    _fails(capsys, tmp_path, EXIT_USAGE, ["merge", models["a"], models["b"], "--out", tmp_path / "m",
+                                          "--weights", "1,2,3"], "--weights has 3 values for 2 models")
+
+
+@pytest.mark.parametrize("item", ["batch-size=-1", "local-epochs=abc", "max-train-examples=-5", "lr=nan"])
+def test_simulate_refuses_bad_run_config_before_touching_disk(tmp_path, capsys, item):
+    out = tmp_path / "run"
+    before = _tree(tmp_path)
+    assert main(["simulate", "--run-config", item, "--out", str(out)]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and item.split("=")[0] in err[0], err
+    assert _tree(tmp_path) == before
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["align", "merge", "barrier"])
+@pytest.mark.parametrize("deeper_side", ["reference", "other"])
+def test_depth_mismatch_is_refused_at_load(models, tmp_path, capsys, command, deeper_side):
+    first, second = (models["deep"], models["a"]) if deeper_side == "reference" else (models["a"], models["deep"])
+    argv = [command, first, second] + (["--data", "digits"] if command == "barrier" else ["--out", tmp_path / "o"])
+    kind = "missing tensor(s)" if deeper_side == "reference" else "extra tensor(s)"
+    _fails(capsys, tmp_path, EXIT_INPUT, argv, second, kind, "blocks.1.")
+
+
+def test_other_family_is_refused(models, tmp_path, capsys):
+    gpt = trained_like("gpt", dict(vocab_size=20, block_size=8, dim=16, depth=1, heads=2, mlp_dim=32), seed=0,
+                       dtype=torch.float32)
+    save_checkpoint(tmp_path / "ckpts" / "gpt", "gpt", gpt.config, gpt.state_dict())
+    _fails(capsys, tmp_path, EXIT_INPUT, ["merge", models["a"], tmp_path / "ckpts" / "gpt", "--out", tmp_path / "o"],
+           "gpt", "fedbasin gpt model but the reference is a fedbasin vit model")
+
+
+def test_activation_mismatch_is_refused(models, tmp_path, capsys):
+    _fails(capsys, tmp_path, EXIT_INPUT, ["merge", models["a"], models["b"], models["relu"], "--out", tmp_path / "o"],
+           models["relu"], "activation='relu'")
+
+
+@pytest.mark.parametrize("command", ["align", "merge", "barrier"])
+def test_nan_model_is_refused(models, tmp_path, capsys, command):
+    argv = [command, models["a"], models["nan"]] + (
+        ["--data", "digits"] if command == "barrier" else ["--out", tmp_path / "o"])
+    _fails(capsys, tmp_path, EXIT_INPUT, argv, models["nan"], "blocks.0.mlp.up.weight", "NaN")
+
+
+def test_weights_file_with_extra_layer_is_refused(models, tmp_path, capsys):
+    """config.json says depth 1 but the weights hold two blocks: an error, not a dropped layer."""
+    (Path(models["a"]).parent / "lying").mkdir()
+    lying = Path(models["a"]).parent / "lying"
+    (lying / "config.json").write_text((Path(models["a"]) / "config.json").read_text())
+    (lying / "model.safetensors").write_bytes((Path(models["deep"]) / "model.safetensors").read_bytes())
+    _fails(capsys, tmp_path, EXIT_INPUT, ["merge", models["a"], lying, "--out", tmp_path / "o"],
+           str(lying), "unexpected tensor(s)", "blocks.1.")
+
+
+def test_missing_checkpoint(models, tmp_path, capsys):
+    _fails(capsys, tmp_path, EXIT_INPUT, ["align", models["a"], tmp_path / "nowhere", "--out", tmp_path / "o"],
+           "nowhere", "does not exist")
+
+
+def test_text_file_missing_is_an_error_never_a_download(models, tmp_path, capsys, monkeypatch):
+    import datasets
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("load_dataset must not be called")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_download)
+    missing = tmp_path / "missing.txt"
+    _fails(capsys, tmp_path, EXIT_INPUT, ["barrier", models["a"], models["b"], "--data", f"text:{missing}"],
+           str(missing), "does not exist")
+
+
+def test_unknown_data_source(models, tmp_path, capsys):
+    _fails(capsys, tmp_path, EXIT_INPUT, ["barrier", models["a"], models["b"], "--data", "imagenet"],
+           "unknown data source 'imagenet'")
+
+
+# ---- outputs --------------------------------------------------------------------------------
+
+
+def _spy_on_work(monkeypatch):
+    """Record whether the alignment started: outputs must be refused before it."""
+    calls = []
+    import fedbasin.alignment
+
+    real = fedbasin.alignment.weight_match
+    monkeypatch.setattr(fedbasin.alignment, "weight_match", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_out_is_an_existing_file(models, tmp_path, capsys, monkeypatch):
+    calls = _spy_on_work(monkeypatch)
+    target = tmp_path / "results.txt"
+    target.write_text("precious")
+    _fails(capsys, tmp_path, EXIT_OUTPUT, ["align", models["a"], models["b"], "--out", target],
+           str(target), "not a directory")
+    assert target.read_text() == "precious" and not calls
+
+
+def test_out_is_a_non_checkpoint_directory(models, tmp_path, capsys, monkeypatch):
+    calls = _spy_on_work(monkeypatch)
+    target = tmp_path / "photos"
+    target.mkdir()
+    (target / "holiday.jpg").write_text("precious")
+    _fails(capsys, tmp_path, EXIT_OUTPUT, ["align", models["a"], models["b"], "--out", target],
+           str(target), "not a checkpoint")
+    assert not calls
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nobody can write into: mode 0555 for a normal user, a read-only tmpfs as root."""
+    path = tmp_path / "locked"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+                             capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip("root without permission to mount a read-only tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.parametrize("command", ["align", "merge"])
+def test_out_in_a_read_only_directory(models, read_only_dir, tmp_path, capsys, monkeypatch, command):
+    calls = _spy_on_work(monkeypatch)
+    target = read_only_dir / "new" / "merged"
+    _fails(capsys, tmp_path, EXIT_OUTPUT, [command, models["a"], models["b"], "--out", target],
+           str(target), "cannot write in")
+    assert not calls
+
+
+def test_plot_in_a_read_only_directory(models, read_only_dir, tmp_path, capsys):
+    target = read_only_dir / "curve.png"
+    _fails(capsys, tmp_path, EXIT_OUTPUT, ["barrier", models["a"], models["b"], "--data", "digits",
+                                           "--plot", target], "--plot", str(target))
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_disk_full_at_write_time_leaves_nothing(models, tmp_path, capsys, monkeypatch, existing):
+    """ENOSPC while writing the weights: one line, exit 4, no partial or temporary files, and an
+    existing checkpoint at --out (and created parent directories) untouched/removed."""
+    target = tmp_path / "deep" / "er" / "merged"
+    if existing:
+        _save_vit(target, 7)
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)  # a partial file, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    _fails(capsys, tmp_path, EXIT_OUTPUT, ["merge", models["a"], models["b"], "--out", target],
+           str(target), "No space left on device")
+
+
+def test_interrupt_during_write_leaves_nothing(models, tmp_path, capsys, monkeypatch):
+    def interrupted(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    _fails(capsys, tmp_path, EXIT_INTERRUPTED, ["align", models["a"], models["b"], "--out", tmp_path / "o"],
+           "interrupted")
+
+
+def test_a_bug_is_one_line_with_exit_70(models, tmp_path, capsys, monkeypatch):
+    import fedbasin.alignment
+
+    monkeypatch.delenv("FEDBASIN_DEBUG", raising=False)
+    monkeypatch.setattr(fedbasin.alignment, "weight_match", lambda *a, **k: 1 / 0)
+    _fails(capsys, tmp_path, EXIT_INTERNAL, ["align", models["a"], models["b"], "--out", tmp_path / "o"],
+           "internal error: ZeroDivisionError", "FEDBASIN_DEBUG=1")
+
+
+# ---- the installed entry point --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, code, culprit",
+    [(["merge", "{a}", "{b}", "--out", "{tmp}/m", "--weights", "nan,1"], EXIT_USAGE, "--weights"),
+     (["align", "{a}", "{nan}", "--out", "{tmp}/m"], EXIT_INPUT, "blocks.0.mlp.up.weight")],
+)
+def test_entry_point_prints_one_line(models, tmp_path, argv, code, culprit):
+    argv = [a.format(tmp=tmp_path, **models) for a in argv]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "fedbasin.cli", *argv], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    assert done.returncode == code, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and culprit in lines[0] and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_exit_codes_are_documented():
+    readme = (ROOT / "README.md").read_text()
+    for name in ("EXIT_USAGE", "EXIT_INPUT", "EXIT_OUTPUT", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_FAILED"):
+        assert f"| {getattr(cli, name)} |" in readme, name
+
+
+def test_valid_run_still_succeeds(models, tmp_path, capsys):
+    """The checks refuse only bad input: the same models and an existing checkpoint as --out work."""
+    out = tmp_path / "ckpts" / "b"
+    assert main(["merge", models["a"], models["b"], "--out", str(out), "--weights", "0,1", "--iterations", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights"] == [0.0, 1.0]
