@@ -420,7 +420,9 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
             tokenizer = str(checkpoint.path)
     options = {"proxy_size": proxy_size}
     if text:
-        options.update(tokenizer=tokenizer, block_size=_context_length(checkpoint))
+        options["tokenizer"] = tokenizer
+        if _context_length(checkpoint):
+            options["block_size"] = _context_length(checkpoint)
     try:
         task = load_task(source, **options)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
@@ -444,9 +446,13 @@ def _seen_tokens(args, checkpoint, command: str):
     return torch.unique(torch.cat([task.train.inputs.reshape(-1), task.train.targets.reshape(-1)]))
 
 
-def _context_length(checkpoint) -> int:
+def _context_length(checkpoint) -> int | None:
+    """The model's context length (None for models without one, e.g. a ViT)."""
     config = checkpoint.config
-    return int(getattr(config, "n_positions", None) or getattr(config, "block_size"))
+    for name in ("n_positions", "block_size", "max_position_embeddings"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    return None
 
 
 def _check_vocabulary(checkpoint, task, path: str, command: str, option: str, tokenizer: str | None) -> None:
