@@ -17,6 +17,15 @@ import torch
 from torch import nn
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" where an option has a real default (not None/False) and says none."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -84,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write the curve to this PNG")
     _matching_options(p)
     p.set_defaults(func=cmd_barrier)
+
+    _add_train_parser(sub)
+    _add_eval_parser(sub)
 
     try:
         from fedbasin.simulations import simulate
@@ -276,6 +288,234 @@ def cmd_barrier(args) -> int:
                     title=f"{Path(args.a).name} (λ=1) ↔ {Path(args.b).name} (λ=0)")
         summary["plot"] = args.plot
     return _emit(summary)
+
+
+# ------------------------------------------------------------------------------------------------
+# train / eval
+
+MODELS = ("vit", "gpt", "hf-vit", "hf-gpt2")
+DATA_HELP = ("digits (scikit-learn, offline) | cifar10 (Hugging Face hub) | cifar10:DIR (train.parquet + "
+             "test.parquet) or cifar10:FILE.parquet | text:FILE (UTF-8, character tokens unless --tokenizer)")
+_SHAPE_OPTIONS = ("dim", "depth", "heads", "mlp_dim", "patch_size", "norm", "activation", "position")
+_FEDBASIN_ONLY = ("norm", "activation", "position")
+
+
+def _add_train_parser(sub) -> None:
+    p = sub.add_parser(
+        "train", formatter_class=HelpFormatter,
+        help="train a model from scratch on a data source and write it as a checkpoint",
+        description="Train a fedbasin or Hugging Face model from scratch (AdamW, cosine schedule) and write "
+        "OUT atomically, with OUT/train.json. Unset shape and budget options take the data's recipe "
+        "(fedbasin.training.RECIPES: digits 40 epochs, ViT d=64×2 layers; cifar10 4 epochs on 20,000 images, "
+        "ViT d=96×4; text 2 epochs, GPT d=128×4). Every seed sees the same training examples; --seed sets "
+        "the initialisation and the batch order, so two seeds give two independent models.",
+    )
+    p.add_argument("--data", required=True, metavar="SPEC", help=DATA_HELP)
+    p.add_argument("--model", choices=MODELS,
+                   help="architecture; hf-* write a Hugging Face checkpoint (default: vit for images, gpt for text)")
+    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write (config.json + "
+                   "model.safetensors + train.json)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
+    p.add_argument("--tokenizer", metavar="DIR", help="text only: a Hugging Face tokenizer directory "
+                   "(needed for --model hf-gpt2 on text)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
+    budget = p.add_argument_group("training budget (default: the data's recipe)")
+    budget.add_argument("--epochs", type=_positive_int, help="passes over the training split")
+    budget.add_argument("--lr", type=float, help="peak AdamW learning rate (cosine decay to 0)")
+    budget.add_argument("--batch-size", type=_positive_int, help="examples per step")
+    budget.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    budget.add_argument("--max-train-examples", type=int, metavar="N",
+                        help="train on the first N examples of the (seed-0 shuffled) training split; 0: all")
+    budget.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N")
+    shape = p.add_argument_group("model shape (default: the data's recipe)")
+    shape.add_argument("--dim", type=_positive_int, help="residual width")
+    shape.add_argument("--depth", type=_positive_int, help="Transformer blocks")
+    shape.add_argument("--heads", type=_positive_int, help="attention heads (must divide --dim)")
+    shape.add_argument("--mlp-dim", type=_positive_int, help="MLP hidden units")
+    shape.add_argument("--patch-size", type=_positive_int, help="images: patch side in pixels (default: 2 for "
+                       "digits, 4 for cifar10)")
+    shape.add_argument("--block-size", type=_positive_int, default=64, help="text: tokens per example (context)")
+    shape.add_argument("--norm", choices=["layernorm", "rmsnorm"], help="fedbasin models: norm (default: layernorm)")
+    shape.add_argument("--activation", choices=["gelu", "relu", "swiglu"],
+                       help="fedbasin models: MLP activation (default: gelu)")
+    shape.add_argument("--position", choices=["learned", "rope"], help="fedbasin gpt: positions (default: learned)")
+    p.set_defaults(func=cmd_train)
+
+
+def _add_eval_parser(sub) -> None:
+    p = sub.add_parser(
+        "eval", formatter_class=HelpFormatter, help="test loss and accuracy of a checkpoint, as JSON",
+        description="Mean cross-entropy and argmax accuracy of CHECKPOINT on a split of the data (for text: "
+        "per next token, with the checkpoint's context length). Prints JSON.",
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory (fedbasin or Hugging Face)")
+    p.add_argument("--data", required=True, metavar="SPEC", help=DATA_HELP)
+    p.add_argument("--split", default="test", choices=["train", "test"], help="which split to score")
+    p.add_argument("--max-examples", type=int, default=0, metavar="N", help="score the first N examples only; 0: all")
+    p.add_argument("--tokenizer", metavar="DIR", help="text only: the Hugging Face tokenizer the model was trained with")
+    p.add_argument("--batch-size", type=_positive_int, default=512, help="examples per forward pass")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N")
+    p.set_defaults(func=cmd_eval)
+
+
+def _task_for(spec: str, command: str, tokenizer: str | None = None, **kwargs):
+    """:func:`fedbasin.data.load_task` with a one-line error naming ``--data``."""
+    import inspect
+
+    from fedbasin.data import load_task
+
+    if tokenizer is not None:
+        if not spec.startswith("text:"):
+            raise SystemExit(f"fedbasin {command}: --tokenizer applies to text:FILE data, not {spec}")
+        if "tokenizer" not in inspect.signature(load_task).parameters:
+            raise SystemExit(f"fedbasin {command}: --tokenizer {tokenizer}: this version reads text with the "
+                             "character tokenizer only; drop --tokenizer and use --model gpt")
+        kwargs["tokenizer"] = tokenizer
+    try:
+        return load_task(spec, **kwargs)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
+        raise SystemExit(f"fedbasin {command}: --data {spec}: {exc}") from None
+
+
+def _hf_config(model: str, shape: dict, data: dict):
+    """transformers config of ``hf-vit`` / ``hf-gpt2`` in fedbasin's shape vocabulary (no dropout,
+    like the fedbasin models)."""
+    import transformers
+
+    if model == "hf-vit":
+        return transformers.ViTConfig(
+            image_size=data["image_size"], patch_size=shape.get("patch_size") or data["patch_size"],
+            num_channels=data["channels"], num_labels=data["num_classes"], hidden_size=shape["dim"],
+            num_hidden_layers=shape["depth"], num_attention_heads=shape["heads"], intermediate_size=shape["mlp_dim"],
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.GPT2Config(
+        vocab_size=data["vocab_size"], n_positions=data["block_size"], n_embd=shape["dim"], n_layer=shape["depth"],
+        n_head=shape["heads"], n_inner=shape["mlp_dim"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _new_model(args, task, recipe: dict):
+    """(module returning logits, checkpoint kind, family, config) for ``--model``, initialised from ``--seed``."""
+    from fedbasin.models import build_model, make_config
+
+    name = args.model or task.family
+    family = "vit" if name.endswith("vit") else "gpt"
+    if family != task.family:
+        needs = "image data (digits, cifar10)" if family == "vit" else "text data (text:FILE)"
+        holds = "images" if task.family == "vit" else "text"
+        raise SystemExit(f"fedbasin train: --model {name} needs {needs}; --data {args.data} holds {holds}")
+    given = {k: getattr(args, k) for k in _SHAPE_OPTIONS if getattr(args, k) is not None}
+    shape = {**recipe["model"], **given}
+    if family == "vit":
+        shape.pop("position", None)
+        if "position" in given:
+            raise SystemExit("fedbasin train: --position applies to gpt models only")
+    elif "patch_size" in given:
+        raise SystemExit("fedbasin train: --patch-size applies to image models only")
+    torch.manual_seed(args.seed)
+    if name.startswith("hf-"):
+        fedbasin_only = [f"--{k}" for k in _FEDBASIN_ONLY if k in given]
+        if fedbasin_only:
+            raise SystemExit(f"fedbasin train: {', '.join(fedbasin_only)} apply to fedbasin models only, not {name}")
+        if name == "hf-gpt2" and args.tokenizer is None:
+            raise SystemExit("fedbasin train: --model hf-gpt2 on text needs --tokenizer DIR (a GPT-2 tokenizer "
+                             "directory); for character-level text use --model gpt")
+        from fedbasin.alignment.hf import hf_model_class
+
+        config = _hf_config(name, shape, task.model_overrides)
+        return _Logits(hf_model_class(config.model_type)(config)), "hf", config.model_type, config
+    try:
+        config = make_config(family, {**{k: v for k, v in shape.items() if k != "position" or family == "gpt"},
+                                      **task.model_overrides})
+        return build_model(family, config, seed=args.seed), "fedbasin", family, config
+    except ValueError as exc:
+        raise SystemExit(f"fedbasin train: {exc}") from None
+
+
+def _refuse_overwrite(out: Path, overwrite: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise SystemExit(f"fedbasin train: --out {out} already exists; pass --overwrite to replace it "
+                         "or choose another directory")
+
+
+def cmd_train(args) -> int:
+    import time
+
+    from fedbasin.atomic import atomic_write
+    from fedbasin.checkpoint import save_checkpoint
+    from fedbasin.training import RECIPES, resolve_device, train
+
+    out = Path(args.out)
+    _refuse_overwrite(out, args.overwrite)
+    kind = args.data.partition(":")[0]
+    recipe = RECIPES.get(kind, RECIPES["digits"])
+    max_train = recipe["max_train_examples"] if args.max_train_examples is None else args.max_train_examples
+    task = _task_for(args.data, "train", args.tokenizer, max_train_examples=max_train,
+                     **({"block_size": args.block_size} if kind == "text" else {}))
+    recipe = RECIPES[kind]
+    module, ckpt_kind, family, config = _new_model(args, task, recipe)
+    epochs, lr, batch_size = (recipe[k] if getattr(args, k) is None else getattr(args, k)
+                              for k in ("epochs", "lr", "batch_size"))
+    device = resolve_device(args.device)
+    print(f"fedbasin train: {args.model or task.family} on {task.name} ({len(task.train)} examples, "
+          f"{epochs} epochs, seed {args.seed}, {device})", file=sys.stderr)
+    t0 = time.perf_counter()
+    try:
+        stats = train(module, task.train, epochs=epochs, lr=lr, batch_size=batch_size, device=device,
+                      seed=args.seed, weight_decay=args.weight_decay, progress=True)
+    except KeyboardInterrupt:
+        raise SystemExit(f"fedbasin train: interrupted; nothing was written to {out}") from None
+    seconds = time.perf_counter() - t0
+    test = task.evaluate(module, "test", device=device)
+    model = module.model if isinstance(module, _Logits) else module
+    summary = {"command": "train", "out": str(out), "data": args.data, "model": args.model or task.family,
+               "kind": ckpt_kind, "family": family, "seed": args.seed, "epochs": epochs, "lr": lr,
+               "batch_size": batch_size, "train_examples": len(task.train), **stats,
+               "test_loss": test["loss"], "test_accuracy": test["accuracy"], "seconds": round(seconds, 1)}
+    save_checkpoint(out, family, config, {k: v.cpu() for k, v in model.state_dict().items()}, kind=ckpt_kind)
+    atomic_write(out / "train.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
+    return _emit(summary)
+
+
+def _data_fields(checkpoint) -> dict:
+    """The config fields the data fixes, in fedbasin names (HF configs translated)."""
+    c = checkpoint.config
+    if checkpoint.kind == "hf" and checkpoint.family == "vit":
+        return {"image_size": c.image_size, "channels": c.num_channels, "num_classes": c.num_labels}
+    if checkpoint.kind == "hf":
+        return {"vocab_size": c.vocab_size, "block_size": c.n_positions}
+    names = ("image_size", "channels", "num_classes") if checkpoint.family == "vit" else ("vocab_size", "block_size")
+    return {k: getattr(c, k) for k in names}
+
+
+def cmd_eval(args) -> int:
+    import time
+
+    from fedbasin.checkpoint import build_torch_model
+    from fedbasin.training import resolve_device
+
+    ckpt = _load(args.checkpoint, "checkpoint")
+    fields = _data_fields(ckpt)
+    text = args.data.startswith("text:")
+    if text and ckpt.kind == "hf" and ckpt.family == "gpt2" and args.tokenizer is None:
+        raise SystemExit(f"fedbasin eval: {args.checkpoint} is a Hugging Face {ckpt.family} model; scoring it on "
+                         "text needs --tokenizer DIR (the tokenizer it was trained with)")
+    task = _task_for(args.data, "eval", args.tokenizer,
+                     **({"block_size": fields["block_size"]} if text and "block_size" in fields else {}))
+    _check_task(ckpt, task, args.checkpoint, "eval", "--data")
+    for key, value in task.model_overrides.items():
+        have = fields.get(key)
+        if have is not None and (have < value if key == "vocab_size" else key != "block_size" and have != value):
+            raise SystemExit(f"fedbasin eval: {args.checkpoint} has {key}={have} but --data {args.data} needs "
+                             f"{key}={value}")
+    split = task.split(args.split)
+    if args.max_examples and len(split) > args.max_examples:
+        split = split.subset(torch.arange(args.max_examples))
+    t0 = time.perf_counter()
+    metrics = task.evaluate(_Logits(build_torch_model(ckpt)), split, device=resolve_device(args.device),
+                            batch_size=args.batch_size)
+    return _emit({"command": "eval", "checkpoint": args.checkpoint, "kind": ckpt.kind, "family": ckpt.family,
+                  "data": args.data, "split": args.split, "examples": len(split), **metrics,
+                  "seconds": round(time.perf_counter() - t0, 3)})
 
 
 def main(argv=None) -> int:

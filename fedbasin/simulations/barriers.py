@@ -24,22 +24,19 @@ from fedbasin.alignment.refine import learned_refine
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.data import load_task
 from fedbasin.models import build_model, make_config
-from fedbasin.training import cross_entropy, train
+from fedbasin.training import RECIPES, cross_entropy, train
 
-# model shapes and training budgets (epochs over the task's training split)
+
+def _bench(source: str, eval_examples: int, recipe: dict) -> dict:
+    return dict(source=source, eval_examples=eval_examples, max_train=recipe["max_train_examples"],
+                epochs=recipe["epochs"], lr=recipe["lr"], batch=recipe["batch_size"], model=recipe["model"])
+
+
+# model shapes and training budgets (epochs over the task's training split): `fedbasin train`'s defaults
 TASKS = {
-    "digits": dict(
-        source="digits", max_train=0, eval_examples=0, epochs=40, lr=3e-3, batch=64,
-        model=dict(dim=64, depth=2, heads=4, mlp_dim=128),
-    ),
-    "cifar10": dict(
-        source="cifar10:{cifar}", max_train=20000, eval_examples=2000, epochs=4, lr=2e-3, batch=128,
-        model=dict(dim=96, depth=4, heads=4, mlp_dim=192),
-    ),
-    "shakespeare": dict(
-        source="text:{text}", max_train=0, eval_examples=1000, epochs=2, lr=2e-3, batch=32,
-        model=dict(dim=128, depth=4, heads=4, mlp_dim=512, position="learned"),
-    ),
+    "digits": _bench("digits", 0, RECIPES["digits"]),
+    "cifar10": _bench("cifar10:{cifar}", 2000, RECIPES["cifar10"]),
+    "shakespeare": _bench("text:{text}", 1000, RECIPES["text"]),
 }
 
 
