@@ -261,31 +261,31 @@ def cmd_barrier(args) -> int:
     split = task.split(args.split)
     if args.max_examples and len(split) > args.max_examples:
         split = split.subset(torch.arange(args.max_examples))
-    state_b = b.state
     summary = {"command": "barrier", "a": args.a, "b": args.b, "data": args.data, "split": args.split,
                "examples": len(split), "aligned": bool(args.align)}
-    if args.align:
-        try:
-            result = weight_match(a.spec, _standard(a), _standard(b), mode=args.symmetry,
-                                  iterations=args.iterations, tol=args.tol, progress=True)
-        except ValueError as exc:
-            raise SystemExit(f"fedbasin barrier: {exc}") from None
-        state_b = a.adapter.from_standard(result.state)
-        summary.update(symmetry=args.symmetry, align_seconds=round(result.seconds, 3))
 
     def loss_of(state: dict) -> float:
         return task.evaluate(_Logits(build_torch_model(a, state)), split)["loss"]
 
     try:
-        curve = interpolation_curve(a.state, state_b, loss_of, points=args.points)
+        curves = {"vanilla": interpolation_curve(a.state, b.state, loss_of, points=args.points)}
+        if args.align:
+            result = weight_match(a.spec, _standard(a), _standard(b), mode=args.symmetry,
+                                  iterations=args.iterations, tol=args.tol, progress=True)
+            summary.update(symmetry=args.symmetry, align_seconds=round(result.seconds, 3))
+            aligned = a.adapter.from_standard(result.state)
+            curves["aligned"] = interpolation_curve(a.state, aligned, loss_of, points=args.points)
     except ValueError as exc:
         raise SystemExit(f"fedbasin barrier: {exc}") from None
-    summary.update(curve.to_dict())
+    summary.update(curves["aligned" if args.align else "vanilla"].to_dict())
+    if args.align:
+        summary["vanilla"] = curves["vanilla"].to_dict()
     if args.plot:
-        from fedbasin.plots import plot_curves
+        from fedbasin.plots import distinct_names, plot_curves
 
-        plot_curves({"aligned" if args.align else "vanilla": curve}, args.plot,
-                    title=f"{Path(args.a).name} (λ=1) ↔ {Path(args.b).name} (λ=0)")
+        name_a, name_b = distinct_names([args.a, args.b])
+        plot_curves(curves, args.plot, title=f"A = {name_a} (λ=1)  ↔  B = {name_b} (λ=0)\n{task.name}, "
+                    f"{args.split} split, {len(split)} examples")
         summary["plot"] = args.plot
     return _emit(summary)
 

@@ -49,7 +49,7 @@ def test_train_writes_independent_checkpoints_that_eval_scores(digits_pair, caps
     assert train["split"] == "train" and train["examples"] == 100
 
 
-def test_trained_pair_goes_through_align_and_barrier(digits_pair, capsys):
+def test_trained_pair_goes_through_align_and_barrier(digits_pair, capsys, monkeypatch):
     root, _ = digits_pair
     _run(capsys, "align", root / "s0", root / "s1", "--out", root / "s1_aligned", "--iterations", "5")
     x = torch.rand(4, 1, 8, 8)
@@ -57,9 +57,29 @@ def test_trained_pair_goes_through_align_and_barrier(digits_pair, capsys):
         before = build_torch_model(load_checkpoint(root / "s1"))(x)
         after = build_torch_model(load_checkpoint(root / "s1_aligned"))(x)
     assert torch.allclose(before, after, atol=1e-4)
+    plotted = {}
+    monkeypatch.setattr("fedbasin.plots.plot_curves", lambda curves, path, title: plotted.update(curves, title=title))
     barrier = _run(capsys, "barrier", root / "s0", root / "s1", "--data", "digits", "--points", "3", "--align",
-                   "--iterations", "5")
+                   "--iterations", "5", "--plot", root / "curve.png")
     assert barrier["examples"] == 359 and len(barrier["losses"]) == 3
+    # the plot shows the vanilla curve beside the aligned one, and the JSON carries both
+    assert plotted["vanilla"].losses == barrier["vanilla"]["losses"]
+    assert plotted["aligned"].losses == barrier["losses"] != barrier["vanilla"]["losses"]
+    assert "A = s0 (λ=1)" in plotted["title"] and "B = s1 (λ=0)" in plotted["title"]
+
+
+def test_curve_labels_tell_checkpoints_apart(tmp_path):
+    from fedbasin.plots import distinct_names, plot_curves
+
+    assert distinct_names(["runs/a/model", "runs/b/model"]) == ["a/model", "b/model"]
+    assert distinct_names(["x/a", "y/b"]) == ["a", "b"]
+    assert distinct_names(["/p/q/m", "/r/q/m"]) == ["p/q/m", "r/q/m"]
+    from fedbasin.alignment import interpolation_curve
+
+    curves = {name: interpolation_curve({"w": torch.zeros(1)}, {"w": torch.ones(1)}, lambda s, k=k: float(s["w"]) * k,
+                                        points=3) for k, name in ((1, "vanilla"), (2, "aligned"))}
+    plot_curves(curves, tmp_path / "c.png", title="t")
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_same_seed_reproduces_the_same_weights(digits_pair, tmp_path, capsys):

@@ -210,14 +210,15 @@ def markdown_table(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    from fedbasin.plots import _figure, save_figure
+    from fedbasin.plots import CURVE_STYLE, _figure, save_figure
 
     plt = _figure()
     names = list(results["tasks"])
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
     for ax, name in zip(axes[0], names):
         for curve_name, c in results["tasks"][name]["curves"].items():
-            ax.plot(c["lambdas"], c["losses"], marker="o", ms=3, label=f"{curve_name} ({c['barrier']:.3f})")
+            ax.plot(c["lambdas"], c["losses"], marker="o", ms=3, label=f"{curve_name} ({c['barrier']:.3f})",
+                    **CURVE_STYLE.get(curve_name, {}))
         ax.set_title(name)
         ax.set_xlabel("λ (λ·A + (1−λ)·B)")
         ax.set_ylabel("test loss")
