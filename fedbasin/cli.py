@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+DATA_HELP = ("digits (scikit-learn, offline) | cifar10 (Hugging Face hub) | cifar10:DIR (train.parquet + "
+             "test.parquet) or cifar10:FILE.parquet | text:FILE (UTF-8 text, character tokens)")
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" where an option has a real default (not None/False) and says none."""
@@ -42,55 +45,79 @@ def _weights(text: str) -> list[float]:
 
 
 def _matching_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--symmetry", choices=["orthogonal", "permutation"], default="orthogonal",
-                   help="group searched: full orthogonal maps (default) or permutations only")
-    p.add_argument("--iterations", type=_positive_int, default=20, help="max weight-matching iterations")
-    p.add_argument("--tol", type=float, default=1e-4, help="stop when the relative objective gain is below this")
+    g = p.add_argument_group("weight matching")
+    g.add_argument("--symmetry", choices=["orthogonal", "permutation"], default="orthogonal",
+                   help="group searched: orthogonal residual/head maps with head and neuron permutations, "
+                   "or permutations only")
+    g.add_argument("--iterations", type=_positive_int, default=20, help="at most this many coordinate-ascent passes")
+    g.add_argument("--tol", type=float, default=1e-4,
+                   help="stop once a pass improves the objective by less than this fraction")
+
+
+CHECKPOINT_HELP = "checkpoint directory (fedbasin or Hugging Face GPT-2/ViT: config.json + model.safetensors)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fedbasin",
-        description="Align, merge and compare Transformer checkpoints by their exact symmetries; "
-        "run federated simulations.",
+        prog="fedbasin", formatter_class=HelpFormatter,
+        description="Align, merge and compare Transformer checkpoints by their exact symmetries; train and "
+        "evaluate checkpoints; run federated simulations. Every command prints a JSON summary on stdout "
+        "(simulate: a table); progress goes to stderr; outputs are written atomically.",
+        epilog="Run 'fedbasin COMMAND --help' for a command's options. Design: docs/design.md.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("align", help="write CANDIDATE transformed into REFERENCE's basis (same function)")
-    p.add_argument("reference")
-    p.add_argument("candidate")
-    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p = sub.add_parser("align", formatter_class=HelpFormatter,
+                       help="write CANDIDATE transformed into REFERENCE's basis (same function)",
+                       description="Weight matching: find the symmetry transformation of CANDIDATE that best "
+                       "matches REFERENCE and write the transformed CANDIDATE (it computes the same function) "
+                       "in REFERENCE's format. Prints the objective per iteration.")
+    p.add_argument("reference", metavar="REFERENCE", help=CHECKPOINT_HELP)
+    p.add_argument("candidate", metavar="CANDIDATE", help="checkpoint of the same architecture as REFERENCE")
+    p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint directory")
     _matching_options(p)
     p.set_defaults(func=cmd_align)
 
-    p = sub.add_parser("merge", help="align every MODEL to REFERENCE and write the weighted average")
-    p.add_argument("reference")
-    p.add_argument("models", nargs="+")
-    p.add_argument("--out", required=True, help="output checkpoint directory")
-    p.add_argument("--weights", type=_weights, help="w0,w1,...: one weight per model, reference first")
+    p = sub.add_parser("merge", formatter_class=HelpFormatter,
+                       help="align every MODEL to REFERENCE and write the weighted average",
+                       description="Align every MODEL to REFERENCE (weight matching, optionally universe "
+                       "matching or learned refinement on proxy data) and write the weighted average in "
+                       "REFERENCE's basis and format.")
+    p.add_argument("reference", metavar="REFERENCE", help=CHECKPOINT_HELP + "; the merge lives in its basis")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="checkpoints of the same architecture")
+    p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint directory")
+    p.add_argument("--weights", type=_weights, metavar="W0,W1,...",
+                   help="one weight per model, REFERENCE first, normalised to sum 1 (default: equal)")
     p.add_argument("--universe-iterations", type=_positive_int, default=1,
-                   help="re-align every model to the running average this many times")
+                   help="passes re-aligning every model to the running average (1: align to REFERENCE only)")
     p.add_argument("--no-align", action="store_true", help="plain weighted averaging (no alignment)")
-    p.add_argument("--refine-data", help="proxy data for learned refinement: digits | cifar10:PATH | text:PATH")
-    p.add_argument("--refine-steps", type=_positive_int, default=100, help="learned-refinement optimiser steps")
-    p.add_argument("--refine-examples", type=_positive_int, default=512,
+    g = p.add_argument_group("learned refinement (on when --refine-data is given)")
+    g.add_argument("--refine-data", metavar="SPEC", help="proxy data: " + DATA_HELP)
+    g.add_argument("--refine-steps", type=_positive_int, default=100, help="optimiser steps")
+    g.add_argument("--refine-examples", type=_positive_int, default=512,
                    help="proxy examples taken from the data's training split (20%% held out for keep-best)")
-    p.add_argument("--refine-lr", type=float, default=1e-2)
-    p.add_argument("--refine-permutations", choices=["ste", "sinkhorn"], default="ste",
-                   help="straight-through Hungarian (default) or Sinkhorn relaxation")
-    p.add_argument("--refine-batch-size", type=_positive_int, default=64)
+    g.add_argument("--refine-lr", type=float, default=1e-2,
+                   help="Adam learning rate of the rotation (Cayley) and permutation parameters")
+    g.add_argument("--refine-permutations", choices=["ste", "sinkhorn"], default="ste",
+                   help="straight-through Hungarian or Sinkhorn relaxation")
+    g.add_argument("--refine-batch-size", type=_positive_int, default=64, help="proxy examples per step")
     _matching_options(p)
     p.set_defaults(func=cmd_merge)
 
-    p = sub.add_parser("barrier", help="losses along λ·A + (1−λ)·B and the loss barrier, as JSON")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--data", required=True, help="digits | cifar10 | cifar10:PATH | text:PATH")
-    p.add_argument("--split", default="test", choices=["train", "test"])
-    p.add_argument("--max-examples", type=int, default=2000, help="evaluate on at most this many examples")
-    p.add_argument("--points", type=_positive_int, default=11, help="λ grid size (≥ 2)")
-    p.add_argument("--align", action="store_true", help="align B to A first")
-    p.add_argument("--plot", help="write the curve to this PNG")
+    p = sub.add_parser("barrier", formatter_class=HelpFormatter,
+                       help="losses along λ·A + (1−λ)·B and the loss barrier, as JSON",
+                       description="Loss of λ·A + (1−λ)·B on a λ grid and the barrier max_λ [L(λ) − (λ·L(A) + "
+                       "(1−λ)·L(B))]. With --align, B is aligned to A first and both curves are reported "
+                       "(vanilla and aligned).")
+    p.add_argument("a", metavar="A", help=CHECKPOINT_HELP + " (λ = 1)")
+    p.add_argument("b", metavar="B", help="checkpoint of the same architecture (λ = 0)")
+    p.add_argument("--data", required=True, metavar="SPEC", help=DATA_HELP)
+    p.add_argument("--split", default="test", choices=["train", "test"], help="split the losses are measured on")
+    p.add_argument("--max-examples", type=int, default=2000, metavar="N",
+                   help="evaluate on the first N examples of the split (0: all)")
+    p.add_argument("--points", type=_positive_int, default=11, help="λ grid size (≥ 2), λ evenly spaced in [0, 1]")
+    p.add_argument("--align", action="store_true", help="align B to A first; report vanilla and aligned curves")
+    p.add_argument("--plot", metavar="PNG", help="also draw the curves (vanilla, aligned) to this PNG file")
     _matching_options(p)
     p.set_defaults(func=cmd_barrier)
 
@@ -294,8 +321,6 @@ def cmd_barrier(args) -> int:
 # train / eval
 
 MODELS = ("vit", "gpt", "hf-vit", "hf-gpt2")
-DATA_HELP = ("digits (scikit-learn, offline) | cifar10 (Hugging Face hub) | cifar10:DIR (train.parquet + "
-             "test.parquet) or cifar10:FILE.parquet | text:FILE (UTF-8, character tokens unless --tokenizer)")
 _SHAPE_OPTIONS = ("dim", "depth", "heads", "mlp_dim", "patch_size", "norm", "activation", "position")
 _FEDBASIN_ONLY = ("norm", "activation", "position")
 
@@ -310,7 +335,7 @@ def _add_train_parser(sub) -> None:
         "ViT d=96×4; text 2 epochs, GPT d=128×4). Every seed sees the same training examples; --seed sets "
         "the initialisation and the batch order, so two seeds give two independent models.",
     )
-    p.add_argument("--data", required=True, metavar="SPEC", help=DATA_HELP)
+    p.add_argument("--data", required=True, metavar="SPEC", help=DATA_HELP + "; --tokenizer for subword tokens")
     p.add_argument("--model", choices=MODELS,
                    help="architecture; hf-* write a Hugging Face checkpoint (default: vit for images, gpt for text)")
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write (config.json + "
@@ -348,8 +373,8 @@ def _add_eval_parser(sub) -> None:
         description="Mean cross-entropy and argmax accuracy of CHECKPOINT on a split of the data (for text: "
         "per next token, with the checkpoint's context length). Prints JSON.",
     )
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory (fedbasin or Hugging Face)")
-    p.add_argument("--data", required=True, metavar="SPEC", help=DATA_HELP)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
+    p.add_argument("--data", required=True, metavar="SPEC", help=DATA_HELP + "; --tokenizer for subword tokens")
     p.add_argument("--split", default="test", choices=["train", "test"], help="which split to score")
     p.add_argument("--max-examples", type=int, default=0, metavar="N", help="score the first N examples only; 0: all")
     p.add_argument("--tokenizer", metavar="DIR", help="text only: the Hugging Face tokenizer the model was trained with")

@@ -12,7 +12,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.config import flatten_dict
 
-from fedbasin.checkpoint import load_checkpoint
 from fedbasin.client.client_app import app as client_app
 from fedbasin.config import (
     DEFAULT_RUN_CONFIG,
@@ -22,7 +21,6 @@ from fedbasin.config import (
     task_from_config,
 )
 from fedbasin.simulations import simulate
-from fedbasin.strategies import AlignedFedAvg
 from tests.test_strategy import serverapp_identity  # noqa: F401  (autouse: a run identity)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +136,7 @@ def test_simulate_rejects_bad_options(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_simulation_trains_then_resumes_from_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+def test_simulation_trains_then_resumes_from_the_last_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     assert (
         cli("--num-supernodes", "2", "--out", str(out), "--run-config", "num-server-rounds=1") == 0
@@ -154,26 +152,54 @@ def test_simulation_trains_then_resumes_from_the_last_checkpoint(tmp_path, capsy
         and "eval_accuracy" in rounds[1]
     )
     assert (out / "curves.png").stat().st_size > 0
-    saved = load_checkpoint(out / "round-0001").state
+    assert "Successfully started run" in (out / "flwr-run.log").read_text()
 
-    # resume: the strategy's first round is round 2 and starts from the round-1 checkpoint
-    seen = []
-    configure_train = AlignedFedAvg.configure_train
-
-    def spy(self, server_round, arrays, config, grid):
-        messages = list(configure_train(self, server_round, arrays, config, grid))
-        seen.append((messages[0].content["config"]["server-round"], arrays.to_torch_state_dict()))
-        return messages
-
-    monkeypatch.setattr(AlignedFedAvg, "configure_train", spy)
+    # resume (a second `flwr run`): round 2 starts from the round-1 checkpoint, history is kept
     config = resolve_run_config({"num-server-rounds": 2, "out-dir": str(out), "resume": True})
     resumed = simulate.simulate(config, num_supernodes=2)
-    assert [server_round for server_round, _ in seen] == [2]
-    for key, value in saved.items():
-        torch.testing.assert_close(seen[0][1][key], value)
+    log = (out / "flwr-run.log").read_text()
+    assert f"resuming after round 1 from {out / 'round-0001'}" in log
     assert [r["round"] for r in resumed["rounds"]] == [0, 1, 2]
     assert resumed["rounds"][:2] == rounds
     assert (out / "round-0002" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_failed_flwr_run_is_an_error_and_the_superlink_is_stopped(tmp_path, monkeypatch):
+    """`flwr run --stream` exits 0 when the ServerApp fails; `simulate` asks `flwr list` instead."""
+    import subprocess
+
+    app = tmp_path / "app"
+    (app / "brokenapp").mkdir(parents=True)
+    (app / "brokenapp" / "__init__.py").write_text("")
+    (app / "brokenapp" / "server.py").write_text(
+        "from flwr.serverapp import ServerApp\napp = ServerApp()\n\n@app.main()\n"
+        "def main(grid, context):\n    raise RuntimeError('planted failure')\n"
+    )
+    (app / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n\n'
+        '[project]\nname = "brokenapp"\nversion = "0.0.1"\n'
+        "dependencies = []\n\n"
+        '[tool.hatch.build.targets.wheel]\npackages = ["."]\n\n'
+        '[tool.flwr.app]\npublisher = "test"\n\n[tool.flwr.app.components]\n'
+        'serverapp = "brokenapp.server:app"\nclientapp = "fedbasin.client.client_app:app"\n\n'
+        "[tool.flwr.app.config]\n"
+        + "".join(f"{k} = {simulate._toml(v)}\n" for k, v in DEFAULT_RUN_CONFIG.items())
+    )
+    started = []
+    real_popen = subprocess.Popen
+
+    def spy(command, *args, **kwargs):
+        process = real_popen(command, *args, **kwargs)
+        if command[0] == "flower-superlink":
+            started.append(process)
+        return process
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    config = resolve_run_config({"num-server-rounds": 1, "out-dir": str(tmp_path / "out")})
+    with pytest.raises(RuntimeError, match=r"ended as finished:failed; see .*flwr-run.log"):
+        simulate.simulate(config, num_supernodes=2, project=app)
+    assert len(started) == 1 and started[0].poll() is not None  # the SuperLink it started is gone
 
 
 def test_one_shot_comparison_smoke(tmp_path, capsys):

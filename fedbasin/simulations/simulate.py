@@ -1,18 +1,35 @@
-"""``fedbasin simulate``: the fedbasin Flower apps in a local simulation (Ray backend).
+"""``fedbasin simulate``: the fedbasin Flower app as a local simulation through ``flwr run``.
 
-The same run-config keys as ``flwr run .`` (``fedbasin.config.DEFAULT_RUN_CONFIG``, mirrored in
-``[tool.flwr.app.config]``); ``flwr.simulation.run_simulation`` does not read pyproject.toml, so
-the resolved config is handed to the ServerApp directly and reaches the clients inside every
-train/evaluate message. Each virtual SuperNode gets 1 CPU. Writes ``OUT/results.json`` (plus
-checkpoints and ``curves.png``) and prints a per-round table.
+``flwr run`` is Flower 1.41's supported way to simulate (``flwr.simulation.run_simulation`` is
+deprecated). ``fedbasin simulate`` wraps it so that one command starts, finishes and cleans up:
+
+1. start a private ``flower-superlink --simulation`` on two free localhost ports, with a
+   throwaway ``FLWR_HOME`` whose ``config.toml`` names only that SuperLink;
+2. ``flwr run PROJECT fedbasin --stream`` with the run config (``[tool.flwr.app.config]`` keys,
+   ``out-dir`` made absolute: the ServerApp runs in the SuperLink's process tree) and
+   ``num-supernodes`` virtual SuperNodes of 1 CPU each (a GPU share each when CUDA is present);
+3. ask ``flwr list --run-id`` for the run's final status (``--stream`` exits 0 even when the
+   run failed) and fail unless it is ``finished:completed``;
+4. stop the SuperLink (its whole process group) in every case, Ctrl-C included.
+
+PROJECT is the directory holding fedbasin's ``pyproject.toml`` (a source checkout). Writes
+``OUT/results.json`` (plus checkpoints, ``curves.png`` and ``flwr-run.log``) and prints a
+per-round table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shlex
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -38,27 +55,45 @@ TABLE_CAPTION = (
 )
 
 
+def run_config_help() -> str:
+    """Every run-config key with its default (meanings: docs/flower.md)."""
+    from fedbasin.config import CHOICES, DEFAULT_RUN_CONFIG
+
+    lines = ["run-config keys (KEY=DEFAULT; TOML values; meanings in docs/flower.md, 'Run config'):"]
+    for key, value in DEFAULT_RUN_CONFIG.items():
+        choices = f"   one of {' | '.join(CHOICES[key])}" if key in CHOICES else ""
+        lines.append(f"  {key}={_toml(value)}{choices}")
+    return "\n".join(lines)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from fedbasin.cli import HelpFormatter
+
+    class Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
     p = subparsers.add_parser(
         "simulate",
-        help="run a federated simulation (Flower, Ray backend) and write results.json",
-        description=__doc__.splitlines()[0].replace("``", ""),
-        epilog="Run-config keys and defaults: fedbasin.config.DEFAULT_RUN_CONFIG "
-        "(table in docs/flower.md).",
+        formatter_class=Formatter,
+        help="run a federated simulation (flwr run, local SuperLink) and write results.json",
+        description="Run the fedbasin ServerApp/ClientApp as a local Flower simulation through `flwr run` "
+        "on a private SuperLink that is stopped afterwards; print a per-round table and write "
+        "OUT/results.json, per-round checkpoints OUT/round-NNNN/, OUT/curves.png and OUT/flwr-run.log.",
+        epilog=run_config_help(),
     )
     p.add_argument(
         "--run-config",
         default="",
         metavar='"KEY=VALUE ..."',
-        help='run-config overrides, e.g. "num-server-rounds=5 symmetry=permutation"',
+        help='run-config overrides (keys below), e.g. "num-server-rounds=5 symmetry=\'permutation\'"',
     )
     p.add_argument(
         "--num-supernodes",
         type=int,
         default=DEFAULT_SUPERNODES,
-        help=f"virtual SuperNodes, one data partition each (default {DEFAULT_SUPERNODES})",
+        help="virtual SuperNodes, one data partition and 1 CPU each",
     )
-    p.add_argument("--out", help="output directory (overrides the run config's out-dir)")
+    p.add_argument("--out", metavar="DIR", help="output directory (overrides the run config's out-dir)")
     p.add_argument("--verbose", action="store_true", help="Flower debug logs")
     p.set_defaults(func=run)
     return p
@@ -79,39 +114,144 @@ def parse_run_config(text: str) -> dict:
     return config
 
 
-def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bool = False) -> dict:
-    """Run a resolved run config under ``flwr.simulation.run_simulation``; return results.json."""
-    import torch
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
+def _toml(value) -> str:
+    """A run-config value as TOML (what ``flwr run --run-config`` parses)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string
+    return repr(value)
 
-    from fedbasin.client.client_app import app as client_app
-    from fedbasin.server.server_app import run_server
+
+def project_dir() -> Path:
+    """The fedbasin project directory (``pyproject.toml`` with ``[tool.flwr.app]``) ``flwr run`` builds."""
+    root = Path(__file__).resolve().parents[2]
+    pyproject = root / "pyproject.toml"
+    if not pyproject.is_file() or "flwr" not in tomllib.loads(pyproject.read_text()).get("tool", {}):
+        raise FileNotFoundError(
+            f"no fedbasin pyproject.toml with [tool.flwr.app] at {root}: `flwr run` builds the app from "
+            "a source checkout; install fedbasin with `pip install -e .` from one"
+        )
+    return root
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalSuperLink:
+    """A private ``flower-superlink --simulation`` (own process group, own FLWR_HOME) for one run."""
+
+    def __init__(self, home: Path, env: dict):
+        self.home, self.port = home, _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "fedbasin"\n\n[superlink.fedbasin]\naddress = "{self.address}"\n'
+            "insecure = true\n"
+        )
+        self.env = {**env, "FLWR_HOME": str(home)}
+        self.log = home / "superlink.log"
+        command = ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+                   "--host", "127.0.0.1", "--port", str(self.port),
+                   "--control-api-address", f"127.0.0.1:{_free_port()}"]
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"flower-superlink exited with code {self.process.returncode}: "
+                                   f"{self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://{self.address}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"flower-superlink did not come up on {self.address} within {timeout:.0f} s")
+
+    def flwr(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(["flwr", *args], check=False, env=self.env, text=True, **kwargs)
+
+    def stop(self) -> None:
+        """SIGTERM the SuperLink's process group (it and the simulation it spawned), then SIGKILL."""
+        if self.process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _stream(link: LocalSuperLink, command: list[str], log_path: Path) -> tuple[int, str]:
+    """Run ``flwr ...`` echoing its output to stderr and ``log_path``; returns (exit code, output)."""
+    lines = []
+    with open(log_path, "w") as log, subprocess.Popen(["flwr", *command], env=link.env, text=True,
+                                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        for line in proc.stdout:
+            lines.append(line)
+            log.write(line)
+            sys.stderr.write(line)
+    return proc.returncode, "".join(lines)
+
+
+def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bool = False,
+             project: Path | None = None) -> dict:
+    """Run a resolved run config through ``flwr run`` on a private local SuperLink; return results.json.
+
+    The data and model options are checked here first (a missing file fails before anything
+    starts). ``project``: the Flower app directory (default: fedbasin's). Raises ``RuntimeError``
+    when the run does not end as ``finished:completed``.
+    """
+    import torch
+
+    from fedbasin.config import model_from_config, task_from_config
 
     if config["min-nodes"] > num_supernodes:
         raise ValueError(
             f"min-nodes={config['min-nodes']} exceeds --num-supernodes={num_supernodes}"
         )
-    server_app = ServerApp()
-
-    @server_app.main()
-    def main(grid, context) -> None:
-        run_server(grid, config)
-
+    model_from_config(task_from_config(config), config, seed=config["seed"])
+    project = project or project_dir()
+    out = Path(config["out-dir"]).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    run_config = " ".join(f"{k}={_toml(v)}" for k, v in {**config, "out-dir": str(out)}.items())
     gpus = 1.0 / num_supernodes if torch.cuda.is_available() else 0.0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # server-side evaluation must not compete with the 1-CPU clients
-    try:
-        run_simulation(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=num_supernodes,
-            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": gpus}},
-            verbose_logging=verbose,
-        )
-    finally:
-        torch.set_num_threads(threads)
-    return json.loads((Path(config["out-dir"]) / RESULTS_FILE).read_text())
+    federation = (f"num-supernodes={num_supernodes} client-resources-num-cpus=1 "
+                  f"client-resources-num-gpus={gpus}" + (" verbose=true" if verbose else ""))
+    # one BLAS thread per process unless told otherwise: clients get one CPU each
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    with tempfile.TemporaryDirectory(prefix="fedbasin-flwr-") as home:
+        link = LocalSuperLink(Path(home), env)
+        try:
+            code, output = _stream(link, ["run", str(project), "fedbasin", "--stream", "--run-config", run_config,
+                                          "--federation-config", federation], out / "flwr-run.log")
+            started = re.search(r"Successfully started run (\d+)", output)
+            run_id = started.group(1) if started else None
+            if run_id is None:
+                raise RuntimeError(f"flwr run did not start a run (exit code {code}); see {out / 'flwr-run.log'}")
+            listed = link.flwr("list", "--run-id", run_id, "--format", "json", capture_output=True)
+            runs = json.loads(listed.stdout or "{}").get("runs", [])
+            status = runs[0]["status"] if runs else f"unknown ({listed.stderr.strip()[-300:]})"
+        finally:
+            link.stop()
+    if status != "finished:completed":
+        raise RuntimeError(f"run {run_id} ended as {status}; see {out / 'flwr-run.log'}")
+    return json.loads((out / RESULTS_FILE).read_text())
 
 
 def print_table(rounds: list[dict]) -> None:
@@ -137,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         if args.num_supernodes < 1:
             raise ValueError(f"--num-supernodes must be at least 1, got {args.num_supernodes}")
         results = simulate(config, args.num_supernodes, args.verbose)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"fedbasin simulate: {error}", file=sys.stderr)
         return 2
     print_table(results["rounds"])
