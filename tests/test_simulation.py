@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import sys
 import tomllib
 from pathlib import Path
 
@@ -200,6 +202,39 @@ def test_a_failed_flwr_run_is_an_error_and_the_superlink_is_stopped(tmp_path, mo
     with pytest.raises(RuntimeError, match=r"ended as finished:failed; see .*flwr-run.log"):
         simulate.simulate(config, num_supernodes=2, project=app)
     assert len(started) == 1 and started[0].poll() is not None  # the SuperLink it started is gone
+
+
+def test_reproduce_regenerates_a_barrier_row_that_reproduces(tmp_path, monkeypatch):
+    """One small docs row end to end: trained pair → barrier table in the document, twice from
+    scratch with identical figures; the row's accuracies are what `fedbasin eval` reports."""
+    from fedbasin.cli import main as cli_main
+    from fedbasin.simulations import barriers, reproduce
+
+    tiny = dict(barriers.TASKS["digits"], epochs=3, model=dict(dim=16, depth=1, heads=2, mlp_dim=32))
+    monkeypatch.setitem(barriers.TASKS, "digits", tiny)
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n<!-- reproduce:barriers -->\nold table\n<!-- /reproduce:barriers -->\nend\n")
+    argv = ["--sections", "barriers", "--tasks", "digits", "--refine-steps", "0", "--ablation", "",
+            "--figures", "", "--doc", str(doc)]
+    table = reproduce.main([*argv, "--out", str(tmp_path / "one")])["barriers"]
+    text = doc.read_text()
+    assert text.startswith("intro\n<!-- reproduce:barriers -->\n| task |") and text.endswith("end\n")
+    assert "old table" not in text and "| digits |" in table
+    reproduce.main([*argv, "--out", str(tmp_path / "two")])  # trains the pair again from scratch
+
+    def row(run):
+        results = json.loads((tmp_path / run / "barriers" / "digits" / "results.json").read_text())
+        return results["tasks"]["digits"]
+
+    first, second = row("one"), row("two")
+    assert first["barrier"] == second["barrier"] and first["barrier"]["vanilla"] > 0
+    assert (first["accuracy_a"], first["accuracy_b"]) == (second["accuracy_a"], second["accuracy_b"])
+    checkpoint = tmp_path / "one" / "barriers" / "digits" / "digits" / "seed0"
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    cli_main(["eval", str(checkpoint), "--data", "digits"])
+    assert json.loads(sys.stdout.getvalue())["accuracy"] == pytest.approx(first["accuracy_a"])
+    with pytest.raises(ValueError, match="no '<!-- reproduce:width -->'"):
+        reproduce.replace_block(text, "width", "x")
 
 
 def test_one_shot_comparison_smoke(tmp_path, capsys):

@@ -40,11 +40,13 @@ TASKS = {
 }
 
 
-def trained_pair(name: str, spec: dict, task, out: Path, progress: bool) -> tuple[list, dict]:
-    """Two checkpoints trained from seeds 0 and 1 (cached); returns (checkpoints, training info)."""
+def trained_pair(name: str, spec: dict, task, out: Path, progress: bool, seeds=(0, 1)) -> tuple[list, dict]:
+    """Two checkpoints trained from ``seeds`` (cached); returns (checkpoints, training info).
+
+    Same recipe as ``fedbasin train --data ... --seed N``, which writes the same weights."""
     config = make_config(task.family, {**spec["model"], **task.model_overrides})
     checkpoints, info = [], {"train_seconds": []}
-    for seed in (0, 1):
+    for seed in seeds:
         path = out / name / f"seed{seed}"
         if not (path / "config.json").exists():
             t0 = time.perf_counter()
@@ -56,7 +58,7 @@ def trained_pair(name: str, spec: dict, task, out: Path, progress: bool) -> tupl
             (path / "train.json").write_text(json.dumps({**stats, "seconds": time.perf_counter() - t0}))
         info["train_seconds"].append(round(json.loads((path / "train.json").read_text())["seconds"], 1))
         checkpoints.append(load_checkpoint(path))
-    info["steps"] = json.loads((out / name / "seed0" / "train.json").read_text())["steps"]
+    info["steps"] = json.loads((out / name / f"seed{seeds[0]}" / "train.json").read_text())["steps"]
     info["config"] = {k: v for k, v in vars(config).items()}
     return checkpoints, info
 
