@@ -21,10 +21,10 @@ DATA_HELP = ("digits (scikit-learn, offline) | cifar10 (Hugging Face hub) | cifa
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: X)" where an option has a real default (not None/False) and says none."""
+    """Appends "(default: X)" where an option has a real default (not None, False or "")."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or "default" in (action.help or ""):
+        if action.default is None or action.default is False or action.default == "" or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

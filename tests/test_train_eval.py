@@ -151,3 +151,21 @@ def test_eval_names_mismatched_data(digits_pair, tmp_path):
     with pytest.raises(SystemExit, match="nowhere"):
         main(["eval", str(tmp_path / "nowhere"), "--data", "digits"])
     assert cli.HelpFormatter  # the train/eval parsers share the CLI's help formatter
+
+
+def test_every_cli_argument_is_documented():
+    import argparse
+
+    from fedbasin.config import DEFAULT_RUN_CONFIG
+
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"train", "eval", "align", "merge", "barrier", "simulate"} <= set(commands)
+    for name, command in commands.items():
+        for action in command._actions:
+            assert action.help, f"fedbasin {name} {action.option_strings or action.dest} has no help text"
+    align_help = " ".join(commands["align"].format_help().split())
+    assert "passes (default: 20)" in align_help and "(default: 0.0001)" in align_help  # defaults shown
+    assert "cifar10:DIR" in commands["barrier"].format_help()
+    simulate_help = commands["simulate"].format_help()
+    assert all(f"\n  {key}=" in simulate_help for key in DEFAULT_RUN_CONFIG)

@@ -30,11 +30,11 @@ SEED_PAIRS = ((0, 1), (2, 3), (4, 5))
 
 def replace_block(text: str, section: str, body: str) -> str:
     """``text`` with the block between the section's markers replaced by ``body``."""
-    pattern = re.compile(rf"(<!-- reproduce:{re.escape(section)} -->\n).*?(\n<!-- /reproduce:{re.escape(section)} -->)",
-                         re.S)
+    start, end = f"<!-- reproduce:{section} -->\n", f"<!-- /reproduce:{section} -->"
+    pattern = re.compile(rf"{re.escape(start)}.*?{re.escape(end)}", re.S)
     if not pattern.search(text):
         raise ValueError(f"no '<!-- reproduce:{section} -->' ... '<!-- /reproduce:{section} -->' block in the document")
-    return pattern.sub(lambda m: m.group(1) + body.strip("\n") + m.group(2), text, count=1)
+    return pattern.sub(lambda m: start + body.strip("\n") + "\n" + end, text, count=1)
 
 
 def _cached(path: Path, rerun: bool, compute) -> dict:

@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import tomllib
 from pathlib import Path
@@ -76,9 +77,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "simulate",
         formatter_class=Formatter,
         help="run a federated simulation (flwr run, local SuperLink) and write results.json",
-        description="Run the fedbasin ServerApp/ClientApp as a local Flower simulation through `flwr run` "
-        "on a private SuperLink that is stopped afterwards; print a per-round table and write "
-        "OUT/results.json, per-round checkpoints OUT/round-NNNN/, OUT/curves.png and OUT/flwr-run.log.",
+        description=textwrap.fill(
+            "Run the fedbasin ServerApp/ClientApp as a local Flower simulation through `flwr run` on a "
+            "private SuperLink that is stopped afterwards; print a per-round table and write "
+            "OUT/results.json, per-round checkpoints OUT/round-NNNN/, OUT/curves.png and OUT/flwr-run.log. "
+            "Exit code 2 when the run does not finish as finished:completed.", 78),
         epilog=run_config_help(),
     )
     p.add_argument(
