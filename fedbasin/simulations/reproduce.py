@@ -110,12 +110,17 @@ def section_width(args, out: Path) -> str:
 def section_oneshot(args, out: Path) -> str:
     from fedbasin.simulations import oneshot
 
-    rows = []
-    for name, run_config in (("digits", ""), ("digits_refined", "proxy-size=300 refine-steps=200")):
+    tables = []
+    for name, run_config, title in (
+        ("digits", "", "Clients hold the whole training split (1,437 images):"),
+        ("digits_refined", "proxy-size=300 refine-steps=200",
+         "The server holds 300 training images as proxy data (clients share the other 1,137):"),
+    ):
         path = out / f"{name}.json"
         argv = ["--data", "digits", "--out", str(path)] + (["--run-config", run_config] if run_config else [])
-        rows += _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]
-    return oneshot.markdown(rows)
+        rows = _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]
+        tables.append(f"{title}\n\n{oneshot.markdown(rows)}")
+    return "\n\n".join(tables)
 
 
 RUNNERS = {"barriers": section_barriers, "barrier-seeds": section_barrier_seeds, "many": section_many,
@@ -126,9 +131,9 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help="comma-separated; on 2 idle cores: barriers digits 2 min, cifar10 ~12 min, "
-                        "shakespeare ~25 min; barrier-seeds 3 min; many 1 min; width 1 min; oneshot 1 min")
-    parser.add_argument("--tasks", default="digits,cifar10,shakespeare", help="barriers section: tasks")
+                        help="comma-separated; times on 2 idle cores: barriers 2 min per digits pair (cifar10 "
+                        "~12 min, shakespeare ~25 min), barrier-seeds 4 min, many 2 min, width 2 min, oneshot 2 min")
+    parser.add_argument("--tasks", default="digits", help="barriers section: tasks (digits, cifar10, shakespeare)")
     parser.add_argument("--cifar", default="../shared/data/cifar10", help="CIFAR-10 parquet directory")
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt", help="Tiny Shakespeare file")
     parser.add_argument("--refine-steps", type=int, default=200, help="barriers: learned-refinement steps")
@@ -148,7 +153,10 @@ def main(argv=None) -> dict:
             raise SystemExit(f"reproduce: unknown section {section!r}; known: {', '.join(SECTIONS)}")
         replace_block(text, section, "")  # the document has the block: fail before the long work
     for section in args.sections.split(","):
-        tables[section] = RUNNERS[section](args, Path(args.out) / section)
+        try:
+            tables[section] = RUNNERS[section](args, Path(args.out) / section)
+        except (ValueError, FileNotFoundError, RuntimeError, KeyError) as exc:
+            raise SystemExit(f"reproduce: section {section}: {exc}") from None
         text = replace_block(text, section, tables[section])
         atomic_write(doc, lambda tmp, text=text: tmp.write_text(text))  # after every section: an interruption keeps the rest
         print(f"[reproduce] {section}: {doc} updated", flush=True)
