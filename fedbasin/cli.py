@@ -449,8 +449,7 @@ def _new_model(args, task, recipe: dict):
         config = _hf_config(name, shape, task.model_overrides)
         return _Logits(hf_model_class(config.model_type)(config)), "hf", config.model_type, config
     try:
-        config = make_config(family, {**{k: v for k, v in shape.items() if k != "position" or family == "gpt"},
-                                      **task.model_overrides})
+        config = make_config(family, {**task.model_overrides, **shape})
         return build_model(family, config, seed=args.seed), "fedbasin", family, config
     except ValueError as exc:
         raise SystemExit(f"fedbasin train: {exc}") from None
@@ -472,11 +471,10 @@ def cmd_train(args) -> int:
     out = Path(args.out)
     _refuse_overwrite(out, args.overwrite)
     kind = args.data.partition(":")[0]
-    recipe = RECIPES.get(kind, RECIPES["digits"])
+    recipe = RECIPES.get(kind, RECIPES["digits"])  # an unknown source fails in load_task just below
     max_train = recipe["max_train_examples"] if args.max_train_examples is None else args.max_train_examples
     task = _task_for(args.data, "train", args.tokenizer, max_train_examples=max_train,
                      **({"block_size": args.block_size} if kind == "text" else {}))
-    recipe = RECIPES[kind]
     module, ckpt_kind, family, config = _new_model(args, task, recipe)
     epochs, lr, batch_size = (recipe[k] if getattr(args, k) is None else getattr(args, k)
                               for k in ("epochs", "lr", "batch_size"))

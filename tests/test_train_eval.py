@@ -169,3 +169,12 @@ def test_every_cli_argument_is_documented():
     assert "cifar10:DIR" in commands["barrier"].format_help()
     simulate_help = commands["simulate"].format_help()
     assert all(f"\n  {key}=" in simulate_help for key in DEFAULT_RUN_CONFIG)
+
+
+def test_shape_options_override_the_recipe_and_the_data_defaults(tmp_path, capsys):
+    summary = _run(capsys, "train", "--data", "digits", "--out", tmp_path / "p4", "--epochs", "1", "--patch-size", "4",
+                   "--dim", "8", "--depth", "1", "--heads", "2", "--mlp-dim", "16", "--norm", "rmsnorm",
+                   "--activation", "swiglu", "--lr", "0.01", "--batch-size", "128")
+    config = load_checkpoint(tmp_path / "p4").config
+    assert (config.patch_size, config.dim, config.norm, config.activation) == (4, 8, "rmsnorm", "swiglu")
+    assert (summary["lr"], summary["batch_size"], summary["steps"]) == (0.01, 128, -(-1438 // 128))
