@@ -10,7 +10,7 @@ deprecated). ``fedbasin simulate`` wraps it so that one command starts, finishes
    ``num-supernodes`` virtual SuperNodes of 1 CPU each (a GPU share each when CUDA is present);
 3. ask ``flwr list --run-id`` for the run's final status (``--stream`` exits 0 even when the
    run failed) and fail unless it is ``finished:completed``;
-4. stop the SuperLink (its whole process group) in every case, Ctrl-C included.
+4. stop the SuperLink and every process it started in every case, Ctrl-C and SIGTERM included.
 
 PROJECT is the directory holding fedbasin's ``pyproject.toml`` (a source checkout). Writes
 ``OUT/results.json`` (plus checkpoints, ``curves.png`` and ``flwr-run.log``) and prints a
@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -162,7 +163,11 @@ class LocalSuperLink:
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
 
     def _wait_ready(self, timeout: float = 60.0) -> None:
         import httpx
@@ -178,26 +183,57 @@ class LocalSuperLink:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise RuntimeError(f"flower-superlink did not come up on {self.address} within {timeout:.0f} s")
 
     def flwr(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(["flwr", *args], check=False, env=self.env, text=True, **kwargs)
 
     def stop(self) -> None:
-        """SIGTERM the SuperLink's process group (it and the simulation it spawned), then SIGKILL."""
+        """Stop the SuperLink and everything it started: the SuperExec it spawns runs in a session
+        of its own (with the simulation and Ray under it), so every process group in the
+        SuperLink's process tree gets SIGTERM, then SIGKILL after a grace period."""
         if self.process.poll() is not None:
             return
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+        groups = {self.process.pid}
+        for pid in _descendants(self.process.pid):
             try:
-                os.killpg(self.process.pid, sig)
+                groups.add(os.getpgid(pid))
             except ProcessLookupError:
-                return
+                pass
+        for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+            for group in groups:
+                try:
+                    os.killpg(group, sig)
+                except ProcessLookupError:
+                    pass
             try:
-                self.process.wait(wait)
+                self.process.wait(grace)
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``; elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _stream(link: LocalSuperLink, command: list[str], log_path: Path) -> tuple[int, str]:
@@ -238,20 +274,27 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
                   f"client-resources-num-gpus={gpus}" + (" verbose=true" if verbose else ""))
     # one BLAS thread per process unless told otherwise: clients get one CPU each
     env = {"OMP_NUM_THREADS": "1", **os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
-    with tempfile.TemporaryDirectory(prefix="fedbasin-flwr-") as home:
-        link = LocalSuperLink(Path(home), env)
-        try:
-            code, output = _stream(link, ["run", str(project), "fedbasin", "--stream", "--run-config", run_config,
-                                          "--federation-config", federation], out / "flwr-run.log")
-            started = re.search(r"Successfully started run (\d+)", output)
-            run_id = started.group(1) if started else None
-            if run_id is None:
-                raise RuntimeError(f"flwr run did not start a run (exit code {code}); see {out / 'flwr-run.log'}")
-            listed = link.flwr("list", "--run-id", run_id, "--format", "json", capture_output=True)
-            runs = json.loads(listed.stdout or "{}").get("runs", [])
-            status = runs[0]["status"] if runs else f"unknown ({listed.stderr.strip()[-300:]})"
-        finally:
-            link.stop()
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # SIGTERM cleans up like Ctrl-C
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fedbasin-flwr-") as home:
+            link = LocalSuperLink(Path(home), env)
+            try:
+                code, output = _stream(link, ["run", str(project), "fedbasin", "--stream", "--run-config", run_config,
+                                              "--federation-config", federation], out / "flwr-run.log")
+                started = re.search(r"Successfully started run (\d+)", output)
+                run_id = started.group(1) if started else None
+                if run_id is None:
+                    raise RuntimeError(f"flwr run did not start a run (exit code {code}); see {out / 'flwr-run.log'}")
+                listed = link.flwr("list", "--run-id", run_id, "--format", "json", capture_output=True)
+                runs = json.loads(listed.stdout or "{}").get("runs", [])
+                status = runs[0]["status"] if runs else f"unknown ({listed.stderr.strip()[-300:]})"
+            finally:
+                link.stop()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if status != "finished:completed":
         raise RuntimeError(f"run {run_id} ended as {status}; see {out / 'flwr-run.log'}")
     return json.loads((out / RESULTS_FILE).read_text())
@@ -283,6 +326,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"fedbasin simulate: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("fedbasin simulate: interrupted; the SuperLink and the processes it started were stopped; "
+              "finished rounds are kept (resume=true continues)", file=sys.stderr)
+        return 130
     print_table(results["rounds"])
     print(f"results: {Path(config['out-dir']) / RESULTS_FILE}")
     return 0
