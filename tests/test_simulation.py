@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -202,6 +203,45 @@ def test_a_failed_flwr_run_is_an_error_and_the_superlink_is_stopped(tmp_path, mo
     with pytest.raises(RuntimeError, match=r"ended as finished:failed; see .*flwr-run.log"):
         simulate.simulate(config, num_supernodes=2, project=app)
     assert len(started) == 1 and started[0].poll() is not None  # the SuperLink it started is gone
+
+
+@pytest.mark.slow
+def test_interrupted_simulate_stops_every_process_it_started(tmp_path):
+    """SIGTERM (like Ctrl-C) mid-run: exit 130, and no SuperLink/SuperExec/Ray process is left."""
+    import signal
+    import subprocess
+
+    out = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fedbasin.cli", "simulate", "--out", str(out), "--run-config",
+         "num-server-rounds=2", "--num-supernodes", "2"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in process.stderr:  # wait until the run has started: SuperLink, SuperExec, Ray are up
+        if "configure_train" in line:
+            break
+    started = simulate._descendants(process.pid)
+    assert any("flower-superlink" in _cmdline(pid) for pid in started)
+    process.send_signal(signal.SIGTERM)
+    rest = process.communicate(timeout=120)[1]
+    assert process.returncode == 130 and "interrupted" in rest
+    assert [pid for pid in started if _alive(pid)] == []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for its reaper)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_reproduce_regenerates_a_barrier_row_that_reproduces(tmp_path, monkeypatch):
