@@ -74,6 +74,19 @@ def _number(text: str) -> float:
     return value
 
 
+DATA_HELP = ("digits (scikit-learn, offline) | cifar10 (Hugging Face hub) | cifar10:DIR (train.parquet + "
+             "test.parquet) or cifar10:FILE.parquet | text:FILE (UTF-8 text, character tokens)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" where an option has a real default (not None, False or "")."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == "" or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _positive_int(text: str) -> int:
     value = _integer(text)
     if value < 1:
@@ -85,6 +98,13 @@ def _nonnegative_float(text: str) -> float:
     value = _number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
     return value
 
 
@@ -112,41 +132,56 @@ def _weights(text: str) -> list[float]:
 
 
 def _matching_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--symmetry", choices=["orthogonal", "permutation"], default="orthogonal",
-                   help="group searched: full orthogonal maps (default) or permutations only")
-    p.add_argument("--iterations", type=_positive_int, default=20, help="max weight-matching iterations")
-    p.add_argument("--tol", type=_nonnegative_float, default=1e-4, help="stop when the relative objective gain is below this")
-    p.add_argument("--seen-tokens", metavar="SPEC",
+    g = p.add_argument_group("weight matching")
+    g.add_argument("--symmetry", choices=["orthogonal", "permutation"], default="orthogonal",
+                   help="group searched: orthogonal residual/head maps with head and neuron permutations, "
+                   "or permutations only")
+    g.add_argument("--iterations", type=_positive_int, default=20, help="at most this many coordinate-ascent passes")
+    g.add_argument("--tol", type=_nonnegative_float, default=1e-4,
+                   help="stop once a pass improves the objective by less than this fraction")
+    g.add_argument("--seen-tokens", metavar="SPEC",
                    help="match token-embedding and output-head rows only for the tokens in this text's training "
                    "split (text:FILE, tokenised like the proxy data); the other rows are untrained noise")
 
 
 def _refine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--refine-data", help="proxy data for learned refinement: digits | cifar10:PATH | text:PATH")
-    p.add_argument("--tokenizer", help="Hugging Face tokenizer directory for text data (default: the one saved "
-                   "in the reference checkpoint's directory, if any)")
-    p.add_argument("--refine-steps", type=_positive_int, default=100, help="learned-refinement optimiser steps")
-    p.add_argument("--refine-examples", type=_positive_int, default=512,
-                   help="proxy examples taken from the data's training split (20%% select the alignment kept, "
-                   "20%% only report its loss)")
-    p.add_argument("--refine-lr", type=_positive_float, default=1e-2)
-    p.add_argument("--refine-permutations", choices=["ste", "sinkhorn"], default="ste",
-                   help="straight-through Hungarian (default) or Sinkhorn relaxation")
-    p.add_argument("--refine-batch-size", type=_positive_int, default=64)
+    g = p.add_argument_group("learned refinement (on when --refine-data is given)")
+    g.add_argument("--refine-data", metavar="SPEC", help="proxy data: " + DATA_HELP)
+    g.add_argument("--tokenizer", metavar="DIR", help="Hugging Face tokenizer directory for text data (default: "
+                   "the one saved in the reference checkpoint's directory, if any)")
+    g.add_argument("--refine-steps", type=_positive_int, default=100, help="optimiser steps")
+    g.add_argument("--refine-examples", type=_positive_int, default=512,
+                   help="proxy examples taken from the data's training split (60%% train the transforms, 20%% "
+                   "select the alignment kept, 20%% only report its loss)")
+    g.add_argument("--refine-lr", type=_positive_float, default=1e-2,
+                   help="Adam learning rate of the rotation (Cayley) and permutation parameters")
+    g.add_argument("--refine-permutations", choices=["ste", "sinkhorn"], default="ste",
+                   help="straight-through Hungarian or Sinkhorn relaxation")
+    g.add_argument("--refine-batch-size", type=_positive_int, default=64, help="proxy examples per step")
+
+
+CHECKPOINT_HELP = "checkpoint directory (fedbasin or Hugging Face GPT-2/ViT/Llama/GPT-NeoX: config.json + model.safetensors)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="fedbasin",
-        description="Align, merge and compare Transformer checkpoints by their exact symmetries; "
-        "run federated simulations.",
+        prog="fedbasin", formatter_class=HelpFormatter,
+        description="Align, merge and compare Transformer checkpoints by their exact symmetries; train and "
+        "evaluate checkpoints; run federated simulations. Every command prints a JSON summary on stdout "
+        "(simulate: a table); progress goes to stderr; outputs are written atomically.",
+        epilog="Run 'fedbasin COMMAND --help' for a command's options. Design: docs/design.md. "
+        "Exit codes: README.md, 'Command line'.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("align", help="write CANDIDATE transformed into REFERENCE's basis (same function)")
-    p.add_argument("reference")
-    p.add_argument("candidate")
-    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p = sub.add_parser("align", formatter_class=HelpFormatter,
+                       help="write CANDIDATE transformed into REFERENCE's basis (same function)",
+                       description="Weight matching: find the symmetry transformation of CANDIDATE that best "
+                       "matches REFERENCE and write the transformed CANDIDATE (it computes the same function) "
+                       "in REFERENCE's format. Prints the objective per iteration.")
+    p.add_argument("reference", metavar="REFERENCE", help=CHECKPOINT_HELP)
+    p.add_argument("candidate", metavar="CANDIDATE", help="checkpoint of the same architecture as REFERENCE")
+    p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint directory")
     _matching_options(p)
     _refine_options(p)
     p.add_argument("--stream", action="store_true",
@@ -154,31 +189,44 @@ def build_parser() -> argparse.ArgumentParser:
                         "safetensors: Llama/Mistral/Qwen2, fedbasin); output written shard by shard")
     p.set_defaults(func=cmd_align)
 
-    p = sub.add_parser("merge", help="align every MODEL to REFERENCE and write the weighted average")
-    p.add_argument("reference")
-    p.add_argument("models", nargs="+")
-    p.add_argument("--out", required=True, help="output checkpoint directory")
-    p.add_argument("--weights", type=_weights, help="w0,w1,...: one weight per model, reference first")
+    p = sub.add_parser("merge", formatter_class=HelpFormatter,
+                       help="align every MODEL to REFERENCE and write the weighted average",
+                       description="Align every MODEL to REFERENCE (weight matching, optionally universe "
+                       "matching or learned refinement on proxy data) and write the weighted average in "
+                       "REFERENCE's basis and format.")
+    p.add_argument("reference", metavar="REFERENCE", help=CHECKPOINT_HELP + "; the merge lives in its basis")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="checkpoints of the same architecture")
+    p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint directory")
+    p.add_argument("--weights", type=_weights, metavar="W0,W1,...",
+                   help="one weight per model, REFERENCE first, normalised to sum 1 (default: equal)")
     p.add_argument("--universe-iterations", type=_positive_int, default=1,
-                   help="re-align every model to the running average this many times")
+                   help="passes re-aligning every model to the running average (1: align to REFERENCE only)")
     p.add_argument("--no-align", action="store_true", help="plain weighted averaging (no alignment)")
     _refine_options(p)
     _matching_options(p)
     p.set_defaults(func=cmd_merge)
 
-    p = sub.add_parser("barrier", help="losses along λ·A + (1−λ)·B and the loss barrier, as JSON")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--data", required=True, help="digits | cifar10 | cifar10:PATH | text:PATH")
-    p.add_argument("--tokenizer", help="Hugging Face tokenizer directory for text data (default: the one saved "
-                   "in A's checkpoint directory, if any)")
-    p.add_argument("--split", default="test", choices=["train", "test"])
-    p.add_argument("--max-examples", type=_positive_int, default=2000, help="evaluate on at most this many examples")
-    p.add_argument("--points", type=_positive_int, default=11, help="λ grid size (≥ 2)")
-    p.add_argument("--align", action="store_true", help="align B to A first")
-    p.add_argument("--plot", help="write the curve to this PNG")
+    p = sub.add_parser("barrier", formatter_class=HelpFormatter,
+                       help="losses along λ·A + (1−λ)·B and the loss barrier, as JSON",
+                       description="Loss of λ·A + (1−λ)·B on a λ grid and the barrier max_λ [L(λ) − (λ·L(A) + "
+                       "(1−λ)·L(B))]. With --align, B is aligned to A first and both curves are reported "
+                       "(vanilla and aligned).")
+    p.add_argument("a", metavar="A", help=CHECKPOINT_HELP + " (λ = 1)")
+    p.add_argument("b", metavar="B", help="checkpoint of the same architecture (λ = 0)")
+    p.add_argument("--data", required=True, metavar="SPEC", help=DATA_HELP)
+    p.add_argument("--tokenizer", metavar="DIR", help="Hugging Face tokenizer directory for text data "
+                   "(default: the one saved in A's checkpoint directory, if any)")
+    p.add_argument("--split", default="test", choices=["train", "test"], help="split the losses are measured on")
+    p.add_argument("--max-examples", type=_nonnegative_int, default=2000, metavar="N",
+                   help="evaluate on the first N examples of the split (0: all)")
+    p.add_argument("--points", type=_positive_int, default=11, help="λ grid size (≥ 2), λ evenly spaced in [0, 1]")
+    p.add_argument("--align", action="store_true", help="align B to A first; report vanilla and aligned curves")
+    p.add_argument("--plot", metavar="PNG", help="also draw the curves (vanilla, aligned) to this PNG file")
     _matching_options(p)
     p.set_defaults(func=cmd_barrier)
+
+    _add_train_parser(sub)
+    _add_eval_parser(sub)
 
     try:
         from fedbasin.simulations import simulate
@@ -481,32 +529,32 @@ def cmd_barrier(args) -> int:
     split = task.split(args.split)
     if args.max_examples and len(split) > args.max_examples:
         split = split.subset(torch.arange(args.max_examples))
-    state_b = b.state
     summary = {"command": "barrier", "a": args.a, "b": args.b, "data": args.data, "split": args.split,
                "examples": len(split), "aligned": bool(args.align)}
-    if args.align:
-        try:
-            result = weight_match(a.spec, _standard(a), _standard(b), mode=args.symmetry,
-                                  iterations=args.iterations, tol=args.tol, progress=True,
-                                  token_rows=_seen_tokens(args, a, "barrier"))
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
-        state_b = a.adapter.from_standard(result.state)
-        summary.update(symmetry=args.symmetry, align_seconds=round(result.seconds, 3))
 
     def loss_of(state: dict) -> float:
         return task.evaluate(_Logits(build_torch_model(a, state)), split)["loss"]
 
     try:
-        curve = interpolation_curve(a.state, state_b, loss_of, points=args.points)
+        curves = {"vanilla": interpolation_curve(a.state, b.state, loss_of, points=args.points)}
+        if args.align:
+            result = weight_match(a.spec, _standard(a), _standard(b), mode=args.symmetry,
+                                  iterations=args.iterations, tol=args.tol, progress=True,
+                                  token_rows=_seen_tokens(args, a, "barrier"))
+            summary.update(symmetry=args.symmetry, align_seconds=round(result.seconds, 3))
+            aligned = a.adapter.from_standard(result.state)
+            curves["aligned"] = interpolation_curve(a.state, aligned, loss_of, points=args.points)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    summary.update(curve.to_dict())
+    summary.update(curves["aligned" if args.align else "vanilla"].to_dict())
+    if args.align:
+        summary["vanilla"] = curves["vanilla"].to_dict()
     if args.plot:
-        from fedbasin.plots import plot_curves
+        from fedbasin.plots import distinct_names, plot_curves
 
-        plot_curves({"aligned" if args.align else "vanilla": curve}, args.plot,
-                    title=f"{Path(args.a).name} (λ=1) ↔ {Path(args.b).name} (λ=0)")
+        name_a, name_b = distinct_names([args.a, args.b])
+        plot_curves(curves, args.plot, title=f"A = {name_a} (λ=1)  ↔  B = {name_b} (λ=0)\n{task.name}, "
+                    f"{args.split} split, {len(split)} examples")
         summary["plot"] = args.plot
     return _emit(summary)
 
@@ -524,6 +572,216 @@ def _check_outputs(args) -> None:
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
+
+
+# train / eval
+
+MODELS = ("vit", "gpt", "hf-vit", "hf-gpt2")
+_SHAPE_OPTIONS = ("dim", "depth", "heads", "mlp_dim", "patch_size", "norm", "activation", "position")
+_FEDBASIN_ONLY = ("norm", "activation", "position")
+
+
+def _add_train_parser(sub) -> None:
+    p = sub.add_parser(
+        "train", formatter_class=HelpFormatter,
+        help="train a model from scratch on a data source and write it as a checkpoint",
+        description="Train a fedbasin or Hugging Face model from scratch (AdamW, cosine schedule) and write "
+        "OUT atomically, with OUT/train.json. Unset shape and budget options take the data's recipe "
+        "(fedbasin.training.RECIPES: digits 40 epochs, ViT d=64×2 layers; cifar10 4 epochs on 20,000 images, "
+        "ViT d=96×4; text 2 epochs, GPT d=128×4). Every seed sees the same training examples; --seed sets "
+        "the initialisation and the batch order, so two seeds give two independent models.",
+    )
+    p.add_argument("--data", required=True, metavar="SPEC", help=DATA_HELP + "; --tokenizer for subword tokens")
+    p.add_argument("--model", choices=MODELS,
+                   help="architecture; hf-* write a Hugging Face checkpoint (default: vit for images, gpt for text)")
+    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write (config.json + "
+                   "model.safetensors + train.json)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
+    p.add_argument("--tokenizer", metavar="DIR", help="text only: a Hugging Face tokenizer directory "
+                   "(needed for --model hf-gpt2 on text)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
+    budget = p.add_argument_group("training budget (default: the data's recipe)")
+    budget.add_argument("--epochs", type=_positive_int, help="passes over the training split")
+    budget.add_argument("--lr", type=_positive_float, help="peak AdamW learning rate (cosine decay to 0)")
+    budget.add_argument("--batch-size", type=_positive_int, help="examples per step")
+    budget.add_argument("--weight-decay", type=_nonnegative_float, default=0.01, help="AdamW weight decay")
+    budget.add_argument("--max-train-examples", type=_nonnegative_int, metavar="N",
+                        help="train on the first N examples of the (seed-0 shuffled) training split; 0: all")
+    budget.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N")
+    shape = p.add_argument_group("model shape (default: the data's recipe)")
+    shape.add_argument("--dim", type=_positive_int, help="residual width")
+    shape.add_argument("--depth", type=_positive_int, help="Transformer blocks")
+    shape.add_argument("--heads", type=_positive_int, help="attention heads (must divide --dim)")
+    shape.add_argument("--mlp-dim", type=_positive_int, help="MLP hidden units")
+    shape.add_argument("--patch-size", type=_positive_int, help="images: patch side in pixels (default: 2 for "
+                       "digits, 4 for cifar10)")
+    shape.add_argument("--block-size", type=_positive_int, default=64, help="text: tokens per example (context)")
+    shape.add_argument("--norm", choices=["layernorm", "rmsnorm"], help="fedbasin models: norm (default: layernorm)")
+    shape.add_argument("--activation", choices=["gelu", "relu", "swiglu"],
+                       help="fedbasin models: MLP activation (default: gelu)")
+    shape.add_argument("--position", choices=["learned", "rope"], help="fedbasin gpt: positions (default: learned)")
+    p.set_defaults(func=cmd_train)
+
+
+def _add_eval_parser(sub) -> None:
+    p = sub.add_parser(
+        "eval", formatter_class=HelpFormatter, help="test loss and accuracy of a checkpoint, as JSON",
+        description="Mean cross-entropy and argmax accuracy of CHECKPOINT on a split of the data (for text: "
+        "per next token, with the checkpoint's context length). Prints JSON.",
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
+    p.add_argument("--data", required=True, metavar="SPEC", help=DATA_HELP + "; --tokenizer for subword tokens")
+    p.add_argument("--split", default="test", choices=["train", "test"], help="which split to score")
+    p.add_argument("--max-examples", type=_nonnegative_int, default=0, metavar="N", help="score the first N examples only; 0: all")
+    p.add_argument("--tokenizer", metavar="DIR", help="text only: the Hugging Face tokenizer the model was trained with")
+    p.add_argument("--batch-size", type=_positive_int, default=512, help="examples per forward pass")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N")
+    p.set_defaults(func=cmd_eval)
+
+
+def _load_data(spec: str, tokenizer: str | None = None, **kwargs):
+    """:func:`fedbasin.data.load_task` with a one-line error naming ``--data``."""
+    from fedbasin.data import load_task
+
+    if tokenizer is not None and not spec.startswith("text:"):
+        raise UsageError(f"--tokenizer applies to text:FILE data, not {spec}")
+    try:
+        return load_task(spec, tokenizer=tokenizer, **kwargs)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError, ImportError) as exc:
+        raise InputError(f"--data {spec}: {exc}") from None
+
+
+def _hf_config(model: str, shape: dict, data: dict):
+    """transformers config of ``hf-vit`` / ``hf-gpt2`` in fedbasin's shape vocabulary (no dropout,
+    like the fedbasin models)."""
+    import transformers
+
+    if model == "hf-vit":
+        return transformers.ViTConfig(
+            image_size=data["image_size"], patch_size=shape.get("patch_size") or data["patch_size"],
+            num_channels=data["channels"], num_labels=data["num_classes"], hidden_size=shape["dim"],
+            num_hidden_layers=shape["depth"], num_attention_heads=shape["heads"], intermediate_size=shape["mlp_dim"],
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.GPT2Config(
+        vocab_size=data["vocab_size"], n_positions=data["block_size"], n_embd=shape["dim"], n_layer=shape["depth"],
+        n_head=shape["heads"], n_inner=shape["mlp_dim"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _new_model(args, task, recipe: dict):
+    """(module returning logits, checkpoint kind, family, config) for ``--model``, initialised from ``--seed``."""
+    from fedbasin.models import build_model, make_config
+
+    name = args.model or task.family
+    family = "vit" if name.endswith("vit") else "gpt"
+    if family != task.family:
+        needs = "image data (digits, cifar10)" if family == "vit" else "text data (text:FILE)"
+        holds = "images" if task.family == "vit" else "text"
+        raise UsageError(f"--model {name} needs {needs}; --data {args.data} holds {holds}")
+    given = {k: getattr(args, k) for k in _SHAPE_OPTIONS if getattr(args, k) is not None}
+    shape = {**recipe["model"], **given}
+    if family == "vit":
+        shape.pop("position", None)
+        if "position" in given:
+            raise UsageError("--position applies to gpt models only")
+    elif "patch_size" in given:
+        raise UsageError("--patch-size applies to image models only")
+    torch.manual_seed(args.seed)
+    if name.startswith("hf-"):
+        fedbasin_only = [f"--{k}" for k in _FEDBASIN_ONLY if k in given]
+        if fedbasin_only:
+            raise UsageError(f"{', '.join(fedbasin_only)} apply to fedbasin models only, not {name}")
+        if name == "hf-gpt2" and args.tokenizer is None:
+            raise UsageError("--model hf-gpt2 on text needs --tokenizer DIR (a GPT-2 tokenizer "
+                             "directory); for character-level text use --model gpt")
+        from fedbasin.alignment.hf import hf_model_class
+
+        config = _hf_config(name, shape, task.model_overrides)
+        return _Logits(hf_model_class(config.model_type)(config)), "hf", config.model_type, config
+    try:
+        config = make_config(family, {**task.model_overrides, **shape})
+        return build_model(family, config, seed=args.seed), "fedbasin", family, config
+    except ValueError as exc:
+        raise UsageError(f"{exc}") from None
+
+
+def _refuse_overwrite(out: Path, overwrite: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise UsageError(f"--out {out} already exists; pass --overwrite to replace it "
+                         "or choose another directory")
+
+
+def cmd_train(args) -> int:
+    import time
+
+    from fedbasin.atomic import atomic_write
+    from fedbasin.checkpoint import save_checkpoint
+    from fedbasin.training import RECIPES, resolve_device, train
+
+    out = Path(args.out)
+    _refuse_overwrite(out, args.overwrite)
+    kind = args.data.partition(":")[0]
+    recipe = RECIPES.get(kind, RECIPES["digits"])  # an unknown source fails in load_task just below
+    max_train = recipe["max_train_examples"] if args.max_train_examples is None else args.max_train_examples
+    task = _load_data(args.data, args.tokenizer, max_train_examples=max_train,
+                     **({"block_size": args.block_size} if kind == "text" else {}))
+    module, ckpt_kind, family, config = _new_model(args, task, recipe)
+    epochs, lr, batch_size = (recipe[k] if getattr(args, k) is None else getattr(args, k)
+                              for k in ("epochs", "lr", "batch_size"))
+    device = resolve_device(args.device)
+    print(f"fedbasin train: {args.model or task.family} on {task.name} ({len(task.train)} examples, "
+          f"{epochs} epochs, seed {args.seed}, {device})", file=sys.stderr)
+    t0 = time.perf_counter()
+    try:
+        stats = train(module, task.train, epochs=epochs, lr=lr, batch_size=batch_size, device=device,
+                      seed=args.seed, weight_decay=args.weight_decay, progress=True)
+    except KeyboardInterrupt:
+        raise UsageError(f"interrupted; nothing was written to {out}") from None
+    seconds = time.perf_counter() - t0
+    test = task.evaluate(module, "test", device=device)
+    model = module.model if isinstance(module, _Logits) else module
+    summary = {"command": "train", "out": str(out), "data": args.data, "model": args.model or task.family,
+               "kind": ckpt_kind, "family": family, "seed": args.seed, "epochs": epochs, "lr": lr,
+               "batch_size": batch_size, "train_examples": len(task.train), **stats,
+               "test_loss": test["loss"], "test_accuracy": test["accuracy"], "seconds": round(seconds, 1)}
+    save_checkpoint(out, family, config, {k: v.cpu() for k, v in model.state_dict().items()}, kind=ckpt_kind)
+    atomic_write(out / "train.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
+    return _emit(summary)
+
+
+def _data_fields(checkpoint) -> dict:
+    """The config fields the data fixes, in fedbasin names (HF configs translated)."""
+    c = checkpoint.config
+    if checkpoint.kind == "hf" and checkpoint.family == "vit":
+        return {"image_size": c.image_size, "channels": c.num_channels, "num_classes": c.num_labels}
+    if checkpoint.kind == "hf":
+        return {"vocab_size": c.vocab_size, "block_size": c.n_positions}
+    names = ("image_size", "channels", "num_classes") if checkpoint.family == "vit" else ("vocab_size", "block_size")
+    return {k: getattr(c, k) for k in names}
+
+
+def cmd_eval(args) -> int:
+    import time
+
+    from fedbasin.checkpoint import build_torch_model
+    from fedbasin.training import resolve_device
+
+    ckpt = _load(args.checkpoint, "checkpoint")
+    fields = _data_fields(ckpt)
+    task = _task_for(ckpt, args.data, args.tokenizer, args.checkpoint, "eval", "--data")
+    for key, value in task.model_overrides.items():
+        have = fields.get(key)
+        if have is not None and (have < value if key == "vocab_size" else key != "block_size" and have != value):
+            raise InputError(f"{args.checkpoint} has {key}={have} but --data {args.data} needs "
+                             f"{key}={value}")
+    split = task.split(args.split)
+    if args.max_examples and len(split) > args.max_examples:
+        split = split.subset(torch.arange(args.max_examples))
+    t0 = time.perf_counter()
+    metrics = task.evaluate(_Logits(build_torch_model(ckpt)), split, device=resolve_device(args.device),
+                            batch_size=args.batch_size)
+    return _emit({"command": "eval", "checkpoint": args.checkpoint, "kind": ckpt.kind, "family": ckpt.family,
+                  "data": args.data, "split": args.split, "examples": len(split), **metrics,
+                  "seconds": round(time.perf_counter() - t0, 3)})
 
 
 def main(argv=None) -> int:

@@ -1,8 +1,9 @@
 """The run configuration of the Flower apps: one defaults table, shared by every entry point.
 
-``flwr run .`` reads ``[tool.flwr.app.config]`` from ``pyproject.toml``; ``flwr.simulation.
-run_simulation`` (used by ``fedbasin simulate``) does not, so the ServerApp and the ClientApp
-fall back to :data:`DEFAULT_RUN_CONFIG`, which a test keeps equal to the pyproject table.
+``flwr run .`` reads ``[tool.flwr.app.config]`` from ``pyproject.toml``; ``fedbasin simulate``
+resolves :data:`DEFAULT_RUN_CONFIG` plus its overrides and passes every key to ``flwr run``.
+The ServerApp and the ClientApp fall back to :data:`DEFAULT_RUN_CONFIG`, which a test keeps
+equal to the pyproject table.
 """
 
 from __future__ import annotations

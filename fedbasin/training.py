@@ -10,6 +10,18 @@ from torch import nn
 from tqdm.auto import tqdm
 
 
+#: Model shape and training budget per data source kind: the defaults of ``fedbasin train`` and
+#: what the barrier benchmark trains (docs/benchmarks.md). ``max_train_examples`` 0: all.
+RECIPES: dict[str, dict] = {
+    "digits": dict(epochs=40, lr=3e-3, batch_size=64, max_train_examples=0,
+                   model=dict(dim=64, depth=2, heads=4, mlp_dim=128)),
+    "cifar10": dict(epochs=4, lr=2e-3, batch_size=128, max_train_examples=20000,
+                    model=dict(dim=96, depth=4, heads=4, mlp_dim=192)),
+    "text": dict(epochs=2, lr=2e-3, batch_size=32, max_train_examples=0,
+                 model=dict(dim=128, depth=4, heads=4, mlp_dim=512, position="learned")),
+}
+
+
 def resolve_device(name: str = "auto") -> torch.device:
     """``auto``: CUDA when available, else CPU; otherwise ``torch.device(name)``."""
     if name == "auto":

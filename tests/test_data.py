@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,29 @@ def test_partitions_are_disjoint_and_cover_the_training_split(scheme):
         task.partition(4, 4)
 
 
+def _digit_indices(split) -> list[int]:
+    """Row numbers in scikit-learn's digits of a split's images (the 1,797 images are distinct)."""
+    from sklearn.datasets import load_digits
+
+    images = (torch.tensor(load_digits().images, dtype=torch.float32) / 16.0).flatten(1)
+    row = {tuple(r): i for i, r in enumerate(images.tolist())}
+    return sorted(row[tuple(r)] for r in split.inputs.flatten(1).tolist())
+
+
+DIGITS_TEST_SHA256 = "b33a921fd4c0b19c424d7e5c119aba4359068943ae853ede12ebff793c319210"
+
+
+def test_digits_test_split_is_pinned_and_independent_of_the_seed():
+    test = _digit_indices(load_task("digits").test)
+    assert len(test) == 359 and test[:8] == [10, 14, 21, 22, 26, 27, 33, 34]
+    assert hashlib.sha256(str(test).encode()).hexdigest() == DIGITS_TEST_SHA256
+    for seed in range(4):
+        task = load_task("digits", seed=seed, proxy_size=50)
+        assert _digit_indices(task.test) == test
+        seen = _digit_indices(task.train) + _digit_indices(task.proxy)
+        assert not set(seen) & set(test) and len(seen) + len(test) == 1797
+
+
 def write_cifar_like(path: Path, n: int, seed: int) -> None:
     """A parquet file with the hub's CIFAR-10 features (``img``: Image, ``label``: ClassLabel)."""
     from datasets import ClassLabel, Dataset, Features, Image
@@ -71,6 +95,11 @@ def test_cifar10_from_local_parquet(tmp_path):
 
     single = load_task(f"cifar10:{tmp_path / 'train.parquet'}", test_fraction=0.25)
     assert (len(single.train), len(single.test)) == (30, 10)
+    for seed in (1, 2):  # the held-out quarter does not move with the run's seed
+        other = load_task(f"cifar10:{tmp_path / 'train.parquet'}", test_fraction=0.25, seed=seed)
+        assert torch.equal(other.test.inputs, single.test.inputs)
+        pixels = {bytes(x.numpy()) for x in single.test.inputs}
+        assert not pixels & {bytes(x.numpy()) for x in other.train.inputs}
     with pytest.raises(FileNotFoundError, match="neither a directory nor a parquet file"):
         load_task(f"cifar10:{tmp_path / 'nothing'}")
 
@@ -92,6 +121,9 @@ def test_text_task_char_level(tmp_path):
         task.train.inputs[:, 1:], task.train.targets[:, :-1]
     )
     assert task.tokenizer.decode(task.tokenizer.encode("not to be")) == "not to be"
+    tail = task.tokenizer.encode(text)[int(0.9 * len(text)) :]  # the test split is the last 10%
+    assert torch.equal(task.test.inputs[0], tail[:8])
+    assert torch.equal(load_task(f"text:{tmp_path / 't.txt'}", block_size=8, seed=3).test.inputs, task.test.inputs)
     assert len(task.partition(2, 1)) > 0
     with pytest.raises(ValueError, match="needs class labels"):
         task.partition(2, 0, "dirichlet")

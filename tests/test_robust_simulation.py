@@ -5,7 +5,29 @@ from __future__ import annotations
 import pytest
 
 from fedbasin.config import resolve_run_config
-from fedbasin.simulations import simulate
+
+
+def run_in_process(config: dict, num_supernodes: int, client_app) -> dict:
+    """The fedbasin ServerApp against ``client_app`` in Flower's in-process simulation (the only way
+    to put a custom, hostile ClientApp beside it; ``fedbasin simulate`` runs the packaged apps)."""
+    import json
+    from pathlib import Path
+
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    from fedbasin.server.outputs import RESULTS_FILE
+    from fedbasin.server.server_app import run_server
+
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid, context) -> None:
+        run_server(grid, config)
+
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=num_supernodes,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    return json.loads((Path(config["out-dir"]) / RESULTS_FILE).read_text())
 
 
 def hostile_client_app(hostile_partition: int, factor: float):
@@ -36,7 +58,7 @@ def hostile_client_app(hostile_partition: int, factor: float):
 @pytest.mark.slow
 def test_a_hostile_node_is_excluded_every_round_and_the_federation_learns(tmp_path):
     config = resolve_run_config({"num-server-rounds": 2, "min-nodes": 3, "out-dir": str(tmp_path / "run")})
-    results = simulate.simulate(config, num_supernodes=3, client_app=hostile_client_app(2, 1e6))
+    results = run_in_process(config, 3, hostile_client_app(2, 1e6))
     rounds = results["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     excluded = [r.get("excluded", []) for r in rounds[1:]]

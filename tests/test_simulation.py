@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
+import sys
 import tomllib
 from pathlib import Path
 
@@ -12,7 +15,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.config import flatten_dict
 
-from fedbasin.checkpoint import load_checkpoint
 from fedbasin.client.client_app import app as client_app
 from fedbasin.config import (
     DEFAULT_RUN_CONFIG,
@@ -22,7 +24,6 @@ from fedbasin.config import (
     task_from_config,
 )
 from fedbasin.simulations import simulate
-from fedbasin.strategies import AlignedFedAvg
 from tests.test_strategy import serverapp_identity  # noqa: F401  (autouse: a run identity)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +139,7 @@ def test_simulate_rejects_bad_options(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_simulation_trains_then_resumes_from_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+def test_simulation_trains_then_resumes_from_the_last_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     assert (
         cli("--num-supernodes", "2", "--out", str(out), "--run-config", "num-server-rounds=1") == 0
@@ -154,26 +155,102 @@ def test_simulation_trains_then_resumes_from_the_last_checkpoint(tmp_path, capsy
         and "eval_accuracy" in rounds[1]
     )
     assert (out / "curves.png").stat().st_size > 0
-    saved = load_checkpoint(out / "round-0001").state
+    assert "Successfully started run" in (out / "flwr-run.log").read_text()
 
-    # resume: the strategy's first round is round 2 and starts from the round-1 checkpoint
-    seen = []
-    configure_train = AlignedFedAvg.configure_train
-
-    def spy(self, server_round, arrays, config, grid):
-        messages = list(configure_train(self, server_round, arrays, config, grid))
-        seen.append((messages[0].content["config"]["server-round"], arrays.to_torch_state_dict()))
-        return messages
-
-    monkeypatch.setattr(AlignedFedAvg, "configure_train", spy)
+    # resume (a second `flwr run`): round 2 starts from the round-1 checkpoint, history is kept
     config = resolve_run_config({"num-server-rounds": 2, "out-dir": str(out), "resume": True})
     resumed = simulate.simulate(config, num_supernodes=2)
-    assert [server_round for server_round, _ in seen] == [2]
-    for key, value in saved.items():
-        torch.testing.assert_close(seen[0][1][key], value)
+    log = (out / "flwr-run.log").read_text()
+    assert f"resuming after round 1 from {out / 'round-0001'}" in log
     assert [r["round"] for r in resumed["rounds"]] == [0, 1, 2]
     assert resumed["rounds"][:2] == rounds
     assert (out / "round-0002" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_failed_flwr_run_is_an_error_and_the_superlink_is_stopped(tmp_path, monkeypatch):
+    """`flwr run --stream` exits 0 when the ServerApp fails; `simulate` asks `flwr list` instead."""
+    import subprocess
+
+    app = tmp_path / "app"
+    (app / "brokenapp").mkdir(parents=True)
+    (app / "brokenapp" / "__init__.py").write_text("")
+    (app / "brokenapp" / "server.py").write_text(
+        "from flwr.serverapp import ServerApp\napp = ServerApp()\n\n@app.main()\n"
+        "def main(grid, context):\n    raise RuntimeError('planted failure')\n"
+    )
+    (app / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n\n'
+        '[project]\nname = "brokenapp"\nversion = "0.0.1"\n'
+        "dependencies = []\n\n"
+        '[tool.hatch.build.targets.wheel]\npackages = ["."]\n\n'
+        '[tool.flwr.app]\npublisher = "test"\n\n[tool.flwr.app.components]\n'
+        'serverapp = "brokenapp.server:app"\nclientapp = "fedbasin.client.client_app:app"\n\n'
+        "[tool.flwr.app.config]\n"
+        + "".join(f"{k} = {simulate._toml(v)}\n" for k, v in DEFAULT_RUN_CONFIG.items())
+    )
+    started = []
+    real_popen = subprocess.Popen
+
+    def spy(command, *args, **kwargs):
+        process = real_popen(command, *args, **kwargs)
+        if command[0] == "flower-superlink":
+            started.append(process)
+        return process
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    config = resolve_run_config({"num-server-rounds": 1, "out-dir": str(tmp_path / "out")})
+    with pytest.raises(RuntimeError, match=r"ended as finished:failed; see .*flwr-run.log"):
+        simulate.simulate(config, num_supernodes=2, project=app)
+    assert len(started) == 1 and started[0].poll() is not None  # the SuperLink it started is gone
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for its reaper)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_reproduce_regenerates_a_barrier_row_that_reproduces(tmp_path, monkeypatch):
+    """One small docs row end to end: trained pair → barrier table in the document, twice from
+    scratch with identical figures; the row's accuracies are what `fedbasin eval` reports."""
+    from fedbasin.cli import main as cli_main
+    from fedbasin.simulations import barriers, reproduce
+
+    tiny = dict(barriers.TASKS["digits"], epochs=3, model=dict(dim=16, depth=1, heads=2, mlp_dim=32))
+    monkeypatch.setitem(barriers.TASKS, "digits", tiny)
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n<!-- reproduce:barriers -->\nold table\n<!-- /reproduce:barriers -->\nend\n")
+    argv = ["--sections", "barriers", "--tasks", "digits", "--refine-steps", "0", "--ablation", "",
+            "--figures", "", "--doc", str(doc)]
+    table = reproduce.main([*argv, "--out", str(tmp_path / "one")])["barriers"]
+    text = doc.read_text()
+    assert text.startswith("intro\n<!-- reproduce:barriers -->\n| task |") and text.endswith("end\n")
+    assert "old table" not in text and "| digits |" in table
+    reproduce.main([*argv, "--out", str(tmp_path / "two")])  # trains the pair again from scratch
+
+    def row(run):
+        results = json.loads((tmp_path / run / "barriers" / "digits" / "results.json").read_text())
+        return results["tasks"]["digits"]
+
+    first, second = row("one"), row("two")
+    assert first["barrier"] == second["barrier"] and first["barrier"]["vanilla"] > 0
+    assert (first["accuracy_a"], first["accuracy_b"]) == (second["accuracy_a"], second["accuracy_b"])
+    checkpoint = tmp_path / "one" / "barriers" / "digits" / "digits" / "seed0"
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    cli_main(["eval", str(checkpoint), "--data", "digits"])
+    assert json.loads(sys.stdout.getvalue())["accuracy"] == pytest.approx(first["accuracy_a"])
+    with pytest.raises(ValueError, match="no '<!-- reproduce:width -->'"):
+        reproduce.replace_block(text, "width", "x")
 
 
 def test_one_shot_comparison_smoke(tmp_path, capsys):

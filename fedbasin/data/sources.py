@@ -11,6 +11,10 @@ Source strings::
                          in ``load_task(..., tokenizer=DIR)`` (e.g. the one saved beside an HF
                          model), else character-level tokens
     text:hub:ID          a Hugging Face hub dataset with a ``text`` column (train split)
+
+Test splits are fixed per source: a source's own test split, the text's last 10%, or a random
+20% drawn with :data:`TEST_SPLIT_SEED` whatever the run's ``seed`` — so models trained with
+different seeds are always scored on examples none of them has seen.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 from .task import Split, Task
 
 CIFAR10_HUB_ID = "uoft-cs/cifar10"
+#: seed of the held-out test split of sources without one of their own (never the run's seed)
+TEST_SPLIT_SEED = 0
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
@@ -103,7 +109,8 @@ def load_task(
 
     The training split is shuffled with ``seed``, cut to ``max_train_examples`` (0: all), and its
     first ``proxy_size`` examples become the server's ``proxy`` split. ``test_fraction`` applies
-    to sources without a test split of their own (digits, a single parquet file). ``tokenizer``:
+    to sources without a test split of their own (digits, a single parquet file); that split is
+    drawn with :data:`TEST_SPLIT_SEED`, so the test split never depends on ``seed``. ``tokenizer``:
     a Hugging Face tokenizer directory for text sources (others refuse it). Results are
     cached per process: treat the returned task as read-only.
     """
@@ -111,9 +118,9 @@ def load_task(
     if tokenizer is not None and kind != "text":
         raise ValueError(f"a tokenizer applies to text sources only, not {source!r}")
     if kind == "digits" and not arg:
-        task = _digits(seed, test_fraction)
+        task = _digits(test_fraction)
     elif kind == "cifar10":
-        task = _cifar10(arg, seed, test_fraction)
+        task = _cifar10(arg, test_fraction)
     elif kind == "text" and arg:
         task = _text(arg, block_size, tokenizer)
     else:
@@ -135,7 +142,7 @@ def _finish(task: Task, seed: int, proxy_size: int, max_train_examples: int) -> 
     return task
 
 
-def _digits(seed: int, test_fraction: float) -> Task:
+def _digits(test_fraction: float) -> Task:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -143,7 +150,7 @@ def _digits(seed: int, test_fraction: float) -> Task:
         torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     )  # (N, 1, 8, 8) in [0, 1]
     data = Split(images, torch.tensor(digits.target, dtype=torch.long))
-    train, test = data.split(test_fraction, seed)
+    train, test = data.split(test_fraction, TEST_SPLIT_SEED)
     overrides = {"image_size": 8, "patch_size": 2, "channels": 1, "num_classes": 10}
     return Task("digits", "vit", overrides, train, test)
 
@@ -155,7 +162,7 @@ def _normalize_cifar(x: torch.Tensor) -> torch.Tensor:
     return (x.float() / 255.0 - mean) / std
 
 
-def _cifar10(path: str, seed: int, test_fraction: float) -> Task:
+def _cifar10(path: str, test_fraction: float) -> Task:
     from datasets import load_dataset
 
     if not path:
@@ -191,7 +198,7 @@ def _cifar10(path: str, seed: int, test_fraction: float) -> Task:
     train = to_split(splits["train"])
     test = to_split(splits["test"]) if "test" in splits else None
     if test is None:
-        train, test = train.split(test_fraction, seed)
+        train, test = train.split(test_fraction, TEST_SPLIT_SEED)
     overrides = {"image_size": 32, "patch_size": 4, "channels": 3, "num_classes": 10}
     return Task("cifar10", "vit", overrides, train, test)
 

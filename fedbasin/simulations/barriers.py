@@ -24,30 +24,29 @@ from fedbasin.alignment.refine import learned_refine, proxy_streams
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.data import load_task
 from fedbasin.models import build_model, make_config
-from fedbasin.training import cross_entropy, train
+from fedbasin.training import RECIPES, cross_entropy, train
 
-# model shapes and training budgets (epochs over the task's training split)
+
+def _bench(source: str, eval_examples: int, recipe: dict) -> dict:
+    return dict(source=source, eval_examples=eval_examples, max_train=recipe["max_train_examples"],
+                epochs=recipe["epochs"], lr=recipe["lr"], batch=recipe["batch_size"], model=recipe["model"])
+
+
+# model shapes and training budgets (epochs over the task's training split): `fedbasin train`'s defaults
 TASKS = {
-    "digits": dict(
-        source="digits", max_train=0, eval_examples=0, epochs=40, lr=3e-3, batch=64,
-        model=dict(dim=64, depth=2, heads=4, mlp_dim=128),
-    ),
-    "cifar10": dict(
-        source="cifar10:{cifar}", max_train=20000, eval_examples=2000, epochs=4, lr=2e-3, batch=128,
-        model=dict(dim=96, depth=4, heads=4, mlp_dim=192),
-    ),
-    "shakespeare": dict(
-        source="text:{text}", max_train=0, eval_examples=1000, epochs=2, lr=2e-3, batch=32,
-        model=dict(dim=128, depth=4, heads=4, mlp_dim=512, position="learned"),
-    ),
+    "digits": _bench("digits", 0, RECIPES["digits"]),
+    "cifar10": _bench("cifar10:{cifar}", 2000, RECIPES["cifar10"]),
+    "shakespeare": _bench("text:{text}", 1000, RECIPES["text"]),
 }
 
 
-def trained_pair(name: str, spec: dict, task, out: Path, progress: bool) -> tuple[list, dict]:
-    """Two checkpoints trained from seeds 0 and 1 (cached); returns (checkpoints, training info)."""
+def trained_pair(name: str, spec: dict, task, out: Path, progress: bool, seeds=(0, 1)) -> tuple[list, dict]:
+    """Two checkpoints trained from ``seeds`` (cached); returns (checkpoints, training info).
+
+    Same recipe as ``fedbasin train --data ... --seed N``, which writes the same weights."""
     config = make_config(task.family, {**spec["model"], **task.model_overrides})
     checkpoints, info = [], {"train_seconds": []}
-    for seed in (0, 1):
+    for seed in seeds:
         path = out / name / f"seed{seed}"
         if not (path / "config.json").exists():
             t0 = time.perf_counter()
@@ -59,7 +58,7 @@ def trained_pair(name: str, spec: dict, task, out: Path, progress: bool) -> tupl
             (path / "train.json").write_text(json.dumps({**stats, "seconds": time.perf_counter() - t0}))
         info["train_seconds"].append(round(json.loads((path / "train.json").read_text())["seconds"], 1))
         checkpoints.append(load_checkpoint(path))
-    info["steps"] = json.loads((out / name / "seed0" / "train.json").read_text())["steps"]
+    info["steps"] = json.loads((out / name / f"seed{seeds[0]}" / "train.json").read_text())["steps"]
     info["config"] = {k: v for k, v in vars(config).items()}
     return checkpoints, info
 
@@ -207,14 +206,15 @@ def markdown_table(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    from fedbasin.plots import _figure, save_figure
+    from fedbasin.plots import CURVE_STYLE, _figure, save_figure
 
     plt = _figure()
     names = list(results["tasks"])
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
     for ax, name in zip(axes[0], names):
         for curve_name, c in results["tasks"][name]["curves"].items():
-            ax.plot(c["lambdas"], c["losses"], marker="o", ms=3, label=f"{curve_name} ({c['barrier']:.3f})")
+            ax.plot(c["lambdas"], c["losses"], marker="o", ms=3, label=f"{curve_name} ({c['barrier']:.3f})",
+                    **CURVE_STYLE.get(curve_name, {}))
         ax.set_title(name)
         ax.set_xlabel("λ (λ·A + (1−λ)·B)")
         ax.set_ylabel("test loss")

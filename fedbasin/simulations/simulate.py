@@ -1,15 +1,20 @@
-"""``fedbasin simulate``: the fedbasin Flower apps in a local simulation (Ray backend).
+"""``fedbasin simulate``: the fedbasin Flower app as a local simulation through ``flwr run``.
 
-The same run-config keys as ``flwr run .`` (``fedbasin.config.DEFAULT_RUN_CONFIG``, mirrored in
-``[tool.flwr.app.config]``); ``flwr.simulation.run_simulation`` does not read pyproject.toml, so
-the resolved config is handed to the ServerApp directly and reaches the clients inside every
-train/evaluate message. Each virtual SuperNode gets 1 CPU. Writes ``OUT/results.json`` (plus
-checkpoints and ``curves.png``) and prints a per-round table.
+``flwr run`` is Flower 1.41's supported way to simulate (``flwr.simulation.run_simulation`` is
+deprecated). ``fedbasin simulate`` wraps it so that one command starts, finishes and cleans up:
 
-Stopping: SIGINT (Ctrl-C) or SIGTERM stops the ServerApp at its next message exchange (finished
-checkpoints stay, writes are atomic), shuts Ray down (its GCS, raylet, agents and the ClientApp
-worker processes) and exits 130 (SIGINT) or 143 (SIGTERM). A SIGKILLed process cannot clean
-up: README.md (Command line) says what remains and how to stop it.
+1. start a private ``flower-superlink --simulation`` on two free localhost ports, with a
+   throwaway ``FLWR_HOME`` whose ``config.toml`` names only that SuperLink;
+2. ``flwr run PROJECT fedbasin --stream`` with the run config (``[tool.flwr.app.config]`` keys,
+   ``out-dir`` made absolute: the ServerApp runs in the SuperLink's process tree) and
+   ``num-supernodes`` virtual SuperNodes of 1 CPU each (a GPU share each when CUDA is present);
+3. ask ``flwr list --run-id`` for the run's final status (``--stream`` exits 0 even when the
+   run failed) and fail unless it is ``finished:completed``;
+4. stop the SuperLink and every process it started in every case, Ctrl-C and SIGTERM included.
+
+PROJECT is the directory holding fedbasin's ``pyproject.toml`` (a source checkout). Writes
+``OUT/results.json`` (plus checkpoints, ``curves.png`` and ``flwr-run.log``) and prints a
+per-round table.
 """
 
 from __future__ import annotations
@@ -17,16 +22,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
+import shutil
 import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import textwrap
 import threading
+import time
 import tomllib
 from pathlib import Path
 
 from fedbasin.config import resolve_run_config
 from fedbasin.server.outputs import RESULTS_FILE
-from fedbasin.server.server_app import UnusableModelError
+
+LOG_FILE = "flwr-run.log"
 
 DEFAULT_SUPERNODES = 3
 TABLE_COLUMNS = (  # results key, header, format
@@ -39,43 +52,58 @@ TABLE_COLUMNS = (  # results key, header, format
     ("aggregate_seconds", "agg s", "{:.2f}"),
     ("round_seconds", "round s", "{:.1f}"),
     ("num_excluded", "excl", "{}"),
-    ("round_failed", "failed", "{}"),
 )
 TABLE_CAPTION = (
     "acc, loss: global model on the server's test split; train: clients' mean train loss; "
     "client: accuracy on the clients' held-out data; gain: alignment objective gain; "
-    "agg s, round s: aggregation and round seconds; excl: excluded replies; failed: 1 if the "
-    "round kept the previous global model"
+    "agg s, round s: aggregation and round seconds; excl: excluded replies"
 )
 
 
+def run_config_help() -> str:
+    """Every run-config key with its default (meanings: docs/flower.md)."""
+    from fedbasin.config import CHOICES, DEFAULT_RUN_CONFIG
+
+    lines = ["run-config keys (KEY=DEFAULT; TOML values; meanings in docs/flower.md, 'Run config'):"]
+    for key, value in DEFAULT_RUN_CONFIG.items():
+        choices = f"   one of {' | '.join(CHOICES[key])}" if key in CHOICES else ""
+        lines.append(f"  {key}={_toml(value)}{choices}")
+    return "\n".join(lines)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from fedbasin.cli import HelpFormatter
+
+    class Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
     p = subparsers.add_parser(
         "simulate",
-        help="run a federated simulation (Flower, Ray backend) and write results.json",
-        description=__doc__.splitlines()[0].replace("``", ""),
-        epilog="Run-config keys and defaults: fedbasin.config.DEFAULT_RUN_CONFIG "
-        "(table in docs/flower.md).",
+        formatter_class=Formatter,
+        help="run a federated simulation (flwr run, local SuperLink) and write results.json",
+        description=textwrap.fill(
+            "Run the fedbasin ServerApp/ClientApp as a local Flower simulation through `flwr run` on a "
+            "private SuperLink that is stopped afterwards; print a per-round table and write "
+            "OUT/results.json, per-round checkpoints OUT/round-NNNN/, OUT/curves.png and OUT/flwr-run.log. "
+            "Exit code 2 when the run does not finish as finished:completed.", 78),
+        epilog=run_config_help(),
     )
     p.add_argument(
         "--run-config",
         default="",
         metavar='"KEY=VALUE ..."',
-        help='run-config overrides, e.g. "num-server-rounds=5 symmetry=permutation"',
+        help='run-config overrides (keys below), e.g. "num-server-rounds=5 symmetry=\'permutation\'"',
     )
     p.add_argument(
         "--num-supernodes",
         type=int,
         default=DEFAULT_SUPERNODES,
-        help=f"virtual SuperNodes, one data partition each (default {DEFAULT_SUPERNODES})",
+        help="virtual SuperNodes, one data partition and 1 CPU each",
     )
-    p.add_argument("--out", help="output directory (overrides the run config's out-dir)")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the outputs of an earlier run in the output directory (run config "
-        "overwrite=true); without it a non-empty output directory is refused",
-    )
+    p.add_argument("--out", metavar="DIR", help="output directory (overrides the run config's out-dir)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the outputs of an earlier run in --out (run config overwrite=true); without "
+                   "it a non-empty output directory is refused")
     p.add_argument("--verbose", action="store_true", help="Flower debug logs")
     p.set_defaults(func=run)
     return p
@@ -96,149 +124,213 @@ def parse_run_config(text: str) -> dict:
     return config
 
 
-def simulate(
-    config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bool = False, client_app=None
-) -> dict:
-    """Run a resolved run config under ``flwr.simulation.run_simulation``; return results.json.
-    ``client_app`` replaces fedbasin's ClientApp (e.g. to add a hostile node in a test)."""
-    # Ray's C++ failure-signal handler turns SIGTERM into an abort that skips all clean-up; without
-    # it Ray's own Python handler raises SystemExit(SIGTERM) in the main thread (read at import).
-    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+def _toml(value) -> str:
+    """A run-config value as TOML (what ``flwr run --run-config`` parses)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string
+    return repr(value)
+
+
+def project_dir() -> Path:
+    """The fedbasin project directory (``pyproject.toml`` with ``[tool.flwr.app]``) ``flwr run`` builds."""
+    root = Path(__file__).resolve().parents[2]
+    pyproject = root / "pyproject.toml"
+    if not pyproject.is_file() or "flwr" not in tomllib.loads(pyproject.read_text()).get("tool", {}):
+        raise FileNotFoundError(
+            f"no fedbasin pyproject.toml with [tool.flwr.app] at {root}: `flwr run` builds the app from "
+            "a source checkout; install fedbasin with `pip install -e .` from one"
+        )
+    return root
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalSuperLink:
+    """A private ``flower-superlink --simulation`` (own process group, own FLWR_HOME) for one run."""
+
+    def __init__(self, home: Path, env: dict):
+        self.home, self.port = home, _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "fedbasin"\n\n[superlink.fedbasin]\naddress = "{self.address}"\n'
+            "insecure = true\n"
+        )
+        self.env = {**env, "FLWR_HOME": str(home)}
+        self.log = home / "superlink.log"
+        command = ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+                   "--host", "127.0.0.1", "--port", str(self.port),
+                   "--control-api-address", f"127.0.0.1:{_free_port()}"]
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"flower-superlink exited with code {self.process.returncode}: "
+                                   f"{self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://{self.address}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"flower-superlink did not come up on {self.address} within {timeout:.0f} s")
+
+    def flwr(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(["flwr", *args], check=False, env=self.env, text=True, **kwargs)
+
+    def stop(self) -> None:
+        """Stop the SuperLink and everything it started: the SuperExec it spawns runs in a session
+        of its own (with the simulation and Ray under it), so every process group in the
+        SuperLink's process tree gets SIGTERM, then SIGKILL after a grace period."""
+        if self.process.poll() is not None:
+            return
+        groups = {self.process.pid}
+        for pid in _descendants(self.process.pid):
+            try:
+                groups.add(os.getpgid(pid))
+            except ProcessLookupError:
+                pass
+        for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+            for group in groups:
+                try:
+                    os.killpg(group, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                self.process.wait(grace)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``; elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C (the same clean-up) but reported with its own exit code."""
+
+
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT / SIGTERM, as a shell reports them
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(f"signal {signum}")
+
+
+def _check_out_dir(config: dict) -> Path:
+    """The output directory, refused before anything starts when a fresh run would find earlier
+    outputs there (the ServerApp checks again: it owns the directory)."""
+    out = Path(config["out-dir"]).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out-dir {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (config["resume"] or config["overwrite"]):
+        raise ValueError(f"out-dir {out} is not empty; a fresh run never replaces earlier outputs: pass "
+                         "--overwrite (run config overwrite=true) or resume=true, or choose another directory")
+    return out
+
+
+def _stream(link: LocalSuperLink, command: list[str], log_path: Path) -> tuple[int, str]:
+    """Run ``flwr ...`` echoing its output to stderr and ``log_path``; returns (exit code, output)."""
+    lines = []
+    with open(log_path, "w") as log, subprocess.Popen(["flwr", *command], env=link.env, text=True,
+                                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        for line in proc.stdout:
+            lines.append(line)
+            log.write(line)
+            sys.stderr.write(line)
+    return proc.returncode, "".join(lines)
+
+
+def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bool = False,
+             project: Path | None = None) -> dict:
+    """Run a resolved run config through ``flwr run`` on a private local SuperLink; return results.json.
+
+    The data and model options are checked here first (a missing file fails before anything
+    starts). ``project``: the Flower app directory (default: fedbasin's). Raises ``RuntimeError``
+    when the run does not end as ``finished:completed``.
+    """
     import torch
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
 
-    from fedbasin.client.client_app import app as fedbasin_client_app
-    from fedbasin.server.server_app import run_server
-
-    client_app = client_app or fedbasin_client_app
+    from fedbasin.config import model_from_config, task_from_config
 
     if config["min-nodes"] > num_supernodes:
         raise ValueError(
             f"min-nodes={config['min-nodes']} exceeds --num-supernodes={num_supernodes}"
         )
-    server_app = ServerApp()
-    stop = threading.Event()
-
-    @server_app.main()
-    def main(grid, context) -> None:
-        _stop_at_next_exchange(grid, stop)
-        run_server(grid, config)
-
-    children_before = _children()
-    threads_before = set(threading.enumerate())
-    adopting = _set_subreaper(True)
+    model_from_config(task_from_config(config), config, seed=config["seed"])
+    project = project or project_dir()
+    out = _check_out_dir(config)
+    run_config = " ".join(f"{k}={_toml(v)}" for k, v in {**config, "out-dir": str(out)}.items())
     gpus = 1.0 / num_supernodes if torch.cuda.is_available() else 0.0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # server-side evaluation must not compete with the 1-CPU clients
+    federation = (f"num-supernodes={num_supernodes} client-resources-num-cpus=1 "
+                  f"client-resources-num-gpus={gpus}" + (" verbose=true" if verbose else ""))
+    # one BLAS thread per process unless told otherwise: clients get one CPU each
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # SIGTERM cleans up like Ctrl-C
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        run_simulation(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=num_supernodes,
-            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": gpus}},
-            verbose_logging=verbose,
-        )
-    except BaseException:
-        stop.set()
-        raise
+        with tempfile.TemporaryDirectory(prefix="fedbasin-flwr-") as home:
+            link = LocalSuperLink(Path(home), env)
+            log_path = Path(home) / LOG_FILE  # copied into out-dir at the end: the ServerApp owns out-dir
+            try:
+                code, output = _stream(link, ["run", str(project), "fedbasin", "--stream", "--run-config", run_config,
+                                              "--federation-config", federation], log_path)
+                started = re.search(r"Successfully started run (\d+)", output)
+                run_id = started.group(1) if started else None
+                if run_id is None:
+                    raise RuntimeError(f"flwr run did not start a run (exit code {code}); see {out / LOG_FILE}")
+                listed = link.flwr("list", "--run-id", run_id, "--format", "json", capture_output=True)
+                runs = json.loads(listed.stdout or "{}").get("runs", [])
+                status = runs[0]["status"] if runs else f"unknown ({listed.stderr.strip()[-300:]})"
+            finally:
+                link.stop()
+                if log_path.is_file():
+                    out.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(log_path, out / LOG_FILE)
     finally:
-        torch.set_num_threads(threads)
-        _stop_ray(exclude=children_before)
-        if adopting:
-            _set_subreaper(False)
-        if stop.is_set():  # the ServerApp thread leaves at its next grid call; bounded wait
-            for thread in set(threading.enumerate()) - threads_before:
-                thread.join(STOP_GRACE_SECONDS)
-    return json.loads((Path(config["out-dir"]) / RESULTS_FILE).read_text())
-
-
-STOP_GRACE_SECONDS = 30.0  # after an interrupt: how long the ServerApp may take to reach its next exchange
-
-
-class SimulationStopped(Exception):
-    """Raised in the ServerApp thread at its next grid call once the simulation is stopping."""
-
-
-def _stop_at_next_exchange(grid, stop: threading.Event) -> None:
-    """Make every grid call of the ServerApp thread raise once ``stop`` is set. That thread is not
-    a daemon and cannot be interrupted, so without this the process would wait for it forever
-    (Flower's in-memory grid keeps polling for replies that will never come)."""
-    for name in ("push_messages", "pull_messages", "send_and_receive", "get_node_ids"):
-        method = getattr(grid, name)
-
-        def checked(*args, _method=method, **kwargs):
-            if stop.is_set():
-                raise SimulationStopped("simulation stopped")
-            return _method(*args, **kwargs)
-
-        setattr(grid, name, checked)
-
-
-def _set_subreaper(on: bool) -> bool:
-    """Linux: make this process the subreaper of its descendants (or stop being one), so that
-    processes Ray leaves behind after ``ray.shutdown()`` (its dashboard and runtime-env agents
-    outlive the raylet) stay our children and can be stopped. Returns whether it worked."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    PR_SET_CHILD_SUBREAPER = 36
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
-
-
-def _children() -> set:
-    import psutil
-
-    return {(p.pid, p.create_time()) for p in psutil.Process().children(recursive=True)}
-
-
-def _stop_ray(exclude: set, grace: float = 5.0) -> None:
-    """Shut down the Ray instance this process started (GCS, raylet, agents, workers), then
-    stop every descendant started since (not in ``exclude``, ``(pid, create_time)`` pairs) that
-    is still running: SIGTERM, ``grace`` seconds, SIGKILL."""
-    import psutil
-
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
-    left = []
-    for process in psutil.Process().children(recursive=True):
-        try:
-            if (process.pid, process.create_time()) not in exclude:
-                process.terminate()
-                left.append(process)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(left, timeout=grace)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace)
-
-
-EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread like Ctrl-C so that the same clean-up runs."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
-
-
-def _exit_if_stuck(code: int) -> None:
-    """CLI only: if the ServerApp thread did not leave within the grace period, exit now rather
-    than let the interpreter wait for it at shutdown."""
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
-        print(f"fedbasin simulate: the ServerApp did not stop within {STOP_GRACE_SECONDS:.0f}s; exiting",
-              file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(code)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    results_path = out / RESULTS_FILE
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    final = results.get("final", {})
+    if final.get("usable") is False:
+        raise UnusableModelError(f"the final global model in {out} is unusable: {final.get('reason')}")
+    if status != "finished:completed":
+        raise RuntimeError(f"run {run_id} ended as {status}; see {out / LOG_FILE}")
+    return results
 
 
 def print_table(rounds: list[dict]) -> None:
@@ -256,6 +348,10 @@ def print_table(rounds: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``fedbasin simulate``: 0 done, 1 the final model is unusable, 2 bad options or a failed run,
+    130 / 143 stopped by SIGINT / SIGTERM (everything the run started is stopped first)."""
+    from fedbasin.server.server_app import UnusableModelError
+
     try:
         overrides = parse_run_config(args.run_config)
         if args.out:
@@ -265,27 +361,18 @@ def run(args: argparse.Namespace) -> int:
         config = resolve_run_config(overrides)
         if args.num_supernodes < 1:
             raise ValueError(f"--num-supernodes must be at least 1, got {args.num_supernodes}")
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
-        try:
-            results = simulate(config, args.num_supernodes, args.verbose)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"fedbasin simulate: {error}", file=sys.stderr)
-        return 2
+        results = simulate(config, args.num_supernodes, args.verbose)
     except UnusableModelError as error:
         print(f"fedbasin simulate: {error}", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, SystemExit) as stopped:
-        if isinstance(stopped, SystemExit) and stopped.code != signal.SIGTERM:
-            raise
-        # ray.init replaces our SIGTERM handler with one that raises SystemExit(SIGTERM)
-        terminated = isinstance(stopped, (_Terminated, SystemExit))
-        name, code = ("SIGTERM", EXIT_TERMINATED) if terminated else ("SIGINT", EXIT_INTERRUPTED)
-        where = args.out or "the run config's out-dir"
-        print(f"fedbasin simulate: stopped by {name}; Ray shut down; finished rounds are in {where}",
-              file=sys.stderr)
-        _exit_if_stuck(code)
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        print(f"fedbasin simulate: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as stopped:
+        name, code = (("SIGTERM", EXIT_TERMINATED) if isinstance(stopped, Terminated)
+                      else ("SIGINT", EXIT_INTERRUPTED))
+        print(f"fedbasin simulate: stopped by {name}; the SuperLink and every process it started were "
+              "stopped; finished rounds are kept (resume=true continues)", file=sys.stderr)
         return code
     print_table(results["rounds"])
     print(f"results: {Path(config['out-dir']) / RESULTS_FILE}")

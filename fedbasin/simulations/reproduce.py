@@ -1,0 +1,167 @@
+"""Regenerate the tables of docs/benchmarks.md from the benchmark drivers.
+
+    python -m fedbasin.simulations.reproduce                  # every section (see --help for times)
+    python -m fedbasin.simulations.reproduce --sections barriers --tasks digits
+
+Each section runs its driver into ``OUT/SECTION/`` and replaces the text between the markers
+``<!-- reproduce:SECTION -->`` and ``<!-- /reproduce:SECTION -->`` in the document. Results
+already in ``OUT`` are reused (trained checkpoints and results files), so a second call only
+rewrites the document; ``--rerun`` recomputes them. Loss and accuracy figures are deterministic
+for a given machine, torch version and ``OMP_NUM_THREADS=1``; wall times are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+
+import torch
+
+from fedbasin.atomic import atomic_write
+from fedbasin.data import load_task
+from fedbasin.simulations import barriers
+
+SECTIONS = ("barriers", "barrier-seeds", "many", "width", "oneshot")
+SEED_PAIRS = ((0, 1), (2, 3), (4, 5))
+
+
+def replace_block(text: str, section: str, body: str) -> str:
+    """``text`` with the block between the section's markers replaced by ``body``."""
+    start, end = f"<!-- reproduce:{section} -->\n", f"<!-- /reproduce:{section} -->"
+    pattern = re.compile(rf"{re.escape(start)}.*?{re.escape(end)}", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no '<!-- reproduce:{section} -->' ... '<!-- /reproduce:{section} -->' block in the document")
+    return pattern.sub(lambda m: start + body.strip("\n") + "\n" + end, text, count=1)
+
+
+def _cached(path: Path, rerun: bool, compute) -> dict:
+    if rerun or not path.is_file():
+        compute()
+    return json.loads(path.read_text())
+
+
+def section_barriers(args, out: Path) -> str:
+    """Vanilla / permutation / orthogonal / learned barriers of one trained pair per task."""
+    files = []
+    for task in args.tasks.split(","):
+        where = out / task
+        argv = ["--tasks", task, "--out", str(where), "--cifar", args.cifar, "--text", args.text,
+                "--refine-steps", str(args.refine_steps), "--ablation", args.ablation]
+        _cached(where / "results.json", args.rerun, lambda argv=argv: barriers.main(argv))
+        files.append(str(where / "results.json"))
+    combined = barriers.combine(files)
+    if args.figures:
+        barriers.report(combined, Path(args.figures))
+    return barriers.markdown_table(combined)
+
+
+def section_barrier_seeds(args, out: Path) -> str:
+    """Digits barriers over several independently trained pairs: mean and spread."""
+    def compute():
+        spec = barriers.TASKS["digits"]
+        task = load_task(spec["source"], max_train_examples=spec["max_train"])
+        rows = []
+        for seeds in SEED_PAIRS:
+            checkpoints, _ = barriers.trained_pair("digits", spec, task, out, False, seeds=seeds)
+            row = barriers.evaluate_pair(checkpoints, task, task.test)
+            rows.append({"seeds": list(seeds), "accuracy": [row["accuracy_a"], row["accuracy_b"]],
+                         "barrier": row["barrier"]})
+        (out / "results.json").write_text(json.dumps({"pairs": rows}, indent=1))
+
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = _cached(out / "results.json", args.rerun, compute)["pairs"]
+    lines = ["| seeds | acc A / B | vanilla | permutation | orthogonal | kept: perm / orth |", "|---|---|---|---|---|---|"]
+    for p in pairs:
+        b = p["barrier"]
+        lines.append(f"| {p['seeds'][0]}, {p['seeds'][1]} | {p['accuracy'][0]:.3f} / {p['accuracy'][1]:.3f} "
+                     f"| {b['vanilla']:.3f} | {b['permutation']:.3f} | {b['orthogonal']:.3f} "
+                     f"| {b['permutation'] / b['vanilla']:.0%} / {b['orthogonal'] / b['vanilla']:.0%} |")
+
+    def mean_sd(key):
+        values = [p["barrier"][key] for p in pairs]
+        return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
+    lines.append(f"| mean ± sd ({len(pairs)} pairs) | | {mean_sd('vanilla')} | {mean_sd('permutation')} "
+                 f"| {mean_sd('orthogonal')} | |")
+    return "\n".join(lines)
+
+
+def section_many(args, out: Path) -> str:
+    from fedbasin.simulations import many
+
+    results = _cached(out / "digits_results.json", args.rerun,
+                      lambda: many.main(["--task", "digits", "--models", "3", "--out", str(out)]))
+    if args.figures:
+        many.plot_simplex(results["simplex"], Path(args.figures).parent / "simplex_digits.png")
+    change = ", ".join(f"{c:.1%}" for c in results["universe_change"])
+    return many.markdown(results) + f"\nuniverse matching: the average changed by {change} over its passes\n"
+
+
+def section_width(args, out: Path) -> str:
+    from fedbasin.simulations import width
+
+    _cached(out / "results.json", args.rerun, lambda: width.main(["--threads", "1", "--out", str(out)]))
+    return (out / "width.md").read_text()
+
+
+def section_oneshot(args, out: Path) -> str:
+    from fedbasin.simulations import oneshot
+
+    tables = []
+    for name, run_config, title in (
+        ("digits", "", "Clients hold the whole training split (1,437 images):"),
+        ("digits_refined", "proxy-size=300 refine-steps=200",
+         "The server holds 300 training images as proxy data (clients share the other 1,137):"),
+    ):
+        path = out / f"{name}.json"
+        argv = ["--data", "digits", "--out", str(path)] + (["--run-config", run_config] if run_config else [])
+        rows = _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]
+        tables.append(f"{title}\n\n{oneshot.markdown(rows)}")
+    return "\n\n".join(tables)
+
+
+RUNNERS = {"barriers": section_barriers, "barrier-seeds": section_barrier_seeds, "many": section_many,
+           "width": section_width, "oneshot": section_oneshot}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help="comma-separated; times on 2 idle cores: barriers 2 min per digits pair (cifar10 "
+                        "~12 min, shakespeare ~25 min), barrier-seeds 4 min, many 2 min, width 2 min, oneshot 2 min")
+    parser.add_argument("--tasks", default="digits", help="barriers section: tasks (digits, cifar10, shakespeare)")
+    parser.add_argument("--cifar", default="../shared/data/cifar10", help="CIFAR-10 parquet directory")
+    parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt", help="Tiny Shakespeare file")
+    parser.add_argument("--refine-steps", type=int, default=200, help="barriers: learned-refinement steps")
+    parser.add_argument("--ablation", default="cosine,rms,uniform", help="barriers: weightings compared")
+    parser.add_argument("--doc", default="docs/benchmarks.md", help="document whose blocks are rewritten")
+    parser.add_argument("--figures", default="docs/barriers",
+                        help="where the barrier figure/results go ('' to skip figures)")
+    parser.add_argument("--out", default="runs/reproduce", help="working directory (checkpoints, results)")
+    parser.add_argument("--rerun", action="store_true", help="recompute results already in --out")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    doc = Path(args.doc)
+    text = doc.read_text()
+    tables = {}
+    for section in args.sections.split(","):
+        if section not in RUNNERS:
+            raise SystemExit(f"reproduce: unknown section {section!r}; known: {', '.join(SECTIONS)}")
+        replace_block(text, section, "")  # the document has the block: fail before the long work
+    for section in args.sections.split(","):
+        try:
+            tables[section] = RUNNERS[section](args, Path(args.out) / section)
+        except (ValueError, FileNotFoundError, RuntimeError, KeyError) as exc:
+            raise SystemExit(f"reproduce: section {section}: {exc}") from None
+        text = replace_block(text, section, tables[section])
+        atomic_write(doc, lambda tmp, text=text: tmp.write_text(text))  # after every section: an interruption keeps the rest
+        print(f"[reproduce] {section}: {doc} updated", flush=True)
+    return tables
+
+
+if __name__ == "__main__":
+    main()
