@@ -284,6 +284,7 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
     import torch
 
     from fedbasin.config import model_from_config, task_from_config
+    from fedbasin.server.server_app import UnusableModelError
 
     if config["min-nodes"] > num_supernodes:
         raise ValueError(
