@@ -731,11 +731,8 @@ def cmd_train(args) -> int:
     print(f"fedbasin train: {args.model or task.family} on {task.name} ({len(task.train)} examples, "
           f"{epochs} epochs, seed {args.seed}, {device})", file=sys.stderr)
     t0 = time.perf_counter()
-    try:
-        stats = train(module, task.train, epochs=epochs, lr=lr, batch_size=batch_size, device=device,
-                      seed=args.seed, weight_decay=args.weight_decay, progress=True)
-    except KeyboardInterrupt:
-        raise UsageError(f"interrupted; nothing was written to {out}") from None
+    stats = train(module, task.train, epochs=epochs, lr=lr, batch_size=batch_size, device=device,
+                  seed=args.seed, weight_decay=args.weight_decay, progress=True)  # Ctrl-C: nothing written
     seconds = time.perf_counter() - t0
     test = task.evaluate(module, "test", device=device)
     model = module.model if isinstance(module, _Logits) else module

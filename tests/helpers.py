@@ -109,3 +109,18 @@ def digits_loss(state: dict, split: str = "test") -> float:
     model = build_model("vit", DIGITS_VIT)
     model.load_state_dict(state)
     return load_task("digits", seed=0).evaluate(model, split)["loss"]
+
+
+def cli_error(capsys, argv) -> str:
+    """Run the CLI expecting a refusal: a non-zero exit (argparse's own exit included), no
+    traceback; returns the last stderr line (the one-line error)."""
+    from fedbasin.cli import main
+
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse usage errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code not in (0, None), err
+    assert "Traceback" not in err, err
+    return err.strip().splitlines()[-1]

@@ -12,9 +12,8 @@ from .causal_lm import (
     float64_rmsnorm,  # noqa: F401  (autouse fixture)
     hf_config,
     hf_model,
-    transformers,
 )
-from fedbasin.alignment import apply_group, canonicalize, random_group_element
+from fedbasin.alignment import canonicalize, random_group_element
 from fedbasin.alignment.group import HeadMap, apply_head_map
 from fedbasin.alignment.hf import hf_adapter
 

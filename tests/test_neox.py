@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .causal_lm import check_cli_and_api, check_group_action, check_planted_recovery, hf_model, transformers
+from .causal_lm import check_cli_and_api, check_group_action, check_planted_recovery, hf_model
 from fedbasin.alignment.hf import hf_adapter, hf_state_from_file, hf_state_to_file
 
 VARIANTS = [

@@ -19,7 +19,7 @@ from fedbasin.alignment import (
 )
 from fedbasin.strategies import AlignedFedAvg
 
-from .helpers import DIGITS_VIT, GPT, VIT, spec_of, trained_digits_vit
+from .helpers import DIGITS_VIT, VIT, spec_of, trained_digits_vit
 from .test_merge_weights import max_diff, weighted_mean
 from .test_strategy import NODES, reply, serverapp_identity, strategy_for  # noqa: F401  (autouse fixture)
 
