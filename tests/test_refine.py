@@ -99,16 +99,21 @@ def test_refinement_keeps_functions_and_never_worsens_selection_or_evaluation_lo
     assert result.evaluation_loss < result.evaluation_initial_loss
 
 
-def test_three_models_dirichlet_refinement_runs_and_keeps_functions():
+def _three_models(n: int):
+    """Three RMSNorm ViTs, a proxy set of n examples and an endless stream of its first 32."""
     config = dict(VIT, norm="rmsnorm")
-    spec = spec_of("vit", config)
     states = [trained_like("vit", config, seed=s).state_dict() for s in (1, 2, 3)]
-    x, y = _proxy(config, n=48)
+    x, y = _proxy(config, n=n)
 
     def batches():
         while True:
             yield x[:32], y[:32]
 
+    return config, spec_of("vit", config), states, x, y, batches
+
+
+def test_three_models_dirichlet_refinement_runs_and_keeps_functions():
+    config, spec, states, x, y, batches = _three_models(48)
     result = learned_refine(spec, build_model("vit", config).double(), states[0], states[1:], F.cross_entropy,
                             batches(), (x[32:], y[32:]), steps=10, alpha=1.0, eval_every=5)
     assert result.best_loss <= result.initial_loss and len(result.states) == 2
@@ -182,14 +187,7 @@ def test_universe_matching_then_refinement_keeps_every_function():
     returned model — the moved reference included — keeps its function, and the merge uses them."""
     from fedbasin.alignment import canonicalize, merge, refined_merge, to_gauge
 
-    config = dict(VIT, norm="rmsnorm")
-    spec = spec_of("vit", config)
-    states = [trained_like("vit", config, seed=s).state_dict() for s in (1, 2, 3)]
-    x, y = _proxy(config, n=64)
-
-    def batches():
-        while True:
-            yield x[:32], y[:32]
+    config, spec, states, x, y, batches = _three_models(64)
 
     def refine(reference, others, include_reference=True):
         return learned_refine(spec, build_model("vit", config).double(), reference, others, F.cross_entropy,

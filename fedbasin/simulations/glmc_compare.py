@@ -78,6 +78,7 @@ def main(argv=None) -> dict:
                         help="fedbasin rows as MODE/WEIGHTING/all|seen (seen: match on tokens seen in training)")
     parser.add_argument("--circuit-variant", default="orthogonal/rms/seen",
                         help="the fedbasin alignment also evaluated on GLMC's merged architecture ('' to skip)")
+    parser.add_argument("--skip-vanilla", action="store_true", help="leave out the vanilla curve")
     parser.add_argument("--glmc-only", action="store_true",
                         help="skip fedbasin's curves (the --circuit-variant alignment is still computed)")
     parser.add_argument("--max-blocks", type=int, default=0, help="evaluate on the first N test blocks (0: all)")
@@ -114,7 +115,7 @@ def main(argv=None) -> dict:
         print(f"{name:40s} barrier {result.barrier:.4f}  midpoint loss {result.losses[len(lambdas) // 2]:.4f}",
               file=sys.stderr, flush=True)
 
-    if not args.glmc_only:
+    if not (args.glmc_only or args.skip_vanilla):
         record("vanilla", curve(b.state))
     standard_a, standard_b = a.adapter.to_standard(a.state), b.adapter.to_standard(b.state)
     aligned = {}

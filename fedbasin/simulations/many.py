@@ -85,12 +85,20 @@ def main(argv=None) -> dict:
                              data.batches, data.selection, data.evaluation,
                              steps=args.refine_steps, lr=1e-2, eval_every=10, alpha=1.0)
     timings["learned"] = refined.seconds
+    universe_refined = learned_refine(spec, build_model(family, config), states[0], states[1:], cross_entropy,
+                                      proxy_streams(proxy, 64, seed=0).batches, data.selection, data.evaluation,
+                                      steps=args.refine_steps, lr=1e-2, eval_every=10, alpha=1.0,
+                                      universe_iterations=5)
+    timings["universe+learned"] = universe_refined.seconds
     learned_canonical = [canon_ref.state, *refined.canonical]
     merged = {
         "vanilla": average_states(states, [1.0] * len(states)),
         "reference": aligned_once.state,
         "universe": universe.state,
         "learned": to_gauge(spec, average_states(learned_canonical, [1.0] * len(states)), canon_ref.gains),
+        "universe+learned": to_gauge(spec, average_states([universe_refined.reference_canonical,
+                                                           *universe_refined.canonical], [1.0] * len(states)),
+                                     canon_ref.gains),
     }
     for name, state in merged.items():
         results["centroid"][name] = {**metrics(state), "seconds": round(timings.get(name, 0.0), 2)}
