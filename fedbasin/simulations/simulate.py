@@ -168,7 +168,7 @@ class LocalSuperLink:
                    "--control-api-address", f"127.0.0.1:{_free_port()}"]
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=_die_with_parent)
         try:
             self._wait_ready()
         except BaseException:
@@ -217,6 +217,16 @@ class LocalSuperLink:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def _die_with_parent() -> None:
+    """In the SuperLink child: ask Linux for SIGTERM when the process that started it dies (a
+    ``kill -9`` of ``fedbasin simulate`` then still stops the SuperLink); a no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _descendants(pid: int) -> list[int]:
