@@ -84,11 +84,9 @@ RANGES = (
       "universe-iterations", "min-nodes"), 1, True),
     (("seed", "proxy-size", "max-train-examples", "refine-steps", "max-num-examples",
       "model.dim", "model.depth", "model.heads", "model.mlp-dim", "model.patch-size",
-      "weight-decay", "max-examples-ratio", "outlier-threshold", "clip-ratio", "trim-fraction"),
-     0, True),
-    (("lr",), 0, True),
-    (("refine-lr", "dirichlet-alpha", "max-abs-weight", "fraction-train",
-      "fraction-evaluate"), 0, False),
+      "weight-decay", "max-examples-ratio", "outlier-threshold", "clip-ratio", "trim-fraction",
+      "lr", "fraction-train", "fraction-evaluate"), 0, True),
+    (("refine-lr", "dirichlet-alpha", "max-abs-weight"), 0, False),
 )
 UPPER = {"fraction-train": 1.0, "fraction-evaluate": 1.0, "trim-fraction": 0.5}
 
