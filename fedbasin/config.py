@@ -86,9 +86,8 @@ RANGES = (
     (("seed", "proxy-size", "max-train-examples", "refine-steps", "max-num-examples",
       "model.dim", "model.depth", "model.heads", "model.mlp-dim", "model.patch-size",
       "weight-decay", "max-examples-ratio", "outlier-threshold", "clip-ratio", "trim-fraction",
-      "fraction-evaluate"), 0, True),
-    (("lr",), 0, True),
-    (("refine-lr", "dirichlet-alpha", "max-abs-weight", "fraction-train"), 0, False),
+      "lr", "fraction-train", "fraction-evaluate"), 0, True),
+    (("refine-lr", "dirichlet-alpha", "max-abs-weight"), 0, False),
 )
 UPPER = {"fraction-train": 1.0, "fraction-evaluate": 1.0, "trim-fraction": 0.5}
 
