@@ -116,7 +116,8 @@ def test_three_models_dirichlet_refinement_runs_and_keeps_functions():
     config, spec, states, x, y, batches = _three_models(48)
     result = learned_refine(spec, build_model("vit", config).double(), states[0], states[1:], F.cross_entropy,
                             batches(), (x[32:], y[32:]), steps=10, alpha=1.0, eval_every=5)
-    assert result.best_loss <= result.initial_loss and len(result.states) == 2
+    assert len(result.states) == 2 and result.history[0] == (0, result.initial_loss)
+    assert result.best_loss == min(loss for _, loss in result.history)  # keep-best kept the best step
     probe, _ = inputs("vit", config)
     for refined, original in zip(result.states, states[1:]):
         assert rel_err(run("vit", config, refined, probe), run("vit", config, original, probe)) < 1e-9

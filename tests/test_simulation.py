@@ -256,10 +256,15 @@ def test_one_shot_comparison_smoke(tmp_path, capsys):
     from fedbasin.simulations import oneshot
 
     out = tmp_path / "oneshot.json"
-    run_config = "local-epochs=1 max-train-examples=300 align-iterations=2"
+    run_config = "local-epochs=15 max-train-examples=600 align-iterations=5 seed=0"
     assert oneshot.main(["--clients", "2", "--run-config", run_config, "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["partitioner"] for r in rows] == ["iid", "dirichlet(0.5)"]
     for key in ("best_client", "fedavg", "aligned_permutation", "aligned_orthogonal", "ensemble"):
         assert all(0.0 <= r[key] <= 1.0 for r in rows)
+    iid = rows[0]  # two independently initialised clients: averaging ruins them, aligning does not
+    # (seed 0 measured: FedAvg 0.28, permutation 0.67, orthogonal 0.69, best client 0.69)
+    assert iid["aligned_orthogonal"] > iid["fedavg"] + 0.2
+    assert iid["aligned_permutation"] > iid["fedavg"] + 0.2
+    assert iid["best_client"] >= max(r["fedavg"] for r in rows)
     assert "| aligned (orth) |" in capsys.readouterr().out
