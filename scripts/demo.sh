@@ -5,4 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
-exec fedbasin simulate --out "${1:-runs/demo}"
+if [ $# -eq 0 ]; then
+    # the demo's own default directory is replaced on a rerun; a directory you name is never overwritten
+    exec fedbasin simulate --out runs/demo --overwrite
+fi
+exec fedbasin simulate --out "$1"
