@@ -700,7 +700,6 @@ def stream_align(
 
     def write(tmp: Path) -> None:
         writer = ShardWriter(tmp, max_shard_bytes)
-        written: dict[str, torch.Tensor] = {}
         tie_kept = {}
 
         def sink(tensors: dict) -> None:

@@ -244,7 +244,6 @@ class _Matcher:
         """Best residual map O for ``state`` (keys in ``axes``, default every residual axis of a
         key present in ``state``) plus, with ``free`` = K₀, the lazy tensors now at
         ``θ_p ×_axis residual``."""
-        d = self.spec.width
         if axes is None:
             axes = [(k, ax) for k, ax in self.spec.residual if k in state]
         c = self.covariance(state, axes)
