@@ -87,32 +87,22 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _positive_int(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+def _bounded(parse, low: float, strict: bool, what: str):
+    """An argparse type: ``parse(text)``, refused unless ``> low`` (strict) or ``>= low``."""
+
+    def check(text: str):
+        value = parse(text)
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    return check
 
 
-def _nonnegative_float(text: str) -> float:
-    value = _number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return value
+_positive_int = _bounded(_integer, 1, False, "a positive integer")
+_nonnegative_int = _bounded(_integer, 0, False, "an integer >= 0")
+_nonnegative_float = _bounded(_number, 0, False, "a number >= 0")
+_positive_float = _bounded(_number, 0, True, "a number > 0")
 
 
 def _weights(text: str) -> list[float]:
