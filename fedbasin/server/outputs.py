@@ -41,6 +41,22 @@ def write_json_atomic(path: Path, data) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
 
 
+def fresh_out_dir_entries(out_dir: Path, overwrite: bool) -> list[str]:
+    """The names already in ``out_dir`` (none if it does not exist yet); a fresh run refuses a
+    non-empty directory unless ``overwrite``, and a path that is not a directory."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out-dir {out_dir} exists and is not a directory")
+    entries = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    if entries and not overwrite:
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise ValueError(
+            f"out-dir {out_dir} is not empty ({shown}); a fresh run never replaces earlier "
+            "outputs: set resume=true to continue that run, overwrite=true (fedbasin "
+            "simulate --overwrite) to replace it, or choose another out-dir"
+        )
+    return entries
+
+
 class RunOutputs:
     """Checkpoints, ``results.json`` and ``curves.png`` of one federated run in ``out_dir``."""
 
@@ -67,16 +83,7 @@ class RunOutputs:
         """Make ``out_dir`` ready for a fresh run. A non-empty directory is refused (a fresh run
         never deletes an earlier run's outputs) unless ``overwrite``; then this run's own kinds
         of files (round checkpoints, results, curves) are removed, and their names returned."""
-        if self.dir.exists() and not self.dir.is_dir():
-            raise ValueError(f"out-dir {self.dir} exists and is not a directory")
-        entries = sorted(p.name for p in self.dir.iterdir()) if self.dir.is_dir() else []
-        if entries and not overwrite:
-            shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
-            raise ValueError(
-                f"out-dir {self.dir} is not empty ({shown}); a fresh run never replaces earlier "
-                "outputs: set resume=true to continue that run, overwrite=true (fedbasin "
-                "simulate --overwrite) to replace it, or choose another out-dir"
-            )
+        entries = fresh_out_dir_entries(self.dir, overwrite)
         self.dir.mkdir(parents=True, exist_ok=True)
         if not os.access(self.dir, os.W_OK | os.X_OK):
             raise ValueError(f"out-dir {self.dir} is not writable")

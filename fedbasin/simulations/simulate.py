@@ -37,7 +37,7 @@ import tomllib
 from pathlib import Path
 
 from fedbasin.config import resolve_run_config
-from fedbasin.server.outputs import RESULTS_FILE
+from fedbasin.server.outputs import RESULTS_FILE, fresh_out_dir_entries
 
 LOG_FILE = "flwr-run.log"
 
@@ -263,11 +263,7 @@ def _check_out_dir(config: dict) -> Path:
     """The output directory, refused before anything starts when a fresh run would find earlier
     outputs there (the ServerApp checks again: it owns the directory)."""
     out = Path(config["out-dir"]).expanduser().resolve()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out-dir {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (config["resume"] or config["overwrite"]):
-        raise ValueError(f"out-dir {out} is not empty; a fresh run never replaces earlier outputs: pass "
-                         "--overwrite (run config overwrite=true) or resume=true, or choose another directory")
+    fresh_out_dir_entries(out, overwrite=config["resume"] or config["overwrite"])
     return out
 
 
