@@ -53,6 +53,9 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "refine-steps": 0,  # >0: learned refinement on the server's proxy split (needs proxy-size >= 10)
     "refine-lr": 0.01,
     "refine-permutations": "ste",  # ste (straight-through Hungarian) | sinkhorn
+    "distill-steps": 0,  # >0: distil the clients' logit ensemble into the merge on the proxy split
+    "distill-lr": 0.002,
+    "distill-temperature": 3.0,
     "fraction-train": 1.0,
     "fraction-evaluate": 1.0,
     "min-nodes": 2,
@@ -83,11 +86,11 @@ CHOICES = {
 RANGES = (
     (("num-server-rounds", "local-epochs", "batch-size", "block-size", "align-iterations",
       "universe-iterations", "min-nodes"), 1, True),
-    (("seed", "proxy-size", "max-train-examples", "refine-steps", "max-num-examples",
+    (("seed", "proxy-size", "max-train-examples", "refine-steps", "distill-steps", "max-num-examples",
       "model.dim", "model.depth", "model.heads", "model.mlp-dim", "model.patch-size",
       "weight-decay", "max-examples-ratio", "outlier-threshold", "clip-ratio", "trim-fraction",
       "lr", "fraction-train", "fraction-evaluate"), 0, True),
-    (("refine-lr", "dirichlet-alpha", "max-abs-weight"), 0, False),
+    (("refine-lr", "distill-lr", "distill-temperature", "dirichlet-alpha", "max-abs-weight"), 0, False),
 )
 UPPER = {"fraction-train": 1.0, "fraction-evaluate": 1.0, "trim-fraction": 0.5}
 
@@ -111,9 +114,10 @@ def resolve_run_config(run_config: Mapping[str, object] | None = None) -> dict:
     for key, allowed in CHOICES.items():
         if config[key] not in allowed:
             raise ValueError(f"run-config {key}={config[key]!r}; expected one of {allowed}")
-    if config["refine-steps"] > 0 and config["proxy-size"] < 10:
-        raise ValueError(f"run-config refine-steps={config['refine-steps']} needs proxy-size >= 10 "
-                         f"(got {config['proxy-size']}): the server refines on its proxy split")
+    for key, verb in (("refine-steps", "refines"), ("distill-steps", "distils")):
+        if config[key] > 0 and config["proxy-size"] < 10:
+            raise ValueError(f"run-config {key}={config[key]} needs proxy-size >= 10 "
+                             f"(got {config['proxy-size']}): the server {verb} on its proxy split")
     for keys, low, inclusive in RANGES:
         for key in keys:
             value = config[key]

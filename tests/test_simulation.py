@@ -256,15 +256,28 @@ def test_one_shot_comparison_smoke(tmp_path, capsys):
     from fedbasin.simulations import oneshot
 
     out = tmp_path / "oneshot.json"
-    run_config = "local-epochs=15 max-train-examples=600 align-iterations=5 seed=0"
-    assert oneshot.main(["--clients", "2", "--run-config", run_config, "--out", str(out)]) == 0
+    run_config = "local-epochs=15 max-train-examples=600 align-iterations=5 seed=0 proxy-size=150 distill-steps=60"
+    argv = ["--clients", "2", "--run-config", run_config, "--out", str(out), "--further-rounds", "1",
+            "--further-epochs", "5"]
+    assert oneshot.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["partitioner"] for r in rows] == ["iid", "dirichlet(0.5)"]
     for key in ("best_client", "fedavg", "aligned_permutation", "aligned_orthogonal", "ensemble"):
         assert all(0.0 <= r[key] <= 1.0 for r in rows)
     iid = rows[0]  # two independently initialised clients: averaging ruins them, aligning does not
-    # (seed 0 measured: FedAvg 0.28, permutation 0.67, orthogonal 0.69, best client 0.69)
+    # (seed 0 measured: FedAvg 0.23, permutation 0.53, orthogonal 0.58, best client 0.60)
     assert iid["aligned_orthogonal"] > iid["fedavg"] + 0.2
     assert iid["aligned_permutation"] > iid["fedavg"] + 0.2
     assert iid["best_client"] >= max(r["fedavg"] for r in rows)
-    assert "| aligned (orth) |" in capsys.readouterr().out
+    for r in rows:  # distilling the clients' ensemble lifts both merges (kept on the selection split)
+        assert r["aligned_distilled_from"] == "aligned (orth)"
+        assert float(r["aligned_distilled"]) > r["aligned_orthogonal"]
+        assert float(r["fedavg_distilled"]) > r["fedavg"] + 0.1
+        assert r["aligned_distilled_summary"]["selection_loss_best"] < r["aligned_distilled_summary"]["selection_loss_start"]
+        further = r["further"]  # one more FedAvg round from every merge; shared init: same 20 epochs in 2 rounds
+        assert further["FedAvg, shared init"]["epochs"] == [10, 10]
+        assert further["aligned (orth)"]["epochs"] == [15, 5]
+        assert further["aligned (orth)"]["accuracy"][0] == r["aligned_orthogonal"]
+        assert further["FedAvg"]["accuracy"][1] > further["FedAvg"]["accuracy"][0]
+    printed = capsys.readouterr().out
+    assert "| aligned (orth) |" in printed and "| FedAvg, shared init | 10 + 10 |" in printed

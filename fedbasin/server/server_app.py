@@ -22,6 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedbasin.alignment import fedbasin_adapter, learned_refine, proxy_streams
 from fedbasin.checkpoint import load_checkpoint
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
+from fedbasin.server.distill import ensemble_distill
 from fedbasin.server.outputs import RunOutputs
 from fedbasin.strategies import AlignedFedAvg
 from fedbasin.training import resolve_device
@@ -45,6 +46,41 @@ def make_refiner(spec, model, task, config: dict):
         steps=config["refine-steps"], lr=config["refine-lr"], mode=config["symmetry"],
         permutations=config["refine-permutations"], match_iterations=config["align-iterations"],
     )
+
+
+def make_distiller(model, task, config: dict):
+    """``distill(merged, clients)``: ensemble distillation of the clients' mean logits into the
+    merged model on the proxy split (the same training / selection / evaluation parts as
+    :func:`make_refiner`; keep-best on the selection split)."""
+    if task.proxy is None:
+        raise ValueError(f"run-config distill-steps={config['distill-steps']} needs proxy data: "
+                         f"{task.name} has no proxy split (set proxy-size >= 10)")
+
+    def distill(merged: dict, clients: list[dict]):
+        data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
+        return ensemble_distill(model, merged, clients, task.loss_fn, data.batches, data.selection,
+                                data.evaluation, steps=config["distill-steps"], lr=config["distill-lr"],
+                                temperature=config["distill-temperature"])
+
+    return distill
+
+
+class DistillingAlignedFedAvg(AlignedFedAvg):
+    """``AlignedFedAvg`` whose merged model is then distilled from the ensemble of the round's
+    clients (those the cohort screening kept) by ``distill(merged, clients)``."""
+
+    def __init__(self, *args, distill, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.distill = distill
+
+    def _merge(self, server_round, previous, nodes, states, weights):
+        merged, metrics = super()._merge(server_round, previous, nodes, states, weights)
+        excluded = self._cohort_excluded(server_round)
+        result = self.distill(merged, [s for n, s in zip(nodes, states) if n not in excluded])
+        log(INFO, "round %d: ensemble distillation, selection proxy loss %.4f -> %.4f (step %d)",
+            server_round, result.initial_loss, result.best_loss, result.best_step)
+        return result.state, {**metrics, "distill_selection_loss_start": result.initial_loss,
+                              "distill_selection_loss": result.best_loss, "distill_best_step": result.best_step}
 
 
 def robust_options(config: dict) -> dict:
@@ -107,7 +143,8 @@ def run_server(grid: Grid, config: dict) -> dict:
         log(INFO, "fresh run (overwrite=true): removed %s from %s", removed, outputs.dir)
 
     spec = fedbasin_adapter(task.family, model.config).spec
-    strategy = AlignedFedAvg(
+    distill = {"distill": make_distiller(model, task, config)} if config["distill-steps"] > 0 else {}
+    strategy = (DistillingAlignedFedAvg if distill else AlignedFedAvg)(
         spec,
         alignment=config["alignment"],
         mode=config["symmetry"],
@@ -121,6 +158,7 @@ def run_server(grid: Grid, config: dict) -> dict:
         min_evaluate_nodes=config["min-nodes"],
         min_available_nodes=config["min-nodes"],
         **robust_options(config),
+        **distill,
     )
     exchanges = time_exchanges(grid)
     round_started = time.perf_counter()

@@ -8,14 +8,20 @@ client after the other), then reports test accuracy of
 * FedAvg (plain example-weighted average),
 * aligned merges (permutation, orthogonal): every client aligned to the largest client, then
   averaged -- what ``AlignedFedAvg`` does in round 1 with ``independent_init``,
+* with ``refine-steps > 0``: the aligned merge after server-side learned refinement on the proxy
+  split (``aligned + learned``),
+* with ``distill-steps > 0``: that merge (or the aligned one) after server-side ensemble
+  distillation on the proxy split (``aligned + distilled``), and, as a control, FedAvg distilled
+  the same way (``FedAvg + distilled``) -- the ServerApp's ``make_refiner`` / ``make_distiller``,
 * the logit ensemble (mean of the K models' logits; K times the inference cost),
 
 and the time of the alignment step against the round total (slowest client's training, as
-clients train in parallel, plus the merge). Writes a markdown table to stdout and JSON to
-``--out``::
+clients train in parallel, plus the merge). ``--further-rounds R`` then runs R FedAvg rounds
+from every merge against FedAvg from one shared initialisation with the same total local
+epochs. Writes markdown tables to stdout and JSON to ``--out``::
 
-    python -m fedbasin.simulations.oneshot --data digits \
-        --data cifar10:../shared/data/cifar10 --run-config "max-train-examples=4000"
+    python -m fedbasin.simulations.oneshot --data digits --further-rounds 3 \
+        --run-config "proxy-size=300 refine-steps=200 distill-steps=500"
 """
 
 from __future__ import annotations
@@ -25,12 +31,12 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from fedbasin.alignment import average_states, fedbasin_adapter, merge, refined_merge
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
+from fedbasin.server.distill import LogitEnsemble
 from fedbasin.server.outputs import write_json_atomic
-from fedbasin.server.server_app import make_refiner
+from fedbasin.server.server_app import make_distiller, make_refiner
 from fedbasin.simulations.simulate import parse_run_config
 from fedbasin.training import evaluate, resolve_device, train
 
@@ -44,58 +50,86 @@ COLUMNS = (  # row key, header, format
     ("aligned_permutation", "aligned (perm)", "{:.4f}"),
     ("aligned_orthogonal", "aligned (orth)", "{:.4f}"),
     ("aligned_learned", "aligned + learned", "{}"),
+    ("aligned_distilled", "aligned + distilled", "{}"),
+    ("fedavg_distilled", "FedAvg + distilled", "{}"),
     ("ensemble", "logit ensemble", "{:.4f}"),
-    ("align_seconds_permutation", "align s (perm)", "{:.2f}"),
     ("align_seconds_orthogonal", "align s (orth)", "{:.2f}"),
     ("round_seconds_orthogonal", "round s (orth)", "{:.1f}"),
 )
 
 
-class LogitEnsemble(nn.Module):
-    """``logits(x) = mean_k model_k(x)``."""
-
-    def __init__(self, models: list[nn.Module]):
-        super().__init__()
-        self.members = nn.ModuleList(models)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([m(x) for m in self.members]).mean(0)
-
-
-def one_shot(config: dict, num_clients: int, progress: bool = True) -> dict:
-    """Train ``num_clients`` independent clients on one run config and compare the merges."""
-    task = task_from_config(config)
-    device = resolve_device(config["device"])
-    states, weights, seconds, singles = [], [], [], []
-    model = None
+def train_clients(task, config: dict, num_clients: int, starts: list[dict] | None, epochs: int,
+                  seed: int, device, progress: bool) -> tuple[list[dict], list[float], list[float]]:
+    """Every client k trains ``epochs`` on its partition, from ``starts[k]`` (None: its own
+    initialisation, seed ``config.seed + 1 + k``); batch order from ``seed + k``. Returns the
+    trained states (copies), the example counts and the training seconds."""
+    states, weights, seconds = [], [], []
     for k in range(num_clients):
         data = task.partition(
             num_clients, k, config["partitioner"], config["dirichlet-alpha"], config["seed"]
         )
         model = model_from_config(task, config, seed=config["seed"] + 1 + k)
+        if starts is not None:
+            model.load_state_dict(starts[k])
         started = time.perf_counter()
-        train(
-            model,
-            data,
-            epochs=config["local-epochs"],
-            lr=config["lr"],
-            batch_size=config["batch-size"],
-            device=device,
-            seed=config["seed"] + 1000 + k,
-            weight_decay=config["weight-decay"],
-            progress=progress,
-        )
+        train(model, data, epochs=epochs, lr=config["lr"], batch_size=config["batch-size"],
+              device=device, seed=seed + k, weight_decay=config["weight-decay"], progress=progress)
         seconds.append(time.perf_counter() - started)
-        singles.append(task.evaluate(model, "test", device)["accuracy"])
-        states.append({key: value.detach().cpu() for key, value in model.state_dict().items()})
+        states.append({key: value.detach().cpu().clone() for key, value in model.state_dict().items()})
         weights.append(float(len(data)))
+    return states, weights, seconds
+
+
+def shared_init_epochs(local_epochs: int, rounds: int, epochs: int) -> int:
+    """Local epochs per round of FedAvg from a shared init over ``rounds + 1`` rounds with the
+    same total as one-shot + further rounds: ``(local_epochs + rounds · epochs) / (rounds + 1)``."""
+    total = local_epochs + rounds * epochs
+    if total % (rounds + 1):
+        raise ValueError(f"same total compute: local-epochs + {rounds} × {epochs} = {total} local epochs "
+                         f"cannot be split evenly over {rounds + 1} FedAvg rounds from a shared init")
+    return total // (rounds + 1)
+
+
+def further_rounds(task, config: dict, num_clients: int, starts: dict[str, dict], rounds: int,
+                   epochs: int, device, accuracy, progress: bool) -> dict:
+    """``rounds`` more FedAvg rounds (every client trains ``epochs`` from the global model, the
+    server takes the example-weighted mean) from each one-shot merge in ``starts``, and plain
+    FedAvg from one shared initialisation over ``rounds + 1`` rounds with the same local epochs
+    in all (``local-epochs + rounds · epochs``, split evenly). Returns ``{arm: {"epochs": per
+    round, "accuracy": test accuracy after every round}}``."""
+    shared = model_from_config(task, config, seed=config["seed"]).state_dict()
+    arms = {name: ([state], [config["local-epochs"]] + [epochs] * rounds) for name, state in starts.items()}
+    per_round = shared_init_epochs(config["local-epochs"], rounds, epochs)
+    arms["FedAvg, shared init"] = ([shared], [per_round] * (rounds + 1))
+    out = {}
+    for name, (history, schedule) in arms.items():
+        first = 1 if name in starts else 0  # one-shot arms already hold their round-1 merge
+        for r, round_epochs in enumerate(schedule[first:], start=first):
+            states, weights, _ = train_clients(task, config, num_clients, [history[-1]] * num_clients,
+                                               round_epochs, config["seed"] + 1000 * (r + 1), device, progress)
+            history.append(average_states(states, weights))
+        out[name] = {"epochs": schedule, "accuracy": [accuracy(s) for s in history[1 - first:]]}
+    return out
+
+
+def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int = 0,
+             further_epochs: int = 10) -> dict:
+    """Train ``num_clients`` independent clients on one run config and compare the merges
+    (and, with ``rounds > 0``, continue from them; see :func:`further_rounds`)."""
+    task = task_from_config(config)
+    device = resolve_device(config["device"])
+    states, weights, seconds = train_clients(task, config, num_clients, None, config["local-epochs"],
+                                             config["seed"] + 1000, device, progress)
+    model = model_from_config(task, config, seed=0)
 
     def accuracy(state: dict) -> float:
         model.load_state_dict(state)
         return task.evaluate(model, "test", device)["accuracy"]
 
+    singles = [accuracy(s) for s in states]
     spec = fedbasin_adapter(task.family, model.config).spec
     reference = max(range(num_clients), key=weights.__getitem__)
+    fedavg = average_states(states, weights)
     row = {
         "data": config["data"],
         "partitioner": config["partitioner"]
@@ -105,26 +139,42 @@ def one_shot(config: dict, num_clients: int, progress: bool = True) -> dict:
         "examples": weights,
         "client_accuracy": singles,
         "best_client": max(singles),
-        "fedavg": accuracy(average_states(states, weights)),
+        "fedavg": accuracy(fedavg),
         "train_seconds": seconds,
     }
+    merges = {"FedAvg": fedavg}
     for mode in MODES:
         result = merge(spec, states, weights, reference, mode, config["align-iterations"])
         row[f"aligned_{mode}"] = accuracy(result.state)
         row[f"align_seconds_{mode}"] = result.seconds
         row[f"round_seconds_{mode}"] = max(seconds) + result.seconds
-    row["aligned_learned"] = "—"
+        if mode == config["symmetry"]:
+            merges[f"aligned ({mode[:4]})"] = result.state
+    row["aligned_learned"] = row["aligned_distilled"] = row["fedavg_distilled"] = "—"
     if config["refine-steps"] > 0:  # server-side learned refinement on the proxy split
         refine = make_refiner(spec, model_from_config(task, config, seed=0), task, config)
-        merged, refined = refined_merge(spec, states, weights, reference, refine)
-        row["aligned_learned"] = f"{accuracy(merged):.4f}"
+        merges["aligned + learned"], refined = refined_merge(spec, states, weights, reference, refine)
+        row["aligned_learned"] = f"{accuracy(merges['aligned + learned']):.4f}"
         row["align_seconds_learned"] = refined.seconds
+        row["refine"] = refined.summary()
+    if config["distill-steps"] > 0:  # server-side ensemble distillation, from the best aligned merge
+        distill = make_distiller(model_from_config(task, config, seed=0), task, config)
+        start = "aligned + learned" if "aligned + learned" in merges else list(merges)[1]
+        for key, name in (("aligned_distilled", start), ("fedavg_distilled", "FedAvg")):
+            distilled = distill(merges[name], states)
+            row[key] = f"{accuracy(distilled.state):.4f}"
+            row[f"{key}_from"] = name
+            row[f"{key}_summary"] = distilled.summary()
+            merges[f"{name} + distilled" if key == "aligned_distilled" else "FedAvg + distilled"] = distilled.state
     members = []
     for state in states:
         member = model_from_config(task, config, seed=0)
         member.load_state_dict(state)
         members.append(member)
     row["ensemble"] = evaluate(LogitEnsemble(members), task.test, device)["accuracy"]
+    if rounds > 0:
+        row["further"] = further_rounds(task, config, num_clients, merges, rounds, further_epochs,
+                                        device, accuracy, progress)
     return row
 
 
@@ -134,6 +184,23 @@ def markdown(rows: list[dict]) -> str:
         "|" + "---|" * len(COLUMNS),
     ]
     lines += ["| " + " | ".join(fmt.format(r[key]) for key, _, fmt in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def further_markdown(rows: list[dict]) -> str:
+    """Test accuracy after every round of :func:`further_rounds`, one line per row and arm."""
+    rows = [r for r in rows if "further" in r]
+    if not rows:
+        return ""
+    rounds = len(next(iter(rows[0]["further"].values()))["epochs"])
+    lines = ["| data | partition | start | local epochs per round | "
+             + " | ".join(f"round {r}" for r in range(1, rounds + 1)) + " |",
+             "|" + "---|" * (4 + rounds)]
+    for r in rows:
+        for arm, result in r["further"].items():
+            epochs = " + ".join(str(e) for e in result["epochs"])
+            accs = " | ".join(f"{a:.4f}" for a in result["accuracy"])
+            lines.append(f"| {r['data']} | {r['partitioner']} | {arm} | {epochs} | {accs} |")
     return "\n".join(lines)
 
 
@@ -149,10 +216,23 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help=f"run-config overrides (defaults: DEFAULT_RUN_CONFIG with {ONESHOT_DEFAULTS})",
     )
+    p.add_argument("--further-rounds", type=int, default=0,
+                   help="then this many FedAvg rounds from every one-shot merge, against FedAvg from a "
+                   "shared initialisation with the same total local epochs (default 0: none)")
+    p.add_argument("--further-epochs", type=int, default=10, help="local epochs per further round (default 10)")
     p.add_argument("--out", default="runs/oneshot/results.json", help="JSON output")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # small models: one thread is fastest on a shared machine
-    overrides = {**ONESHOT_DEFAULTS, **parse_run_config(args.run_config)}
+    try:  # bad input is refused before any training
+        overrides = {**ONESHOT_DEFAULTS, **parse_run_config(args.run_config)}
+        resolve_run_config(overrides)
+        if args.clients < 1 or args.further_rounds < 0 or args.further_epochs < 1:
+            raise ValueError("--clients and --further-epochs must be >= 1, --further-rounds >= 0")
+        if args.further_rounds:
+            shared_init_epochs(resolve_run_config(overrides)["local-epochs"], args.further_rounds,
+                               args.further_epochs)
+    except ValueError as error:
+        p.error(str(error))
     rows = []
     for data in args.data or ["digits"]:
         for partitioner in ("iid", "dirichlet"):
@@ -165,12 +245,15 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             started = time.perf_counter()
-            row = one_shot(config, args.clients)
+            row = one_shot(config, args.clients, rounds=args.further_rounds, further_epochs=args.further_epochs)
             row["seconds"] = time.perf_counter() - started
             rows.append(row)
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(markdown(rows))
+    if args.further_rounds:
+        print()
+        print(further_markdown(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, {"args": vars(args), "rows": rows})

@@ -24,7 +24,9 @@ from fedbasin.atomic import atomic_write
 from fedbasin.data import load_task
 from fedbasin.simulations import barriers
 
-SECTIONS = ("barriers", "barrier-seeds", "many", "width", "oneshot")
+SECTIONS = ("barriers", "barrier-seeds", "many", "many4", "width", "oneshot", "oneshot-seeds")
+ONESHOT_PROXY = "proxy-size=300 refine-steps=200 distill-steps=500"  # the server's proxy levers, §4
+ONESHOT_SEEDS = (0, 1, 2)
 SEED_PAIRS = ((0, 1), (2, 3), (4, 5))
 
 
@@ -107,24 +109,61 @@ def section_width(args, out: Path) -> str:
     return (out / "width.md").read_text()
 
 
+def section_many4(args, out: Path) -> str:
+    """Four digits models (issue 7 item 5): the centroid against the best single model."""
+    from fedbasin.simulations import many
+
+    results = _cached(out / "digits_results.json", args.rerun,
+                      lambda: many.main(["--task", "digits", "--models", "4", "--simplex-steps", "4",
+                                         "--out", str(out)]))
+    return many.markdown(results)
+
+
 def section_oneshot(args, out: Path) -> str:
     from fedbasin.simulations import oneshot
 
     tables = []
-    for name, run_config, title in (
-        ("digits", "", "Clients hold the whole training split (1,437 images):"),
-        ("digits_refined", "proxy-size=300 refine-steps=200",
+    for name, run_config, extra, title in (
+        ("digits", "", [], "Clients hold the whole training split (1,437 images):"),
+        ("digits_proxy", ONESHOT_PROXY, ["--further-rounds", "3", "--further-epochs", "10"],
          "The server holds 300 training images as proxy data (clients share the other 1,137):"),
     ):
         path = out / f"{name}.json"
-        argv = ["--data", "digits", "--out", str(path)] + (["--run-config", run_config] if run_config else [])
+        argv = ["--data", "digits", "--out", str(path)] + (["--run-config", run_config] if run_config else []) + extra
         rows = _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]
         tables.append(f"{title}\n\n{oneshot.markdown(rows)}")
+        if extra:
+            tables.append("Three further FedAvg rounds (10 local epochs each) from every one-shot merge, against "
+                          "FedAvg from one shared initialisation with the same 60 local epochs per client "
+                          f"(4 rounds × 15); test accuracy after each round:\n\n{oneshot.further_markdown(rows)}")
     return "\n\n".join(tables)
 
 
+def section_oneshot_seeds(args, out: Path) -> str:
+    """The digits one-shot rows with the server's proxy levers over three seeds: mean ± sd."""
+    from fedbasin.simulations import oneshot
+
+    rows = []
+    for seed in ONESHOT_SEEDS:
+        path = out / f"seed{seed}.json"
+        argv = ["--data", "digits", "--out", str(path), "--run-config", f"{ONESHOT_PROXY} seed={seed}"]
+        rows += _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]
+    keys = [(k, title) for k, title, _ in oneshot.COLUMNS if k in ("best_client", "fedavg", "aligned_orthogonal",
+            "aligned_learned", "aligned_distilled", "fedavg_distilled", "ensemble")]
+    lines = ["| partition | " + " | ".join(title for _, title in keys) + " |", "|" + "---|" * (len(keys) + 1)]
+    for partition in dict.fromkeys(r["partitioner"] for r in rows):
+        group = [r for r in rows if r["partitioner"] == partition]
+        cells = []
+        for key, _ in keys:
+            values = [float(r[key]) for r in group]
+            cells.append(f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}")
+        lines.append(f"| {partition} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\nseeds {', '.join(map(str, ONESHOT_SEEDS))} (data split, partitions, inits, batch order)"
+
+
 RUNNERS = {"barriers": section_barriers, "barrier-seeds": section_barrier_seeds, "many": section_many,
-           "width": section_width, "oneshot": section_oneshot}
+           "many4": section_many4, "width": section_width, "oneshot": section_oneshot,
+           "oneshot-seeds": section_oneshot_seeds}
 
 
 def main(argv=None) -> dict:
@@ -132,7 +171,7 @@ def main(argv=None) -> dict:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="comma-separated; times on 2 idle cores: barriers 2 min per digits pair (cifar10 "
-                        "~12 min, shakespeare ~25 min), barrier-seeds 4 min, many 2 min, width 2 min, oneshot 2 min")
+                        "~12 min, shakespeare ~25 min), barrier-seeds 4 min, many 2 min, many4 5 min, width 2 min, oneshot 8 min, oneshot-seeds 6 min")
     parser.add_argument("--tasks", default="digits", help="barriers section: tasks (digits, cifar10, shakespeare)")
     parser.add_argument("--cifar", default="../shared/data/cifar10", help="CIFAR-10 parquet directory")
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt", help="Tiny Shakespeare file")

@@ -1,0 +1,166 @@
+"""Server-side ensemble distillation of a merged model (FedDF-style).
+
+The teacher is the clients' ensemble, ``t(x) = (1/K) Σ_k f_k(x)`` (mean logits, the
+"logit ensemble" of docs/benchmarks.md §4); the student starts from the merged model θ₀ and
+minimises ``T² · KL(softmax(t(x)/T) ‖ softmax(f_θ(x)/T))`` on the server's proxy inputs (labels
+unused) with Adam and a cosine learning-rate schedule. Keep-best on a disjoint *selection*
+split: the student is scored every ``eval_every`` steps by ``loss_fn`` against the true labels
+and the best state seen (θ₀ included) is returned, so distillation never returns something worse
+than its start on that split; an optional *evaluation* split is only reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class DistillResult:
+    """state: the kept student; history: (step, selection loss); best_step 0: θ₀ unchanged."""
+
+    state: dict
+    history: list[tuple[int, float]] = field(default_factory=list)
+    initial_loss: float = math.nan
+    best_loss: float = math.nan
+    best_step: int = 0
+    evaluation_initial_loss: float = math.nan
+    evaluation_loss: float = math.nan
+    seconds: float = 0.0
+
+    @property
+    def improved(self) -> bool:
+        return self.best_step > 0
+
+    def summary(self) -> dict:
+        """JSON-ready record; says plainly when distillation returned its start unchanged."""
+        out = {"selection_loss_start": self.initial_loss, "selection_loss_best": self.best_loss,
+               "best_step": self.best_step, "improved": self.improved, "seconds": round(self.seconds, 3)}
+        if not math.isnan(self.evaluation_loss):
+            out.update(evaluation_loss_start=self.evaluation_initial_loss, evaluation_loss=self.evaluation_loss)
+        if not self.improved:
+            out["note"] = "distillation could not improve on the merged model (best_step 0): it is returned unchanged"
+        return out
+
+
+class LogitEnsemble(nn.Module):
+    """``logits(x) = mean_k model_k(x)`` (outputs with a ``.logits`` field are unwrapped)."""
+
+    def __init__(self, models: list[nn.Module]):
+        super().__init__()
+        self.members = nn.ModuleList(models)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([_logits(m, x) for m in self.members]).mean(0)
+
+
+def _logits(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = module(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``T² · KL(softmax(teacher/T) ‖ softmax(student/T))``, mean over every predicted position."""
+    s = student.reshape(-1, student.shape[-1]) / temperature
+    t = teacher.reshape(-1, teacher.shape[-1]) / temperature
+    kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean")
+    return kl * temperature**2
+
+
+def ensemble_distill(
+    model: nn.Module,
+    student: dict,
+    teachers: list[dict],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    batches: Iterable[Batch],
+    selection: list[Batch],
+    evaluation: list[Batch] | None = None,
+    steps: int = 200,
+    lr: float = 1e-3,
+    temperature: float = 1.0,
+    eval_every: int = 10,
+    progress: bool = False,
+) -> DistillResult:
+    """Distil the mean-logit ensemble of ``teachers`` into ``student`` (see the module doc).
+
+    model: any module of the architecture (copied; its own weights are not used or changed);
+    batches: an endless (or long enough) iterable of proxy ``(inputs, targets)`` training batches
+    (targets unused); selection / evaluation: lists of batches disjoint from them.
+    """
+    if not teachers:
+        raise ValueError("ensemble distillation needs at least one teacher")
+    if not selection:
+        raise ValueError("ensemble distillation: the selection split is empty (keep-best needs data to choose on)")
+    for name, value in (("steps", steps), ("eval_every", eval_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (name == "eval_every"):
+            raise ValueError(f"{name} must be an integer >= {int(name == 'eval_every')}, got {value!r}")
+    for name, value in (("lr", lr), ("temperature", temperature)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    started = time.perf_counter()
+    device = next(iter(model.parameters())).device
+    members = []
+    for state in teachers:
+        member = copy.deepcopy(model)
+        member.load_state_dict(state)
+        members.append(member.requires_grad_(False))
+    ensemble = LogitEnsemble(members).eval()
+    net = copy.deepcopy(model)
+    net.load_state_dict(student)
+
+    @torch.no_grad()
+    def split_loss(split: list[Batch]) -> float:
+        net.eval()
+        total = sum(float(loss_fn(_logits(net, x.to(device)), y.to(device))) * len(y) for x, y in split)
+        return total / sum(len(y) for _, y in split)
+
+    def snapshot() -> dict:
+        return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+    best = initial = split_loss(selection)
+    result = DistillResult(snapshot(), [(0, initial)], initial_loss=initial)
+    if evaluation is not None:
+        result.evaluation_initial_loss = split_loss(evaluation)
+    optimiser = torch.optim.Adam(net.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimiser, lambda t: 0.5 * (1 + math.cos(math.pi * t / max(steps, 1))))
+    iterator = iter(batches)
+    with tqdm(total=steps, desc="ensemble distillation", unit="step", disable=not progress, leave=False) as bar:
+        for step in range(1, steps + 1):
+            x, _ = next(iterator)
+            x = x.to(device)
+            with torch.no_grad():
+                teacher = ensemble(x)
+            net.train()
+            loss = distillation_loss(_logits(net, x), teacher, temperature)
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            schedule.step()
+            bar.update(1)
+            if step % eval_every == 0 or step == steps:
+                value = split_loss(selection)
+                result.history.append((step, value))
+                if value < best:
+                    best, result.state, result.best_step = value, snapshot(), step
+                if progress:
+                    bar.set_postfix(kl=f"{loss.item():.4f}", best=f"{best:.4f}")
+    result.best_loss = best
+    if evaluation is not None:
+        if result.improved:
+            net.load_state_dict(result.state)
+            result.evaluation_loss = split_loss(evaluation)
+        else:
+            result.evaluation_loss = result.evaluation_initial_loss
+    result.seconds = time.perf_counter() - started
+    return result
