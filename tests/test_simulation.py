@@ -281,3 +281,19 @@ def test_one_shot_comparison_smoke(tmp_path, capsys):
         assert further["FedAvg"]["accuracy"][1] > further["FedAvg"]["accuracy"][0]
     printed = capsys.readouterr().out
     assert "| aligned (orth) |" in printed and "| FedAvg, shared init | 10 + 10 |" in printed
+
+
+def test_one_shot_refuses_bad_input_before_training(tmp_path, capsys):
+    from fedbasin.simulations import oneshot
+
+    for argv, message in (
+        (["--further-rounds", "2"], "50 local epochs cannot be split evenly over 3 FedAvg rounds"),
+        (["--data", f"cifar10:{tmp_path / 'nowhere'}"], "is neither a directory nor a parquet file"),
+        (["--run-config", "distill-steps=5"], "distill-steps=5 needs proxy-size >= 10"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            oneshot.main([*argv, "--out", str(tmp_path / "out.json")])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert not (tmp_path / "out.json").exists()

@@ -27,7 +27,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass
 class DistillResult:
-    """state: the kept student; history: (step, selection loss); best_step 0: θ₀ unchanged."""
+    """state: the kept student (on the CPU); history: (step, selection loss); best_step 0: θ₀ unchanged."""
 
     state: dict
     history: list[tuple[int, float]] = field(default_factory=list)
@@ -125,7 +125,7 @@ def ensemble_distill(
         return total / sum(len(y) for _, y in split)
 
     def snapshot() -> dict:
-        return {k: v.detach().clone() for k, v in net.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
 
     best = initial = split_loss(selection)
     result = DistillResult(snapshot(), [(0, initial)], initial_loss=initial)

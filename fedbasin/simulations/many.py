@@ -52,7 +52,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--task", default="digits", choices=sorted(TASKS))
     parser.add_argument("--models", type=int, default=4)
     parser.add_argument("--refine-steps", type=int, default=200)
-    parser.add_argument("--distill-steps", type=int, default=500, help="ensemble distillation steps (0: skip)")
+    parser.add_argument("--distill-steps", type=int, default=1000, help="ensemble distillation steps (0: skip)")
+    parser.add_argument("--distill-examples", type=int, default=0,
+                        help="training examples distillation uses (60%% train / 20%% select / 20%% report; "
+                        "0: the whole training split)")
     parser.add_argument("--simplex-steps", type=int, default=10)
     parser.add_argument("--cifar", default="../shared/data/cifar10")
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt")
@@ -106,10 +109,12 @@ def main(argv=None) -> dict:
                                      canon_ref.gains),
     }
     if args.distill_steps > 0:
+        transfer = task.train.subset(torch.arange(min(args.distill_examples or len(task.train), len(task.train))))
         for name, start in (("learned + distilled", "learned"), ("vanilla + distilled", "vanilla")):
+            split = proxy_streams(transfer, 64, seed=0)
             distilled = ensemble_distill(build_model(family, config), merged[start], states, cross_entropy,
-                                         proxy_streams(proxy, 64, seed=0).batches, data.selection,
-                                         data.evaluation, steps=args.distill_steps, lr=2e-3, temperature=3.0)
+                                         split.batches, split.selection, split.evaluation,
+                                         steps=args.distill_steps, lr=1e-3, temperature=3.0)
             merged[name] = distilled.state
             timings[name] = timings.get(start, 0.0) + distilled.seconds
             results.setdefault("distill", {})[name] = distilled.summary()

@@ -231,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.further_rounds:
             shared_init_epochs(resolve_run_config(overrides)["local-epochs"], args.further_rounds,
                                args.further_epochs)
-    except ValueError as error:
+        for data in args.data or ["digits"]:  # loads (and caches) every data source up front
+            task_from_config(resolve_run_config({**overrides, "data": data}))
+    except (ValueError, FileNotFoundError) as error:
         p.error(str(error))
     rows = []
     for data in args.data or ["digits"]:
