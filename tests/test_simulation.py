@@ -256,31 +256,48 @@ def test_one_shot_comparison_smoke(tmp_path, capsys):
     from fedbasin.simulations import oneshot
 
     out = tmp_path / "oneshot.json"
-    run_config = "local-epochs=15 max-train-examples=600 align-iterations=5 seed=0 proxy-size=150 distill-steps=60"
-    argv = ["--clients", "2", "--run-config", run_config, "--out", str(out), "--further-rounds", "1",
-            "--further-epochs", "5"]
-    assert oneshot.main(argv) == 0
+    run_config = "local-epochs=15 max-train-examples=600 align-iterations=5 seed=0"
+    assert oneshot.main(["--clients", "2", "--run-config", run_config, "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["partitioner"] for r in rows] == ["iid", "dirichlet(0.5)"]
     for key in ("best_client", "fedavg", "aligned_permutation", "aligned_orthogonal", "ensemble"):
         assert all(0.0 <= r[key] <= 1.0 for r in rows)
-    iid = rows[0]  # two independently initialised clients: averaging ruins them, aligning does not
-    # (seed 0 measured: FedAvg 0.23, permutation 0.53, orthogonal 0.58, best client 0.60)
-    assert iid["aligned_orthogonal"] > iid["fedavg"] + 0.2
-    assert iid["aligned_permutation"] > iid["fedavg"] + 0.2
+    iid = rows[0]  # two independently initialised clients: averaging ruins them, aligning less so
+    # (seed 0 measured: FedAvg 0.28, permutation 0.40, orthogonal 0.42, best client 0.69, ensemble 0.84;
+    # the 0.67 / 0.69 recorded here before came from merging a client already overwritten by FedAvg)
+    assert iid["aligned_orthogonal"] > iid["fedavg"] + 0.1
+    assert iid["aligned_permutation"] > iid["fedavg"] + 0.1
+    assert iid["ensemble"] > iid["best_client"] > iid["aligned_orthogonal"]
     assert iid["best_client"] >= max(r["fedavg"] for r in rows)
-    for r in rows:  # distilling the clients' ensemble lifts both merges (kept on the selection split)
-        assert r["aligned_distilled_from"] == "aligned (orth)"
-        assert float(r["aligned_distilled"]) > r["aligned_orthogonal"]
-        assert float(r["fedavg_distilled"]) > r["fedavg"] + 0.1
-        assert r["aligned_distilled_summary"]["selection_loss_best"] < r["aligned_distilled_summary"]["selection_loss_start"]
-        further = r["further"]  # one more FedAvg round from every merge; shared init: same 20 epochs in 2 rounds
-        assert further["FedAvg, shared init"]["epochs"] == [10, 10]
-        assert further["aligned (orth)"]["epochs"] == [15, 5]
-        assert further["aligned (orth)"]["accuracy"][0] == r["aligned_orthogonal"]
-        assert further["FedAvg"]["accuracy"][1] > further["FedAvg"]["accuracy"][0]
-    printed = capsys.readouterr().out
-    assert "| aligned (orth) |" in printed and "| FedAvg, shared init | 10 + 10 |" in printed
+    assert "| aligned (orth) |" in capsys.readouterr().out
+
+
+def test_one_shot_distillation_and_further_rounds():
+    """With a server proxy split: distilling the clients' logit ensemble lifts the aligned merge
+    and the plain average; then one more FedAvg round from every merge, and FedAvg from a shared
+    init with the same 20 local epochs in 2 rounds."""
+    from fedbasin.config import resolve_run_config
+    from fedbasin.simulations import oneshot
+
+    config = resolve_run_config({**oneshot.ONESHOT_DEFAULTS, "local-epochs": 15, "max-train-examples": 600,
+                                 "align-iterations": 5, "proxy-size": 150, "distill-steps": 60})
+    row = oneshot.one_shot(config, 2, progress=False, rounds=1, further_epochs=5)
+    # seed 0 measured: FedAvg 0.46 -> distilled 0.60; aligned (orth) 0.51 -> distilled 0.63
+    assert row["aligned_distilled_from"] == "aligned (orth)"
+    assert float(row["aligned_distilled"]) > row["aligned_orthogonal"] + 0.05
+    assert float(row["fedavg_distilled"]) > row["fedavg"] + 0.1
+    summary = row["aligned_distilled_summary"]
+    assert summary["improved"] and summary["selection_loss_best"] < summary["selection_loss_start"]
+    further = row["further"]
+    assert list(further) == ["FedAvg", "aligned (orth)", "aligned (orth) + distilled", "FedAvg + distilled",
+                             "FedAvg, shared init"]
+    assert further["FedAvg, shared init"]["epochs"] == [10, 10]
+    assert further["aligned (orth)"]["epochs"] == [15, 5]
+    assert further["aligned (orth)"]["accuracy"][0] == row["aligned_orthogonal"]
+    assert further["FedAvg + distilled"]["accuracy"][0] == pytest.approx(float(row["fedavg_distilled"]), abs=5e-5)
+    assert further["FedAvg"]["accuracy"][1] > further["FedAvg"]["accuracy"][0] + 0.1
+    table = oneshot.further_markdown([row])
+    assert "| FedAvg, shared init | 10 + 10 |" in table and len(table.splitlines()) == 2 + 5
 
 
 def test_one_shot_refuses_bad_input_before_training(tmp_path, capsys):
