@@ -102,7 +102,7 @@ def test_server_option_distils_the_round_merge(serverapp_identity):
     model = build_model("vit", DIGITS_VIT)
     spec = fedbasin_adapter("vit", model.config).spec
     states = [trained_digits_vit(seed) for seed in range(3)]
-    options = dict(independent_init=True, min_train_nodes=3, min_available_nodes=3)
+    options = {"independent_init": True, "min_train_nodes": 3, "min_available_nodes": 3}
     plain, _ = one_shot_round(AlignedFedAvg(spec, **options), states)
     distilled, metrics = one_shot_round(
         DistillingAlignedFedAvg(spec, distill=make_distiller(model, task, config), **options), states)

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from fedbasin.alignment.refine import RefineResult
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -43,11 +45,9 @@ class DistillResult:
         return self.best_step > 0
 
     def summary(self) -> dict:
-        """JSON-ready record; says plainly when distillation returned its start unchanged."""
-        out = {"selection_loss_start": self.initial_loss, "selection_loss_best": self.best_loss,
-               "best_step": self.best_step, "improved": self.improved, "seconds": round(self.seconds, 3)}
-        if not math.isnan(self.evaluation_loss):
-            out.update(evaluation_loss_start=self.evaluation_initial_loss, evaluation_loss=self.evaluation_loss)
+        """JSON-ready record, the same keep-best record as learned refinement's; says plainly when
+        distillation returned its start unchanged."""
+        out = RefineResult.summary(self)
         if not self.improved:
             out["note"] = "distillation could not improve on the merged model (best_step 0): it is returned unchanged"
         return out
