@@ -61,6 +61,12 @@ def test_distillation_lowers_the_selection_loss_of_a_collapsed_average_and_keeps
         agree_before = (before.eval()(x).argmax(-1) == teacher).float().mean()
         agree_after = (model.eval()(x).argmax(-1) == teacher).float().mean()
     assert agree_after > agree_before + 0.3
+    # keep-best: a learning rate far too large wrecks a trained student at every step, so the start
+    # comes back unchanged (not the last step)
+    worse = ensemble_distill(build_model("vit", DIGITS_VIT), states[0], states, cross_entropy, data.batches,
+                             data.selection, steps=30, lr=1.0, eval_every=10)
+    assert worse.best_step == 0 and min(loss for step, loss in worse.history if step) > worse.initial_loss + 0.5
+    assert all(torch.equal(worse.state[k], states[0][k]) for k in average)
     unchanged = ensemble_distill(build_model("vit", DIGITS_VIT), average, states, cross_entropy, data.batches,
                                  data.selection, steps=0)
     assert unchanged.best_step == 0 and "returned unchanged" in unchanged.summary()["note"]
