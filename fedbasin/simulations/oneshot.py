@@ -178,12 +178,18 @@ def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int 
     return row
 
 
+def source_name(data: str) -> str:
+    """``cifar10:/some/dir`` → ``cifar10`` (tables name the data, not where it lies)."""
+    return data.split(":", 1)[0]
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
     ]
-    lines += ["| " + " | ".join(fmt.format(r[key]) for key, _, fmt in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt.format(source_name(r[key]) if key == "data" else r[key])
+                                for key, _, fmt in COLUMNS) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -200,7 +206,7 @@ def further_markdown(rows: list[dict]) -> str:
         for arm, result in r["further"].items():
             epochs = " + ".join(str(e) for e in result["epochs"])
             accs = " | ".join(f"{a:.4f}" for a in result["accuracy"])
-            lines.append(f"| {r['data']} | {r['partitioner']} | {arm} | {epochs} | {accs} |")
+            lines.append(f"| {source_name(r['data'])} | {r['partitioner']} | {arm} | {epochs} | {accs} |")
     return "\n".join(lines)
 
 
