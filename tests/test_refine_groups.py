@@ -13,7 +13,7 @@ from fedbasin.data import load_task
 from fedbasin.models import build_model
 from fedbasin.training import cross_entropy
 
-from .helpers import DIGITS_VIT, GPT, VIT, inputs, rel_err, run, spec_of, trained_digits_vit, trained_like
+from .helpers import DIGITS_VIT, GPT, VIT, cli_error, inputs, rel_err, run, spec_of, trained_digits_vit, trained_like
 
 CONFIGS = {
     "vit-ln-gelu": ("vit", dict(VIT)),
@@ -148,3 +148,26 @@ def test_bad_options_are_refused_before_any_work(bad, message):
     with pytest.raises(ValueError, match=message):
         learned_refine(spec, build_model("vit", VIT).double(), a, [a], cross_entropy, iter(()), [(None, None)],
                        **bad)
+
+
+def test_cli_merge_with_the_invertible_group(tmp_path, capsys):
+    import json
+
+    from fedbasin.checkpoint import save_checkpoint
+    from fedbasin.cli import main
+
+    config = dict(image_size=8, patch_size=2, channels=1, num_classes=10, dim=16, depth=1, heads=2, mlp_dim=32,
+                  activation="relu")
+    for seed in (1, 2):
+        m = trained_like("vit", config, seed=seed, dtype=torch.float32)
+        save_checkpoint(tmp_path / f"m{seed}", "vit", m.config, m.state_dict())
+    models = [str(tmp_path / "m1"), str(tmp_path / "m2")]
+    assert "--refine-lambda 0.8 0.2" in cli_error(capsys, ["merge", *models, "--out", str(tmp_path / "bad"),
+                                                           "--refine-data", "digits", "--refine-lambda", "0.8", "0.2"])
+    assert not (tmp_path / "bad").exists()
+    assert main(["merge", *models, "--out", str(tmp_path / "out"), "--refine-data", "digits", "--refine-steps", "6",
+                 "--refine-examples", "80", "--refine-group", "invertible", "--refine-schedule", "cosine",
+                 "--refine-lambda", "0", "1"]) == 0
+    info = json.loads(capsys.readouterr().out)["refinement"]
+    assert info["selection_loss_best"] <= info["selection_loss_start"]
+    assert (tmp_path / "out" / "model.safetensors").exists()
