@@ -65,7 +65,7 @@ def trained_pair(name: str, spec: dict, task, out: Path, progress: bool, seeds=(
 
 # learned-refinement settings of the barrier table (keys of ``learned_refine``); see docs/merging.md §7
 REFINE_DEFAULTS = dict(steps=1000, lr=1e-2, group="invertible", mode="best", lambda_range=(0.0, 1.0),
-                       schedule="cosine", permutations="ste", dual=False, selection_lambdas=(0.5,))
+                       schedule="constant", permutations="ste", dual=False, selection_lambdas=(0.5,))
 REFINE_OLD = dict(steps=200, lr=1e-2, group="orthogonal", mode="orthogonal", lambda_range=(0.4, 0.6),
                   schedule="constant", permutations="ste", dual=False, selection_lambdas=(0.5,))
 
@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
                         help="training examples used as proxy data (60/20/20 train/selection/evaluation)")
     parser.add_argument("--refine-settings", choices=["new", "old"], default="new",
                         help="learned-refinement defaults: 'new' (invertible group, best start, λ ~ U(0, 1), "
-                        "cosine schedule) or 'old' (orthogonal group, orthogonal start, λ ~ U(0.4, 0.6), constant)")
+                        "constant lr) or 'old' (orthogonal group, orthogonal start, λ ~ U(0.4, 0.6), constant)")
     parser.add_argument("--refine-group", choices=["orthogonal", "invertible"])
     parser.add_argument("--refine-start", choices=["permutation", "orthogonal", "best"])
     parser.add_argument("--refine-lambda", type=float, nargs=2, metavar=("LO", "HI"), help="λ ~ U(LO, HI)")
