@@ -140,7 +140,7 @@ def test_best_start_picks_the_lower_selection_loss():
     (dict(lambda_range=(0.7, 0.2)), "lambda_range"),
     (dict(schedule="linear"), "schedule"),
     (dict(dual=True, include_reference=False), "include_reference"),
-    (dict(mode="whatever"), "mode must be"),
+    (dict(mode="whatever"), "symmetry mode must be one of"),
 ])
 def test_bad_options_are_refused_before_any_work(bad, message):
     spec = spec_of("vit", VIT)

@@ -34,7 +34,7 @@ from torch import nn
 
 from .canonical import canonicalize, to_gauge
 from .group import GroupElement, HeadMap, NeuronMap, apply_group, compose, ones_complement, rotary_planes
-from .matching import hungarian, progress_bar, weight_match
+from .matching import MODES, hungarian, progress_bar, weight_match
 from .merge import average_states, merge
 from .spec import SymmetrySpec, check_compatible
 
@@ -374,8 +374,8 @@ def learned_refine(
         raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
-    if mode not in ("permutation", "orthogonal", "best"):
-        raise ValueError(f"mode must be 'permutation', 'orthogonal' or 'best', got {mode!r}")
+    if mode not in (*MODES, "best"):
+        raise ValueError(f"symmetry mode must be one of {(*MODES, 'best')}, got {mode!r}")
     lo, hi = (float(v) for v in lambda_range)
     if not 0.0 <= lo <= hi <= 1.0:
         raise ValueError(f"lambda_range must satisfy 0 <= lo <= hi <= 1, got {lambda_range!r}")
