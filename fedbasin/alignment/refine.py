@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .canonical import canonicalize, to_gauge
-from .group import GroupElement, HeadMap, NeuronMap, apply_group, compose, ones_complement, rotary_planes
+from .group import GroupElement, HeadMap, NeuronMap, apply_group, compose, ones_complement, plane_rotations
 from .matching import MODES, hungarian, progress_bar, weight_match
 from .merge import average_states, merge
 from .spec import SymmetrySpec, check_compatible
@@ -136,20 +136,20 @@ class _Delta(nn.Module):
         """(A, A⁻ᵀ, B, B⁻ᵀ) of layer i, each (H, d_h, d_h)."""
         a = self.spec.attention[i]
         if not self.invertible:
-            qk = _plane_rotation(self.qk[i], a.head_dim, a.rotary) if a.rotary else cayley(self.qk[i])
+            qk = plane_rotations(self.qk[i], a.head_dim, a.rotary) if a.rotary else cayley(self.qk[i])
             ov = cayley(self.ov[i])
             return qk, qk, ov, ov
         if a.rotary:
             scale = self.qk_log_scale[sum(1 for b in self.spec.attention[:i] if b.rotary)].exp()
-            qk = _plane_rotation(self.qk[i], a.head_dim, a.rotary, scale)
-            qk_dual = _plane_rotation(self.qk[i], a.head_dim, a.rotary, 1.0 / scale)
+            qk = plane_rotations(self.qk[i], a.head_dim, a.rotary, scale)
+            qk_dual = plane_rotations(self.qk[i], a.head_dim, a.rotary, 1.0 / scale)
         else:
             qk, qk_dual = torch.linalg.matrix_exp(self.qk[i]), torch.linalg.matrix_exp(-self.qk[i].transpose(1, 2))
         return qk, qk_dual, torch.linalg.matrix_exp(self.ov[i]), torch.linalg.matrix_exp(-self.ov[i].transpose(1, 2))
 
-    def _perm(self, scores: nn.ParameterList, i: int, n: int, tau: float, hard: bool, like: torch.Tensor):
+    def _perm(self, scores: nn.ParameterList, i: int, n: int, tau: float, hard: bool):
         if self.permutations == "fixed":
-            return torch.eye(n, dtype=like.dtype, device=like.device)
+            return torch.eye(n, dtype=self.residual.dtype, device=self.residual.device)
         return project_permutation(scores[i], self.permutations, tau, hard)
 
     def neuron_scale(self, i: int) -> torch.Tensor | None:
@@ -181,7 +181,7 @@ class _Delta(nn.Module):
         out = dict(state)
         for i, a in enumerate(self.spec.attention):
             H, dh = a.num_heads, a.head_dim
-            p = self._perm(self.head_scores, i, H, tau, hard, self.residual)
+            p = self._perm(self.head_scores, i, H, tau, hard)
             qk, qk_dual, ov, ov_dual = self.within_head(i)
             for lin, m in ((a.q, qk), (a.k, qk_dual), (a.v, ov)):
                 w = torch.einsum("hg,gjd->hjd", p, out[lin.weight].reshape(H, dh, -1))
@@ -193,7 +193,7 @@ class _Delta(nn.Module):
             w = torch.einsum("hg,dgj->dhj", p, w)
             out[a.o.weight] = torch.einsum("dhj,hji->dhi", w, ov_dual).reshape(w.shape[0], H * dh)
         for i, m in enumerate(self.spec.mlp):
-            p = self._perm(self.neuron_scores, i, out[m.up.weight].shape[0], tau, hard, self.residual)
+            p = self._perm(self.neuron_scores, i, out[m.up.weight].shape[0], tau, hard)
             scale = self.neuron_scale(i)
             for lin in (m.up, m.gate):
                 if lin is not None:
@@ -210,23 +210,6 @@ class _Delta(nn.Module):
         for key, axis in self.spec.residual:
             out[key] = (out[key].movedim(axis, -1) @ o).movedim(-1, axis)
         return out
-
-
-def _plane_rotation(angles: torch.Tensor, head_dim: int, layout: str, scales: torch.Tensor | None = None):
-    """Differentiable per-plane maps (H, d_h, d_h) ``s·R(φ)`` from angles φ and scales s (H, d_h/2)."""
-    planes = rotary_planes(head_dim, layout).to(angles.device)
-    c, s = torch.cos(angles), torch.sin(angles)
-    if scales is not None:
-        c, s = c * scales, s * scales
-    a, b = planes[:, 0], planes[:, 1]
-    eye_a = torch.zeros(head_dim // 2, head_dim, dtype=angles.dtype, device=angles.device)
-    eye_a[torch.arange(head_dim // 2), a] = 1.0
-    eye_b = torch.zeros_like(eye_a)
-    eye_b[torch.arange(head_dim // 2), b] = 1.0
-    # Σ_planes c (e_a e_aᵀ + e_b e_bᵀ) + s (e_b e_aᵀ − e_a e_bᵀ)
-    diag = torch.einsum("hp,pi,pj->hij", c, eye_a, eye_a) + torch.einsum("hp,pi,pj->hij", c, eye_b, eye_b)
-    off = torch.einsum("hp,pi,pj->hij", s, eye_b, eye_a) - torch.einsum("hp,pi,pj->hij", s, eye_a, eye_b)
-    return diag + off
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
