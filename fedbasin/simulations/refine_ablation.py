@@ -7,7 +7,7 @@ The pair is trained (or reused) exactly as ``fedbasin.simulations.barriers`` doe
 ``OUT/TASK/seedN``). Each variant is a JSON object of :func:`fedbasin.alignment.learned_refine`
 options applied over ``barriers.REFINE_DEFAULTS`` (``"settings": "old"`` starts from
 ``barriers.REFINE_OLD`` instead), plus ``"proxy"`` (training examples used as proxy data, split
-60/20/20). Each line reports the test barrier (11 λ), the midpoint accuracy, the selection and
+60/20/20; default the settings' own). Each line reports the test barrier (11 λ), the midpoint accuracy, the selection and
 evaluation losses at the start and of the returned alignment, and wall and CPU seconds.
 """
 
@@ -26,10 +26,9 @@ from fedbasin.simulations import barriers
 def run_variant(checkpoints, task, eval_split, variant: dict, default_proxy: int) -> dict:
     """Barrier and timing of one refinement variant (no data-free rows)."""
     options = dict(variant)
-    base = barriers.REFINE_OLD if options.pop("settings", "new") == "old" else barriers.REFINE_DEFAULTS
-    options = {**base, **options}
     proxy = options.pop("proxy", default_proxy)
-    steps = options.pop("steps")
+    options = barriers.refine_settings("", options.pop("settings", "new"), proxy_examples=proxy, **options)
+    proxy, steps = options.pop("proxy_examples"), options.pop("steps")
     row = barriers.evaluate_pair(checkpoints, task, eval_split, modes=(), refine_steps=steps, proxy_examples=proxy,
                                  refine_options=options)
     return {"variant": variant, "barrier": round(row["barrier"]["learned"], 4),
@@ -44,7 +43,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--task", default="digits", choices=sorted(barriers.TASKS))
     parser.add_argument("--seeds", type=int, nargs=2, default=(0, 1))
     parser.add_argument("--variant", action="append", default=[], help="JSON object of options (repeatable)")
-    parser.add_argument("--proxy-examples", type=int, default=1438)
+    parser.add_argument("--proxy-examples", type=int, help="default: the settings' (1438 new, 512 old); a "
+                        "variant's \"proxy\" wins")
     parser.add_argument("--cifar", default="../shared/data/cifar10")
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt")
     parser.add_argument("--out", default="runs/barriers")
