@@ -145,8 +145,15 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
                    "select the alignment kept, 20%% only report its loss)")
     g.add_argument("--refine-lr", type=_positive_float, default=1e-2,
                    help="Adam learning rate of the rotation (Cayley) and permutation parameters")
-    g.add_argument("--refine-permutations", choices=["ste", "sinkhorn"], default="ste",
-                   help="straight-through Hungarian or Sinkhorn relaxation")
+    g.add_argument("--refine-permutations", choices=["ste", "sinkhorn", "fixed"], default="ste",
+                   help="straight-through Hungarian, Sinkhorn relaxation, or keep the matching's permutations")
+    g.add_argument("--refine-group", choices=["orthogonal", "invertible"], default="orthogonal",
+                   help="maps learned: orthogonal, or invertible per-head QK/OV maps and ReLU neuron scalings "
+                   "(the larger exact group)")
+    g.add_argument("--refine-lambda", type=float, nargs=2, metavar=("LO", "HI"), default=(0.4, 0.6),
+                   help="two models train at λ ~ U(LO, HI) on the path")
+    g.add_argument("--refine-schedule", choices=["constant", "cosine"], default="constant",
+                   help="learning-rate schedule over the steps")
     g.add_argument("--refine-batch-size", type=_positive_int, default=64, help="proxy examples per step")
 
 
@@ -411,13 +418,17 @@ def _refiner(args, ref, command: str):
     from fedbasin.checkpoint import build_torch_model
     from fedbasin.training import cross_entropy
 
+    lo, hi = args.refine_lambda
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise UsageError(f"--refine-lambda {lo} {hi}: needs 0 <= LO <= HI <= 1")
     task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
                      proxy_size=args.refine_examples)
     data = proxy_streams(task.proxy, args.refine_batch_size, seed=0)
     refine = functools.partial(
         learned_refine, ref.spec, build_torch_model(ref), loss_fn=cross_entropy, batches=data.batches,
         selection=data.selection, evaluation=data.evaluation, steps=args.refine_steps, lr=args.refine_lr,
-        mode=args.symmetry, permutations=args.refine_permutations, match_iterations=args.iterations,
+        mode=args.symmetry, permutations=args.refine_permutations, group=args.refine_group,
+        lambda_range=tuple(args.refine_lambda), schedule=args.refine_schedule, match_iterations=args.iterations,
         match_tol=args.tol, universe_iterations=getattr(args, "universe_iterations", 1),
         token_rows=_seen_tokens(args, ref, command),
         to_module_state=ref.adapter.from_standard, progress=True)

@@ -111,7 +111,7 @@ def test_server_side_refinement_improves_the_round_model_on_the_test_split():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(permutations="gumbel"), "permutations must be 'ste' or 'sinkhorn'"),
+    (dict(permutations="gumbel"), "permutations must be 'ste', 'sinkhorn' or 'fixed'"),
     (dict(candidates=[]), "at least one candidate"),
     (dict(steps=-1), "steps must be an integer >= 0, got -1"),
     (dict(eval_every=0), "eval_every must be an integer >= 1, got 0"),

@@ -87,6 +87,12 @@ def _ones_complement(d: int) -> torch.Tensor:
     return q[:, 1:]
 
 
+def random_invertible(d: int, generator: torch.Generator, spread: float = 0.5) -> torch.Tensor:
+    """Random well-conditioned invertible d×d matrix (float64) ``U diag(e^z) V``, z ~ N(0, spread²)."""
+    u, v = random_orthogonal(d, generator), random_orthogonal(d, generator)
+    return u @ torch.diag(torch.exp(spread * torch.randn(d, generator=generator, dtype=torch.float64))) @ v
+
+
 def random_permutation_matrix(d: int, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:
     return torch.eye(d, dtype=dtype)[torch.randperm(d, generator=generator)]
 
@@ -145,7 +151,10 @@ def random_group_element(
     scales: bool = False,
     state: dict | None = None,
 ) -> GroupElement:
-    """A random element: ``orthogonal`` (Haar maps) or ``permutation`` (permutation matrices only).
+    """A random element: ``orthogonal`` (Haar maps), ``permutation`` (permutation matrices only) or
+    ``invertible`` (orthogonal residual map, random invertible per-head QK and OV maps — under RoPE
+    scaled plane rotations, the maps commuting with every position rotation — and, for ReLU MLPs,
+    positive neuron scalings: the largest exact group, GLMC's).
 
     ``scales=True`` adds the optional non-orthogonal freedoms: positive neuron scalings (ReLU)
     and per-plane scalings of the QK map (RoPE). MLP widths come from the spec or ``state``.
@@ -153,12 +162,14 @@ def random_group_element(
     if isinstance(generator, int):
         generator = torch.Generator().manual_seed(generator)
     d = spec.width
-    if mode == "orthogonal":
+    if mode == "invertible":
+        scales = True
+    if mode in ("orthogonal", "invertible"):
         residual = random_orthogonal(d, generator, dtype, fix_ones=spec.norm_kind == "layernorm")
     elif mode == "permutation":
         residual = random_permutation_matrix(d, generator, dtype)
     else:
-        raise ValueError(f"mode must be 'orthogonal' or 'permutation', got {mode!r}")
+        raise ValueError(f"mode must be 'orthogonal', 'permutation' or 'invertible', got {mode!r}")
     heads = [_random_head_map(a, generator, mode, dtype, scales) for a in spec.attention]
     neurons = []
     for m in spec.mlp:
@@ -193,6 +204,15 @@ def _random_head_map(a: AttentionSpec, generator, mode: str, dtype, scales: bool
         ov = torch.stack([random_permutation_matrix(dh, generator, dtype) for _ in range(G)])
         qk = None if a.rotary else torch.stack([random_permutation_matrix(dh, generator, dtype) for _ in range(G)])
         return HeadMap(perm, qk, ov)
+    if mode == "invertible":
+        ov = torch.stack([random_invertible(dh, generator) for _ in range(G)])
+        ov_dual = torch.linalg.inv(ov).transpose(1, 2)
+        if not a.rotary:
+            qk = torch.stack([random_invertible(dh, generator) for _ in range(G)])
+            return HeadMap(perm, qk.to(dtype), ov.to(dtype), torch.linalg.inv(qk).transpose(1, 2).to(dtype),
+                           ov_dual.to(dtype))
+        rotary = _random_head_map(a, generator, "orthogonal", dtype, scales=True)
+        return HeadMap(perm, rotary.qk, ov.to(dtype), rotary.qk_dual, ov_dual.to(dtype))
     ov = torch.stack([random_orthogonal(dh, generator, dtype) for _ in range(G)])
     if not a.rotary:
         qk = torch.stack([random_orthogonal(dh, generator, dtype) for _ in range(G)])

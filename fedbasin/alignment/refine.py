@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from .canonical import canonicalize, to_gauge
-from .group import GroupElement, HeadMap, NeuronMap, apply_group, compose, ones_complement, rotary_planes
-from .matching import hungarian, progress_bar, weight_match
+from .group import GroupElement, HeadMap, NeuronMap, apply_group, compose, ones_complement, plane_rotations
+from .matching import MODES, hungarian, progress_bar, weight_match
 from .merge import average_states, merge
 from .spec import SymmetrySpec, check_compatible
 
@@ -72,31 +72,56 @@ def project_permutation(scores: torch.Tensor, method: str, tau: float, hard: boo
     return hard_p + scores - scores.detach()  # straight-through: forward hard, gradient as if P = Z
 
 
-class _Delta(nn.Module):
-    """Free parameters of one candidate's correction g_Δ (identity at initialisation)."""
+GROUPS = ("orthogonal", "invertible")
 
-    def __init__(self, spec: SymmetrySpec, state: dict, permutations: str, init_scale: float):
+
+class _Delta(nn.Module):
+    """Free parameters of one model's correction g_Δ (identity at initialisation).
+
+    ``group="orthogonal"``: Cayley rotations for the residual and per-head QK/OV maps (RoPE: one
+    angle per rotary plane). ``group="invertible"`` keeps the orthogonal residual map (the only
+    maps that commute with the norms) and enlarges the exact per-head and per-neuron freedoms:
+    ``A = exp(X)``, ``A⁻ᵀ = exp(−Xᵀ)`` for QK (RoPE: ``A = e^ρ·R(φ)`` per rotary plane, the maps
+    commuting with every position rotation, ``A⁻ᵀ = e^−ρ·R(φ)``), ``B = exp(Y)``, ``B⁻ᵀ = exp(−Yᵀ)``
+    for OV, and positive neuron scalings ``s = exp(σ)`` for ReLU MLPs (other activations are not
+    positively homogeneous: no scaling). ``permutations="fixed"`` keeps the start's permutations.
+    """
+
+    def __init__(self, spec: SymmetrySpec, state: dict, permutations: str, init_scale: float,
+                 group: str = "orthogonal"):
         if not all(a.is_plain for a in spec.attention):
             raise ValueError(f"{spec.name}: learned refinement does not support grouped-query attention "
                              "or partial rotary yet (weight matching and merging do)")
+        if group not in GROUPS:
+            raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
         super().__init__()
         d = spec.width
         dtype = next(v.dtype for v in state.values() if v.is_floating_point())
-        self.spec, self.permutations = spec, permutations
+        self.spec, self.permutations, self.invertible = spec, permutations, group == "invertible"
         self.fix_ones = spec.norm_kind == "layernorm"
         inner = d - 1 if self.fix_ones else d
         self.residual = nn.Parameter(torch.zeros(inner, inner, dtype=dtype))
+        learn_perms = permutations != "fixed"
         self.head_scores = nn.ParameterList()
         self.qk = nn.ParameterList()
+        self.qk_log_scale = nn.ParameterList()  # RoPE planes, invertible group only
         self.ov = nn.ParameterList()
         for a in spec.attention:
             H, dh = a.num_heads, a.head_dim
-            self.head_scores.append(nn.Parameter(torch.eye(H, dtype=dtype) * init_scale))
+            if learn_perms:
+                self.head_scores.append(nn.Parameter(torch.eye(H, dtype=dtype) * init_scale))
             qk_shape = (H, dh // 2) if a.rotary else (H, dh, dh)
             self.qk.append(nn.Parameter(torch.zeros(qk_shape, dtype=dtype)))
+            if self.invertible and a.rotary:
+                self.qk_log_scale.append(nn.Parameter(torch.zeros(H, dh // 2, dtype=dtype)))
             self.ov.append(nn.Parameter(torch.zeros(H, dh, dh, dtype=dtype)))
         self.neuron_scores = nn.ParameterList(
-            nn.Parameter(torch.eye(state[m.up.weight].shape[0], dtype=dtype) * init_scale) for m in spec.mlp
+            nn.Parameter(torch.eye(state[m.up.weight].shape[0], dtype=dtype) * init_scale)
+            for m in (spec.mlp if learn_perms else ())
+        )
+        self.scaled_mlps = [i for i, m in enumerate(spec.mlp) if self.invertible and m.activation == "relu"]
+        self.neuron_log_scale = nn.ParameterList(
+            nn.Parameter(torch.zeros(state[spec.mlp[i].up.weight].shape[0], dtype=dtype)) for i in self.scaled_mlps
         )
 
     def residual_map(self) -> torch.Tensor:
@@ -108,31 +133,57 @@ class _Delta(nn.Module):
         return torch.full((d, d), 1.0 / d, dtype=o.dtype, device=o.device) + q @ o @ q.T
 
     def within_head(self, i: int):
+        """(A, A⁻ᵀ, B, B⁻ᵀ) of layer i, each (H, d_h, d_h)."""
         a = self.spec.attention[i]
+        if not self.invertible:
+            qk = plane_rotations(self.qk[i], a.head_dim, a.rotary) if a.rotary else cayley(self.qk[i])
+            ov = cayley(self.ov[i])
+            return qk, qk, ov, ov
         if a.rotary:
-            qk = _plane_rotation(self.qk[i], a.head_dim, a.rotary)
+            scale = self.qk_log_scale[sum(1 for b in self.spec.attention[:i] if b.rotary)].exp()
+            qk = plane_rotations(self.qk[i], a.head_dim, a.rotary, scale)
+            qk_dual = plane_rotations(self.qk[i], a.head_dim, a.rotary, 1.0 / scale)
         else:
-            qk = cayley(self.qk[i])
-        return qk, cayley(self.ov[i])
+            qk, qk_dual = torch.linalg.matrix_exp(self.qk[i]), torch.linalg.matrix_exp(-self.qk[i].transpose(1, 2))
+        return qk, qk_dual, torch.linalg.matrix_exp(self.ov[i]), torch.linalg.matrix_exp(-self.ov[i].transpose(1, 2))
+
+    def _perm(self, scores: nn.ParameterList, i: int, n: int, tau: float, hard: bool):
+        if self.permutations == "fixed":
+            return torch.eye(n, dtype=self.residual.dtype, device=self.residual.device)
+        return project_permutation(scores[i], self.permutations, tau, hard)
+
+    def neuron_scale(self, i: int) -> torch.Tensor | None:
+        return self.neuron_log_scale[self.scaled_mlps.index(i)].exp() if i in self.scaled_mlps else None
 
     def hard_element(self) -> GroupElement:
         """The exact group element the current parameters project to."""
         with torch.no_grad():
-            heads = []
-            for i in range(len(self.spec.attention)):
-                qk, ov = self.within_head(i)
-                heads.append(HeadMap(hungarian(self.head_scores[i]), qk.clone(), ov.clone()))
-            neurons = [NeuronMap(hungarian(z)) for z in self.neuron_scores]
+            heads, neurons = [], []
+            for i, a in enumerate(self.spec.attention):
+                qk, qk_dual, ov, ov_dual = (m.clone() for m in self.within_head(i))
+                perm = torch.arange(a.num_heads) if self.permutations == "fixed" else hungarian(self.head_scores[i])
+                heads.append(HeadMap(perm, qk, ov, qk_dual if self.invertible else None,
+                                     ov_dual if self.invertible else None))
+            for i, m in enumerate(self.spec.mlp):
+                scale = self.neuron_scale(i)
+                if self.permutations != "fixed":
+                    perm = hungarian(self.neuron_scores[i])
+                elif scale is not None:
+                    perm = torch.arange(scale.numel())
+                else:
+                    neurons.append(None)
+                    continue
+                neurons.append(NeuronMap(perm, None if scale is None else scale.clone()))
             return GroupElement(self.residual_map().clone(), heads, neurons)
 
     def transform(self, state: dict, tau: float, hard: bool = False) -> dict:
         """Differentiable ``g_Δ · state`` (permutations as matrices so gradients reach the scores)."""
         out = dict(state)
         for i, a in enumerate(self.spec.attention):
-            p = project_permutation(self.head_scores[i], self.permutations, tau, hard)
-            qk, ov = self.within_head(i)
             H, dh = a.num_heads, a.head_dim
-            for lin, m in ((a.q, qk), (a.k, qk), (a.v, ov)):
+            p = self._perm(self.head_scores, i, H, tau, hard)
+            qk, qk_dual, ov, ov_dual = self.within_head(i)
+            for lin, m in ((a.q, qk), (a.k, qk_dual), (a.v, ov)):
                 w = torch.einsum("hg,gjd->hjd", p, out[lin.weight].reshape(H, dh, -1))
                 out[lin.weight] = torch.einsum("hji,hjd->hid", m, w).reshape(H * dh, -1)
                 if lin.bias:
@@ -140,34 +191,25 @@ class _Delta(nn.Module):
                     out[lin.bias] = torch.einsum("hj,hji->hi", b, m).reshape(H * dh)
             w = out[a.o.weight].reshape(-1, H, dh)
             w = torch.einsum("hg,dgj->dhj", p, w)
-            out[a.o.weight] = torch.einsum("dhj,hji->dhi", w, ov).reshape(w.shape[0], H * dh)
-        for m, z in zip(self.spec.mlp, self.neuron_scores):
-            p = project_permutation(z, self.permutations, tau, hard)
+            out[a.o.weight] = torch.einsum("dhj,hji->dhi", w, ov_dual).reshape(w.shape[0], H * dh)
+        for i, m in enumerate(self.spec.mlp):
+            p = self._perm(self.neuron_scores, i, out[m.up.weight].shape[0], tau, hard)
+            scale = self.neuron_scale(i)
             for lin in (m.up, m.gate):
                 if lin is not None:
                     out[lin.weight] = p @ out[lin.weight]
                     if lin.bias:
                         out[lin.bias] = p @ out[lin.bias]
-            out[m.down.weight] = out[m.down.weight] @ p.T
+                    if scale is not None:  # ReLU: W_1[:, i] *= s_i (torch rows), b_1[i] *= s_i
+                        out[lin.weight] = out[lin.weight] * scale[:, None]
+                        if lin.bias:
+                            out[lin.bias] = out[lin.bias] * scale
+            down = out[m.down.weight] @ p.T
+            out[m.down.weight] = down if scale is None else down / scale
         o = self.residual_map()
         for key, axis in self.spec.residual:
             out[key] = (out[key].movedim(axis, -1) @ o).movedim(-1, axis)
         return out
-
-
-def _plane_rotation(angles: torch.Tensor, head_dim: int, layout: str) -> torch.Tensor:
-    """Differentiable per-plane rotations (H, d_h, d_h) from angles (H, d_h/2)."""
-    planes = rotary_planes(head_dim, layout).to(angles.device)
-    c, s = torch.cos(angles), torch.sin(angles)
-    a, b = planes[:, 0], planes[:, 1]
-    eye_a = torch.zeros(head_dim // 2, head_dim, dtype=angles.dtype, device=angles.device)
-    eye_a[torch.arange(head_dim // 2), a] = 1.0
-    eye_b = torch.zeros_like(eye_a)
-    eye_b[torch.arange(head_dim // 2), b] = 1.0
-    # Σ_planes c (e_a e_aᵀ + e_b e_bᵀ) + s (e_b e_aᵀ − e_a e_bᵀ)
-    diag = torch.einsum("hp,pi,pj->hij", c, eye_a, eye_a) + torch.einsum("hp,pi,pj->hij", c, eye_b, eye_b)
-    off = torch.einsum("hp,pi,pj->hij", s, eye_b, eye_a) - torch.einsum("hp,pi,pj->hij", s, eye_a, eye_b)
-    return diag + off
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -177,13 +219,14 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class RefineResult:
     """states: refined candidates (reference's gauge, same functions as the inputs);
     canonical: the same in canonical form; transforms: g_k with canonical_k = g_k · canon(θ_k);
-    history: (step, selection-split loss at the centroid of the hard alignment); best_step: the
-    step whose alignment is returned (0 = the weight-matching start, i.e. no improvement).
+    history: (step, selection-split score of the hard alignment: its loss at the centroid, or for two
+    models averaged over ``selection_lambdas``); best_step: the step whose alignment is returned (0 = the weight-matching start, i.e. no improvement).
     initial_loss / best_loss: selection-split loss of the start / of the returned alignment;
     evaluation_initial_loss / evaluation_loss: the same on the evaluation split (NaN without one),
     which no decision ever looked at. reference_canonical / reference_transform: the canonical
     reference the candidates are aligned to and g_ref with it = g_ref · canon(θ_ref) (the identity
-    unless universe matching re-aligned the reference)."""
+    unless universe matching or ``dual`` moved the reference); start_mode: the weight-matching mode the
+    refinement started from."""
 
     states: list[dict]
     canonical: list[dict]
@@ -197,6 +240,7 @@ class RefineResult:
     evaluation_loss: float = float("nan")
     reference_canonical: dict | None = None
     reference_transform: GroupElement | None = None
+    start_mode: str = ""
 
     @property
     def improved(self) -> bool:
@@ -207,6 +251,8 @@ class RefineResult:
         """JSON-ready record; says plainly when refinement returned its start unchanged."""
         out = {"selection_loss_start": self.initial_loss, "selection_loss_best": self.best_loss,
                "best_step": self.best_step, "improved": self.improved, "seconds": round(self.seconds, 3)}
+        if self.start_mode:
+            out["start"] = self.start_mode
         if not np.isnan(self.evaluation_loss):
             out.update(evaluation_loss_start=self.evaluation_initial_loss, evaluation_loss=self.evaluation_loss)
         if not self.improved:
@@ -277,6 +323,11 @@ def learned_refine(
     token_rows: torch.Tensor | None = None,
     to_module_state: Callable[[dict], dict] | None = None,
     progress: bool = False,
+    group: str = "orthogonal",
+    lambda_range: tuple[float, float] = (0.4, 0.6),
+    schedule: str = "constant",
+    dual: bool = False,
+    selection_lambdas: tuple[float, ...] = (0.5,),
 ) -> RefineResult:
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
 
@@ -284,15 +335,37 @@ def learned_refine(
     loss_fn(outputs, targets): scalar (mean) loss; batches: an (endless or long enough) iterable of
     ``(inputs, targets)`` training batches; selection: a batch or list of batches, disjoint from
     the training ones, on which keep-best chooses; evaluation: optional batches disjoint from
-    both, only reported (see :func:`proxy_streams`). ``mode``, ``match_iterations`` and
-    ``match_tol`` apply to the weight-matching start; ``permutations``: ``"ste"`` or ``"sinkhorn"``.
+    both, only reported (see :func:`proxy_streams`). ``mode`` (``"permutation"``, ``"orthogonal"``
+    or ``"best"``: both, keeping the one with the lower selection loss), ``match_iterations`` and
+    ``match_tol`` apply to the weight-matching start; ``permutations``: ``"ste"``, ``"sinkhorn"`` or
+    ``"fixed"`` (the start's permutations are kept; only the continuous maps learn).
+    ``group``: ``"orthogonal"`` or ``"invertible"`` (per-head invertible QK/OV maps and ReLU neuron
+    scalings, see :class:`_Delta`). ``lambda_range``: two models train at ``λ₀ ~ U(lo, hi)``.
+    ``schedule``: ``"constant"`` or ``"cosine"`` (learning rate decays to 0 over ``steps``).
+    ``selection_lambdas``: two models are scored (selection and evaluation splits) by the mean loss
+    at ``λ₀`` in this tuple (default the midpoint); more models at their centroid.
+    ``dual=True`` lets the reference carry a learned transform as well (both endpoints move toward
+    a shared path; the moved reference is ``reference_canonical``).
     ``include_reference=False`` leaves the reference out of the mixture and the scored centroid
     (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
     ``from_standard``; it must be differentiable). Outputs with a ``.logits`` field are unwrapped.
     """
-    if permutations not in ("ste", "sinkhorn"):
-        raise ValueError(f"permutations must be 'ste' or 'sinkhorn', got {permutations!r}")
+    if permutations not in ("ste", "sinkhorn", "fixed"):
+        raise ValueError(f"permutations must be 'ste', 'sinkhorn' or 'fixed', got {permutations!r}")
+    if group not in GROUPS:
+        raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
+    if mode not in (*MODES, "best"):
+        raise ValueError(f"symmetry mode must be one of {(*MODES, 'best')}, got {mode!r}")
+    lo, hi = (float(v) for v in lambda_range)
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise ValueError(f"lambda_range must satisfy 0 <= lo <= hi <= 1, got {lambda_range!r}")
+    if not selection_lambdas or not all(0.0 <= float(v) <= 1.0 for v in selection_lambdas):
+        raise ValueError(f"selection_lambdas must be a non-empty tuple of values in [0, 1], got {selection_lambdas!r}")
+    if dual and not include_reference:
+        raise ValueError("dual=True moves the reference along the path: it needs include_reference=True")
     if not candidates:
         raise ValueError("learned refinement needs at least one candidate")
     for name, value in (("steps", steps), ("eval_every", eval_every)):
@@ -307,54 +380,76 @@ def learned_refine(
     for i, c in enumerate(candidates):
         check_compatible(spec, reference, c, ("reference", f"candidate {i}"))
     ref_c = canonicalize(spec, reference, "reference", validate=False)
-    ref_start = None
-    if universe_iterations > 1:
-        universe = merge(spec, [reference, *candidates], [float(include_reference)] + [1.0] * len(candidates),
-                         0, mode, match_iterations, match_tol, universe_iterations=universe_iterations,
-                         weighting=weighting, token_rows=token_rows)
-        starts = universe.matches
-        if len(starts) > len(candidates):  # the reference was re-aligned to the universe too
-            ref_start, starts = starts[0], starts[1:]
-    else:
-        starts = [weight_match(spec, reference, c, mode=mode, iterations=match_iterations, tol=match_tol,
-                               weighting=weighting, token_rows=token_rows) for c in candidates]
-    base = [s.canonical for s in starts]
-    device = next(iter(base[0].values())).device
+    device = next(iter(ref_c.state.values())).device
     frozen = copy.deepcopy(model).to(device).eval()  # buffers (e.g. RoPE tables) follow the weights
     for p in frozen.parameters():
         p.requires_grad_(False)
-    deltas = nn.ModuleList(_Delta(spec, b, permutations, init_scale=1.0) for b in base).to(device)
-    optimiser = torch.optim.Adam(deltas.parameters(), lr=lr)
-    rng = np.random.default_rng(seed)  # private: the caller's torch RNG stream is left alone
-    ref_state = {k: v.detach() for k, v in (ref_start.canonical if ref_start else ref_c.state).items()}
     members = len(candidates) + int(include_reference)
     selection = [(x.to(device), y.to(device)) for x, y in _as_batches(selection)]
     evaluation = None if evaluation is None else [(x.to(device), y.to(device)) for x, y in _as_batches(evaluation)]
+    module_state = to_module_state or (lambda state: state)
 
-    def mixture(lam, states) -> dict:
+    def mixture(lam, ref_state, states) -> dict:
         """``Σ_i λ_i θ_i`` over the mixed models (the reference first when it takes part)."""
         models = ([ref_state] if include_reference else []) + list(states)
         return {k: sum(w * m[k] for w, m in zip(lam, models)) if v.is_floating_point() else v
                 for k, v in ref_state.items()}
 
-    module_state = to_module_state or (lambda state: state)
-
     def forward(state: dict, x: torch.Tensor) -> torch.Tensor:
         out = torch.func.functional_call(frozen, module_state(state), (x,))
         return out if isinstance(out, torch.Tensor) else out.logits
 
-    def centroid_loss(states, split: list[Batch]) -> float:
-        """Example-weighted mean loss of the centroid over a split's batches."""
-        state = mixture([1.0 / members] * members, states)
-        with torch.no_grad():
-            total = sum(float(loss_fn(forward(state, x), y)) * len(y) for x, y in split)
-        return total / sum(len(y) for _, y in split)
+    # two models are scored along the path at selection_lambdas; more at their centroid
+    score_weights = [[lam, 1.0 - lam] for lam in selection_lambdas] if members == 2 else [[1.0 / members] * members]
 
-    best_states, best_elements = base, [GroupElement.identity(spec) for _ in base]
-    initial = best = centroid_loss(base, selection)
-    result = RefineResult([], [], [], initial_loss=initial)
+    def centroid_loss(ref_state, states, split: list[Batch]) -> float:
+        """Example-weighted mean loss over a split's batches, averaged over the scored mixtures."""
+        total = 0.0
+        for lam in score_weights:
+            state = mixture(lam, ref_state, states)
+            with torch.no_grad():
+                total += sum(float(loss_fn(forward(state, x), y)) * len(y) for x, y in split)
+        return total / sum(len(y) for _, y in split) / len(score_weights)
+
+    def matched(match_mode: str):
+        """(re-aligned reference match or None, candidate matches) of the weight-matching start."""
+        if universe_iterations > 1:
+            universe = merge(spec, [reference, *candidates], [float(include_reference)] + [1.0] * len(candidates),
+                             0, match_mode, match_iterations, match_tol, universe_iterations=universe_iterations,
+                             weighting=weighting, token_rows=token_rows)
+            found = universe.matches
+            # the reference is re-aligned to the universe too when the merge returns its match
+            return (found[0], found[1:]) if len(found) > len(candidates) else (None, found)
+        return None, [weight_match(spec, reference, c, mode=match_mode, iterations=match_iterations, tol=match_tol,
+                                   weighting=weighting, token_rows=token_rows) for c in candidates]
+
+    def reference_of(ref_start) -> dict:
+        return {k: v.detach() for k, v in (ref_start.canonical if ref_start else ref_c.state).items()}
+
+    options = []
+    for match_mode in (("permutation", "orthogonal") if mode == "best" else (mode,)):
+        ref_start, starts = matched(match_mode)
+        loss = centroid_loss(reference_of(ref_start), [s.canonical for s in starts], selection)
+        options.append((loss, match_mode, ref_start, starts))
+    initial, start_mode, ref_start, starts = min(options, key=lambda o: o[0])
+    ref_state = reference_of(ref_start)
+    base = [s.canonical for s in starts]
+    movers = [ref_state] * dual + base  # the models that carry a learned transform
+    deltas = nn.ModuleList(_Delta(spec, b, permutations, init_scale=1.0, group=group) for b in movers).to(device)
+    optimiser = torch.optim.Adam(deltas.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimiser, (lambda i: 1.0) if schedule == "constant" else (lambda i: 0.5 * (1 + math.cos(math.pi * i / steps))))
+    rng = np.random.default_rng(seed)  # private: the caller's torch RNG stream is left alone
+
+    def split_members(states):
+        """(reference state, candidate states) from the moved models."""
+        return (states[0], states[1:]) if dual else (ref_state, states)
+
+    best_states, best_elements = movers, [GroupElement.identity(spec) for _ in movers]
+    best = initial
+    result = RefineResult([], [], [], initial_loss=initial, start_mode=start_mode)
     if evaluation is not None:
-        result.evaluation_initial_loss = centroid_loss(base, evaluation)
+        result.evaluation_initial_loss = centroid_loss(ref_state, base, evaluation)
     result.history.append((0, initial))
     iterator = iter(batches)
     bar = progress_bar(steps, progress, "learned refinement", "step")
@@ -362,35 +457,38 @@ def learned_refine(
     for step in range(1, steps + 1 if members > 1 else 1):
         x, y = (t.to(device) for t in next(iterator))
         if members == 2:
-            first = rng.uniform(0.4, 0.6)
+            first = rng.uniform(lo, hi)
             lam = [first, 1.0 - first]
         else:
             lam = rng.dirichlet([alpha] * members).tolist()
-        moved = [d.transform(b, tau) for d, b in zip(deltas, base)]
-        loss = loss_fn(forward(mixture(lam, moved), x), y)
+        moved_ref, moved = split_members([d.transform(b, tau) for d, b in zip(deltas, movers)])
+        loss = loss_fn(forward(mixture(lam, moved_ref, moved), x), y)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
+        scheduler.step()
         bar.update(1)
         if progress:  # loss.item() synchronises with the device: only when shown
             bar.set_postfix(loss=f"{loss.item():.4f}", best=f"{best:.4f}")
         if step % eval_every == 0 or step == steps:
             elements = [d.hard_element() for d in deltas]
-            hard = [apply_group(spec, b, g) for b, g in zip(base, elements)]
-            value = centroid_loss(hard, selection)
+            hard = [apply_group(spec, b, g) for b, g in zip(movers, elements)]
+            value = centroid_loss(*split_members(hard), selection)
             result.history.append((step, value))
             if value < best:
                 best, best_states, best_elements, result.best_step = value, hard, elements, step
     bar.close()
-    result.canonical = best_states
-    result.states = [to_gauge(spec, s, ref_c.gains) for s in best_states]
-    result.transforms = [compose(s.transform, g) for s, g in zip(starts, best_elements)]
+    best_ref, result.canonical = split_members(best_states)
+    result.states = [to_gauge(spec, s, ref_c.gains) for s in result.canonical]
+    ref_element, cand_elements = (best_elements[0], best_elements[1:]) if dual else (None, best_elements)
+    result.transforms = [compose(s.transform, g) for s, g in zip(starts, cand_elements)]
     result.best_loss = best
-    result.reference_canonical = ref_state
-    result.reference_transform = ref_start.transform if ref_start else GroupElement.identity(spec)
+    result.reference_canonical = best_ref
+    ref_transform = ref_start.transform if ref_start else GroupElement.identity(spec)
+    result.reference_transform = ref_transform if ref_element is None else compose(ref_transform, ref_element)
     if evaluation is not None:
         result.evaluation_loss = (result.evaluation_initial_loss if result.best_step == 0
-                                  else centroid_loss(best_states, evaluation))
+                                  else centroid_loss(best_ref, result.canonical, evaluation))
     result.seconds = time.perf_counter() - t0
     return result
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from fedbasin.alignment import fedbasin_adapter, interpolation_curve, weight_match
+from fedbasin.alignment import canonicalize, fedbasin_adapter, interpolation_curve, to_gauge, weight_match
 from fedbasin.alignment.refine import learned_refine, proxy_streams
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.data import load_task
@@ -63,18 +63,45 @@ def trained_pair(name: str, spec: dict, task, out: Path, progress: bool, seeds=(
     return checkpoints, info
 
 
-def refine_pair(a, b, task, proxy_examples: int, steps: int, weighting: str):
-    """Learned refinement of B onto A on ``proxy_examples`` training examples (20% selection,
-    20% evaluation)."""
+# learned-refinement settings of the barrier table (``learned_refine`` options, plus the steps and the
+# number of training examples used as proxy data); measured in docs/merging.md §7
+REFINE_DEFAULTS = dict(steps=1000, proxy_examples=1438, lr=1e-2, group="invertible", mode="best",
+                       lambda_range=(0.0, 1.0), schedule="constant", permutations="ste", dual=False,
+                       selection_lambdas=(0.5,))
+REFINE_OLD = dict(steps=200, proxy_examples=512, lr=1e-2, group="orthogonal", mode="orthogonal",
+                  lambda_range=(0.4, 0.6), schedule="constant", permutations="ste", dual=False,
+                  selection_lambdas=(0.5,))
+# per task, the settings that measured best (docs/merging.md §7): the new ones on digits; on CIFAR-10 and
+# the character GPT the invertible group and λ ~ U(0, 1) measured worse, more steps and proxy data with the
+# old ones better
+REFINE_BY_TASK = {"digits": REFINE_DEFAULTS, "cifar10": dict(REFINE_OLD, steps=800, proxy_examples=2000),
+                  "shakespeare": dict(REFINE_OLD, steps=400, proxy_examples=2000)}
+
+
+def refine_settings(task: str, choice: str = "task", **overrides) -> dict:
+    """The refinement settings of ``task``: ``choice`` "new", "old" or "task" (:data:`REFINE_BY_TASK`,
+    "new" for other tasks), then every override that is not None."""
+    if choice == "task":
+        settings = dict(REFINE_BY_TASK.get(task, REFINE_DEFAULTS))
+    else:
+        settings = dict(REFINE_DEFAULTS if choice == "new" else REFINE_OLD)
+    settings.update({k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v is not None})
+    return settings
+
+
+def refine_pair(a, b, task, proxy_examples: int, weighting: str, batch_size: int = 64, **options):
+    """Learned refinement of B onto A on the first ``proxy_examples`` training examples (60% train
+    the transforms, 20% selection, 20% evaluation); ``options`` override :data:`REFINE_DEFAULTS`
+    (without its ``proxy_examples``)."""
     proxy = task.train.subset(torch.arange(min(proxy_examples, len(task.train))))
-    data = proxy_streams(proxy, 64, seed=0)
+    data = proxy_streams(proxy, batch_size, seed=0)
     return learned_refine(a.spec, build_model(a.family, a.config), a.state, [b.state], cross_entropy,
-                          data.batches, data.selection, data.evaluation, steps=steps, lr=1e-2, eval_every=10,
-                          weighting=weighting)
+                          data.batches, data.selection, data.evaluation, eval_every=10, weighting=weighting,
+                          **{**{k: v for k, v in REFINE_DEFAULTS.items() if k != "proxy_examples"}, **options})
 
 
 def evaluate_pair(checkpoints, task, eval_split, modes=("permutation", "orthogonal"), weighting="rms",
-                  ablation=(), refine_steps=0, proxy_examples=512) -> dict:
+                  ablation=(), refine_steps=0, proxy_examples=512, refine_options=None) -> dict:
     a, b = checkpoints
     family = a.family
 
@@ -99,13 +126,19 @@ def evaluate_pair(checkpoints, task, eval_split, modes=("permutation", "orthogon
         mid = {k: (a.state[k] + result.state[k]) / 2 for k in a.state}
         row["midpoint_accuracy"][mode] = metrics(mid)["accuracy"]
     if refine_steps:
-        refined = refine_pair(a, b, task, proxy_examples, refine_steps, weighting)
-        curves["learned"] = interpolation_curve(a.state, refined.states[0], loss)
+        cpu = time.process_time()
+        options = {**(refine_options or {}), "steps": refine_steps}
+        refined = refine_pair(a, b, task, proxy_examples, weighting, **options)
+        row["learned_cpu_seconds"] = round(time.process_time() - cpu, 1)
+        # the reference moves too with dual=True: interpolate the two returned endpoints
+        ref = to_gauge(spec, refined.reference_canonical, canonicalize(spec, a.state).gains)
+        curves["learned"] = interpolation_curve(ref, refined.states[0], loss)
         row["learned_seconds"] = round(refined.seconds, 1)
         row["learned_proxy_loss"] = [round(refined.initial_loss, 4), round(refined.best_loss, 4)]
         row["learned_best_step"] = refined.best_step
+        row["learned_start"] = refined.start_mode
         row["learned_evaluation_loss"] = [round(refined.evaluation_initial_loss, 4), round(refined.evaluation_loss, 4)]
-        mid = {k: (a.state[k] + refined.states[0][k]) / 2 for k in a.state}
+        mid = {k: (ref[k] + refined.states[0][k]) / 2 for k in a.state}
         row["midpoint_accuracy"]["learned"] = metrics(mid)["accuracy"]
     row["ablation"] = {}
     for mode in modes:
@@ -127,8 +160,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--weighting", default="rms", choices=["cosine", "rms", "uniform"])
     parser.add_argument("--ablation", default="cosine,rms,uniform",
                         help="weightings compared in the ablation table ('' to skip)")
-    parser.add_argument("--refine-steps", type=int, default=200, help="learned-refinement steps (0: skip)")
-    parser.add_argument("--proxy-examples", type=int, default=512)
+    parser.add_argument("--refine-steps", type=int, help="learned-refinement steps (0: skip; default: "
+                        f"{REFINE_DEFAULTS['steps']} with the new settings, {REFINE_OLD['steps']} with the old)")
+    parser.add_argument("--proxy-examples", type=int,
+                        help="training examples used as proxy data, split 60/20/20 train/selection/evaluation "
+                        f"(default: {REFINE_DEFAULTS['proxy_examples']} new, {REFINE_OLD['proxy_examples']} old)")
+    parser.add_argument("--refine-settings", choices=["task", "new", "old"], default="task",
+                        help="learned-refinement defaults: 'new' (1000 steps, invertible group, best start, "
+                        "λ ~ U(0, 1)), 'old' (200 steps, orthogonal group and start, λ ~ U(0.4, 0.6)) or 'task': "
+                        "the ones that measured best per task (barriers.REFINE_BY_TASK)")
+    parser.add_argument("--refine-group", choices=["orthogonal", "invertible"])
+    parser.add_argument("--refine-start", choices=["permutation", "orthogonal", "best"])
+    parser.add_argument("--refine-lambda", type=float, nargs=2, metavar=("LO", "HI"), help="λ ~ U(LO, HI)")
+    parser.add_argument("--refine-schedule", choices=["constant", "cosine"])
+    parser.add_argument("--refine-permutations", choices=["ste", "sinkhorn", "fixed"])
+    parser.add_argument("--refine-lr", type=float)
+    parser.add_argument("--refine-dual", action="store_true", help="both endpoints carry a learned transform")
     parser.add_argument("--from-results", nargs="+", metavar="RESULTS_JSON",
                         help="only combine earlier results.json files into OUT's table and figure")
     args = parser.parse_args(argv)
@@ -136,8 +183,11 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if args.from_results:
         return report(combine(args.from_results), out)
+    overrides = dict(steps=args.refine_steps, proxy_examples=args.proxy_examples, group=args.refine_group,
+                     mode=args.refine_start, lambda_range=args.refine_lambda, schedule=args.refine_schedule,
+                     permutations=args.refine_permutations, lr=args.refine_lr, dual=args.refine_dual or None)
     results = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-               "weighting": args.weighting, "refine_steps": args.refine_steps, "tasks": {}}
+               "weighting": args.weighting, "refine_settings": args.refine_settings, "tasks": {}}
     t_start = time.perf_counter()
     for name in args.tasks.split(","):
         spec = TASKS[name]
@@ -148,9 +198,12 @@ def main(argv=None) -> dict:
         if spec["eval_examples"] and len(eval_split) > spec["eval_examples"]:
             eval_split = eval_split.subset(torch.arange(spec["eval_examples"]))
         checkpoints, info = trained_pair(name, spec, task, out, args.progress)
+        options = refine_settings(name, args.refine_settings, **overrides)
+        steps, proxy_examples = options.pop("steps"), options.pop("proxy_examples")
         row = evaluate_pair(checkpoints, task, eval_split, weighting=args.weighting,
-                            ablation=[w for w in args.ablation.split(",") if w], refine_steps=args.refine_steps,
-                            proxy_examples=args.proxy_examples)
+                            ablation=[w for w in args.ablation.split(",") if w], refine_steps=steps,
+                            proxy_examples=proxy_examples, refine_options=options)
+        row["refine"] = {"steps": steps, "proxy_examples": proxy_examples, **options}
         row.update(info, train_examples=len(task.train), eval_examples=len(eval_split), epochs=spec["epochs"],
                    total_seconds=round(time.perf_counter() - t0, 1))
         results["tasks"][name] = row

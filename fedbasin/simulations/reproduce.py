@@ -52,7 +52,7 @@ def section_barriers(args, out: Path) -> str:
     for task in args.tasks.split(","):
         where = out / task
         argv = ["--tasks", task, "--out", str(where), "--cifar", args.cifar, "--text", args.text,
-                "--refine-steps", str(args.refine_steps), "--ablation", args.ablation]
+                "--ablation", args.ablation] + ([] if args.refine_steps is None else ["--refine-steps", str(args.refine_steps)])
         _cached(where / "results.json", args.rerun, lambda argv=argv: barriers.main(argv))
         files.append(str(where / "results.json"))
     combined = barriers.combine(files)
@@ -188,7 +188,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--tasks", default="digits", help="barriers section: tasks (digits, cifar10, shakespeare)")
     parser.add_argument("--cifar", default="../shared/data/cifar10", help="CIFAR-10 parquet directory")
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt", help="Tiny Shakespeare file")
-    parser.add_argument("--refine-steps", type=int, default=200, help="barriers: learned-refinement steps")
+    parser.add_argument("--refine-steps", type=int, help="barriers: learned-refinement steps (default: the "
+                        "barriers driver's, fedbasin.simulations.barriers.REFINE_DEFAULTS)")
     parser.add_argument("--ablation", default="cosine,rms,uniform", help="barriers: weightings compared")
     parser.add_argument("--doc", default="docs/benchmarks.md", help="document whose blocks are rewritten")
     parser.add_argument("--figures", default="docs/barriers",
