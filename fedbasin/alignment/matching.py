@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -69,7 +70,10 @@ class MatchResult:
     iterations: int = 0
     start: str = "identity"
     elapsed: list[float] = field(default_factory=list)  # seconds since the call, per objective entry
-    phases: dict = field(default_factory=dict)  # wall (and ``*_cpu`` process CPU) seconds per phase
+    #: wall (and ``*_cpu`` process CPU) seconds per phase; ``<phase>.<part>_cpu``: CPU seconds of a
+    #: part of the steps (:class:`PartClock`; ``heads.values`` is inside the head step, the
+    #: ``residual.*`` parts include the setup's residual start)
+    phases: dict = field(default_factory=dict)
 
 
 SPARSE_ASSIGNMENT_ABOVE = 1024  # n above which assignments are solved on a top-k candidate graph
@@ -135,6 +139,25 @@ def one_thread(device: torch.device):
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+class PartClock:
+    """CPU seconds per named part of the matching steps, summed over threads: a worker thread's
+    own CPU time there, the process CPU time (all BLAS threads) in the main thread."""
+
+    def __init__(self):
+        self.cpu: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def __call__(self, part: str):
+        clock = time.process_time if threading.current_thread() is threading.main_thread() else time.thread_time
+        start = clock()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.cpu[part] = self.cpu.get(part, 0.0) + clock() - start
 
 
 def per_layer(step, layers: list, device: torch.device) -> list:
@@ -242,6 +265,7 @@ class _Matcher:
     def __init__(self, spec: SymmetrySpec, ref: dict, objective: _Objective, mode: str):
         self.spec, self.ref, self.J, self.mode = spec, ref, objective, mode
         self.w = objective.w  # per-tensor weights of the objective
+        self.clock = PartClock()
         block = set()
         for a in spec.attention:
             block |= {a.q.weight, a.k.weight, a.v.weight, a.o.weight}
@@ -284,11 +308,13 @@ class _Matcher:
         ``θ_p ×_axis residual``."""
         if axes is None:
             axes = [(k, ax) for k, ax in self.spec.residual if k in state]
-        c = self.covariance(state, axes)
-        if free is not None:
-            moved = free if residual is None else residual.to(free).T @ free
-            c = moved if c is None else c + moved
-        return self.orthogonal_map(c, state)
+        with self.clock("residual.covariance"):
+            c = self.covariance(state, axes)
+            if free is not None:
+                moved = free if residual is None else residual.to(free).T @ free
+                c = moved if c is None else c + moved
+        with self.clock("residual.svd"):
+            return self.orthogonal_map(c, state)
 
     def orthogonal_map(self, c: torch.Tensor | None, state: dict) -> torch.Tensor:
         """O maximising ``tr(Oᵀ C)`` in the group (Procrustes; LayerNorm: fixing 1; or a permutation)."""
@@ -380,7 +406,8 @@ class _Matcher:
             return self._within_permutations(m)[0]
         if attention is not None and attention.rotary:
             return plane_procrustes(m, attention.rotary, attention.rotated)[1]
-        return nuclear_norms(m)
+        with self.clock("heads.values"):
+            return nuclear_norms(m)
 
     def _best_maps(self, m: torch.Tensor, attention: AttentionSpec | None, allow: bool) -> torch.Tensor | None:
         """The maximising maps A (batch, d_h, d_h) of :meth:`_pair_values` for a batch of M."""
@@ -410,7 +437,10 @@ class _Matcher:
     def neuron_step(self, m: MLPSpec, state: dict) -> NeuronMap:
         """Hungarian on ``score[i, j] = Σ_p w_p ⟨row i of θ_ref,p, row j of θ_p⟩`` over the tensors
         with a neuron axis (up/gate rows and biases, down columns)."""
-        return NeuronMap(hungarian(self.neuron_scores(m, state)))
+        with self.clock("mlp.score"):
+            score = self.neuron_scores(m, state)
+        with self.clock("mlp.assignment"):
+            return NeuronMap(hungarian(score))
 
     def neuron_scores(self, m: MLPSpec, state: dict) -> torch.Tensor:
         """The n×n score of :meth:`neuron_step`, accumulated tensor by tensor into one buffer
@@ -503,17 +533,20 @@ def weight_match(
         for i, head_map in enumerate(layer_steps(lambda a: matcher.head_step(a, state), spec.attention)):
             step = GroupElement.identity(spec)
             step.heads[i] = head_map
-            point = point.try_step(inner, J, step, free)
+            with matcher.clock("heads.apply"):
+                point = point.try_step(inner, J, step, free)
         clock = timed("heads", clock)
         state = point.state
         for i, neuron_map in enumerate(layer_steps(lambda m: matcher.neuron_step(m, state), spec.mlp)):
             step = GroupElement.identity(spec)
             step.neurons[i] = neuron_map
-            point = point.try_step(inner, J, step, free)
+            with matcher.clock("mlp.apply"):
+                point = point.try_step(inner, J, step, free)
         clock = timed("mlp", clock)
         step = GroupElement.identity(spec)
         step.residual = matcher.residual_step(point.state, free=free, residual=point.g.residual)
-        point = point.try_step(inner, J, step, free)
+        with matcher.clock("residual.apply"):
+            point = point.try_step(inner, J, step, free)
         timed("residual", clock)
         return point
 
@@ -522,7 +555,8 @@ def weight_match(
     starts = [("identity", GroupElement.identity(spec))]
     if matcher.free_axes:
         g0 = GroupElement.identity(spec)
-        g0.residual = matcher.residual_step(cand_c.state, matcher.free_axes)
+        # the lazy tensors' part of C is K₀ (computed once above), the rest of the free axes is small
+        g0.residual = matcher.residual_step(cand_c.state, [a for a in matcher.free_axes if a[0] not in lazy], free=free)
         starts.append(("free-residual", g0))
     if init is not None:
         starts.append(("given", init))
@@ -568,7 +602,8 @@ def weight_match(
         iterations=done,
         start=start_name,
         elapsed=elapsed,
-        phases={**phases, **{f"{k}_cpu": v for k, v in cpu.items()}},
+        phases={**phases, **{f"{k}_cpu": v for k, v in cpu.items()},
+                **{f"{k}_cpu": v for k, v in sorted(matcher.clock.cpu.items())}},
     )
 
 

@@ -3,8 +3,14 @@
     python -m fedbasin.simulations.bench_speed [--iterations 5] [--mode orthogonal] [--device cpu]
 
 Prints wall time per phase (setup = canonicalise + starts, heads, MLP, residual, finish = gauge;
-I/O = writing the aligned model to safetensors and reading it back), the 1-minute load average
-(the machine may be shared) and the peak resident memory of the process, as JSON.
+I/O = writing the aligned model to safetensors and reading it back), CPU seconds per phase and per
+part of a step (``mlp.score``: the n×n products, ``mlp.assignment``, ``heads.values``: the batched
+``svdvals``, ``residual.svd``, ``*.apply``: applying a step and re-evaluating J), the 1-minute load
+average (the machine may be shared) and the peak resident memory of the process, as JSON.
+
+It also measures this machine's GEMM rate on the MLP-score shape (float32, and bfloat16 for
+reference) and counts the matrix-product FLOPs of one iteration, so ``blas_floor_seconds`` =
+iterations × FLOPs / float32 rate says how much of the wall time no scheduling can remove.
 """
 
 from __future__ import annotations
@@ -29,6 +35,45 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def gemm_gflops(n: int, k: int, dtype: torch.dtype, device: str, repeats: int = 3) -> float:
+    """Best-of-``repeats`` rate of an (n×k)·(k×n) product, GFLOP/s, with the current thread count."""
+    a = torch.randn(n, k, device=device).to(dtype)
+    b = torch.randn(n, k, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call warms up
+        start = time.perf_counter()
+        (a @ b.T).sum().item()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n * n * k / best / 1e9
+
+
+def matmul_flops_per_iteration(spec, state: dict) -> dict:
+    """Matrix-product FLOPs of one weight-matching iteration, by step: MLP scores (n×n×K per layer,
+    K = summed row lengths), head pair products (H²·d_h²·row length per q/k/v/o tensor), and the
+    residual step's two passes over the layer tensors (covariance, then applying O)."""
+    mlp = 0
+    for m in spec.mlp:
+        n = state[m.up.weight].shape[0]
+        k = sum(state[x].numel() // n for lin in (m.up, m.gate) if lin for x in (lin.weight, lin.bias) if x)
+        mlp += 2 * n * n * (k + state[m.down.weight].numel() // n)
+    heads = 0
+    for a in spec.attention:
+        for lin in (a.q, a.k, a.v, a.o):
+            heads += 2 * a.num_heads * a.num_heads * a.head_dim * state[lin.weight].numel() // a.num_heads
+    layer_weights = {lin.weight for a in spec.attention for lin in (a.q, a.k, a.v, a.o)}
+    layer_weights |= {lin.weight for m in spec.mlp for lin in (m.up, m.gate, m.down) if lin}
+    residual = sum(2 * 2 * state[k].numel() * spec.width for k, _ in spec.residual if k in layer_weights)
+    return {"mlp": mlp, "heads": heads, "residual": residual}
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=20)
@@ -48,6 +93,9 @@ def main(argv=None) -> dict:
     b = {k: v.to(args.device) for k, v in b.items()}
     spec = fedbasin_adapter("gpt", make_config("gpt", config)).spec
     build_s = time.perf_counter() - t0
+    flops = matmul_flops_per_iteration(spec, b)
+    rates = {"float32": round(gemm_gflops(config["mlp_dim"], 2 * config["dim"], torch.float32, args.device), 1),
+             "bfloat16": round(gemm_gflops(config["mlp_dim"], 2 * config["dim"], torch.bfloat16, args.device), 1)}
     rss_before = _peak_rss_gib()
     load_before = os.getloadavg()[0]
     cpu0 = time.process_time()
@@ -94,6 +142,12 @@ def main(argv=None) -> dict:
         "peak_rss_before_align_gib": round(rss_before, 2),
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "amx": sorted(f for f in _cpu_flags() if f.startswith("amx")),
+        "torch": torch.__version__,
+        "gemm_gflops": rates,
+        "matmul_gflop_per_iteration": {k: round(v / 1e9, 1) for k, v in flops.items()},
+        "blas_floor_seconds": round(result.iterations * sum(flops.values()) / (rates["float32"] * 1e9), 2),
     }
     print(json.dumps(out, indent=1))
     return out
