@@ -9,9 +9,14 @@ import threading
 import pytest
 import torch
 
-from fedbasin.alignment import canonicalize, weight_match
-from fedbasin.alignment import matching
-from fedbasin.alignment.matching import _layers_disjoint, _Matcher, _Objective, one_thread, procrustes
+from fedbasin.alignment import canonicalize, matching, weight_match
+from fedbasin.alignment.matching import (
+    _layers_disjoint,
+    _Matcher,
+    _Objective,
+    one_thread,
+    procrustes,
+)
 
 from .helpers import GPT, spec_of, trained_like
 
@@ -39,7 +44,7 @@ def test_neuron_scores_equal_the_product_of_concatenated_neuron_rows(activation,
         rows += [(m.down.weight, True)]
         assert (m.gate is not None) == (activation == "swiglu") and bool(m.up.bias) == bias
 
-        def side(state, weighted):
+        def side(state, weighted, rows=rows):
             cols = []
             for key, transpose in rows:
                 x = state[key].T if transpose else state[key]
@@ -59,9 +64,8 @@ def test_one_thread_runs_single_threaded_and_restores_the_count():
         with one_thread(torch.device("cpu")):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
-        with pytest.raises(RuntimeError):
-            with one_thread(torch.device("cpu")):
-                raise RuntimeError("inside")
+        with pytest.raises(RuntimeError), one_thread(torch.device("cpu")):
+            raise RuntimeError("inside")
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
