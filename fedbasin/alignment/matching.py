@@ -542,18 +542,21 @@ def weight_match(
         cpu_clock[0] = time.process_time()
         # each layer's step reads only its own tensors: all layers from the same state, in parallel
         # when the layers share no tensor (identical to the sequential loop), then applied in turn
+        # (applying one layer's step is small, memory-bound work: single-threaded)
         state = point.state
-        for i, head_map in enumerate(layer_steps(lambda a: matcher.head_step(a, state), spec.attention)):
-            step = GroupElement.identity(spec)
-            step.heads[i] = head_map
-            with matcher.clock("heads.apply"):
+        head_maps = layer_steps(lambda a: matcher.head_step(a, state), spec.attention)
+        with matcher.clock("heads.apply"), one_thread(device):
+            for i, head_map in enumerate(head_maps):
+                step = GroupElement.identity(spec)
+                step.heads[i] = head_map
                 point = point.try_step(inner, J, step, free)
         clock = timed("heads", clock)
         state = point.state
-        for i, neuron_map in enumerate(layer_steps(lambda m: matcher.neuron_step(m, state), spec.mlp)):
-            step = GroupElement.identity(spec)
-            step.neurons[i] = neuron_map
-            with matcher.clock("mlp.apply"):
+        neuron_maps = layer_steps(lambda m: matcher.neuron_step(m, state), spec.mlp)
+        with matcher.clock("mlp.apply"), one_thread(device):
+            for i, neuron_map in enumerate(neuron_maps):
+                step = GroupElement.identity(spec)
+                step.neurons[i] = neuron_map
                 point = point.try_step(inner, J, step, free)
         clock = timed("mlp", clock)
         step = GroupElement.identity(spec)
