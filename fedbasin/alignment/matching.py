@@ -141,9 +141,12 @@ def one_thread(device: torch.device):
         torch.set_num_threads(threads)
 
 
+_worker = threading.local()  # ``_worker.layer`` is True inside a :func:`per_layer` worker thread
+
+
 class PartClock:
-    """CPU seconds per named part of the matching steps, summed over threads: a worker thread's
-    own CPU time there, the process CPU time (all BLAS threads) in the main thread."""
+    """CPU seconds per named part of the matching steps, summed over threads: in a per-layer
+    worker its own CPU time, elsewhere the process CPU time (all BLAS threads; no worker runs then)."""
 
     def __init__(self):
         self.cpu: dict[str, float] = {}
@@ -151,7 +154,7 @@ class PartClock:
 
     @contextlib.contextmanager
     def __call__(self, part: str):
-        clock = time.process_time if threading.current_thread() is threading.main_thread() else time.thread_time
+        clock = time.thread_time if getattr(_worker, "layer", False) else time.process_time
         start = clock()
         try:
             yield
@@ -168,8 +171,12 @@ def per_layer(step, layers: list, device: torch.device) -> list:
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads == 1 or len(layers) < 2:
         return [step(x) for x in layers]
+    def in_worker(layer):
+        _worker.layer = True
+        return step(layer)
+
     with one_thread(device), ThreadPoolExecutor(threads) as pool:
-        results = list(pool.map(step, layers))
+        results = list(pool.map(in_worker, layers))
     _trim_malloc_arenas()
     return results
 
