@@ -1,10 +1,17 @@
 """Speed benchmark: align two GPT-2-small-shaped models (12 layers, d=768, n=3072, 12 heads).
 
-    python -m fedbasin.simulations.bench_speed [--iterations 5] [--mode orthogonal] [--device cpu]
+    python -m fedbasin.simulations.bench_speed [--layers 12] [--tol 1e-4] [--profile] [--device cpu]
+    python -m fedbasin.simulations.bench_speed --kernels   # the kernels alone, 1 vs n threads
 
 Prints wall time per phase (setup = canonicalise + starts, heads, MLP, residual, finish = gauge;
-I/O = writing the aligned model to safetensors and reading it back), the 1-minute load average
-(the machine may be shared) and the peak resident memory of the process, as JSON.
+I/O = writing the aligned model to safetensors and reading it back), CPU seconds per phase and per
+part of a step (``mlp.score``: the n×n products, ``mlp.assignment``, ``heads.values``: the batched
+``svdvals``, ``residual.svd``, ``*.apply``: applying a step and re-evaluating J), the 1-minute load
+average (the machine may be shared) and the peak resident memory of the process, as JSON.
+
+It also measures this machine's GEMM rate on the MLP-score shape (float32, and bfloat16 for
+reference) and counts the matrix-product FLOPs of one iteration, so ``blas_floor_seconds`` =
+iterations × FLOPs / float32 rate says how much of the wall time no scheduling can remove.
 """
 
 from __future__ import annotations
@@ -29,6 +36,96 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def gemm_gflops(n: int, k: int, dtype: torch.dtype, device: str, repeats: int = 3) -> float:
+    """Best-of-``repeats`` rate of an (n×k)·(k×n) product, GFLOP/s, with the current thread count."""
+    a = torch.randn(n, k, device=device).to(dtype)
+    b = torch.randn(n, k, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call warms up
+        start = time.perf_counter()
+        (a @ b.T).sum().item()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n * n * k / best / 1e9
+
+
+def matmul_flops_per_iteration(spec, state: dict) -> dict:
+    """Matrix-product FLOPs of one weight-matching iteration, by step: MLP scores (n×n×K per layer,
+    K = summed row lengths), head pair products (H²·d_h²·row length per q/k/v/o tensor), and the
+    residual step's two passes over the layer tensors (covariance, then applying O)."""
+    mlp = 0
+    for m in spec.mlp:
+        n = state[m.up.weight].shape[0]
+        k = sum(state[x].numel() // n for lin in (m.up, m.gate) if lin for x in (lin.weight, lin.bias) if x)
+        mlp += 2 * n * n * (k + state[m.down.weight].numel() // n)
+    heads = 0
+    for a in spec.attention:
+        for lin in (a.q, a.k, a.v, a.o):
+            heads += 2 * a.num_heads * a.num_heads * a.head_dim * state[lin.weight].numel() // a.num_heads
+    layer_weights = {lin.weight for a in spec.attention for lin in (a.q, a.k, a.v, a.o)}
+    layer_weights |= {lin.weight for m in spec.mlp for lin in (m.up, m.gate, m.down) if lin}
+    residual = sum(2 * 2 * state[k].numel() * spec.width for k, _ in spec.residual if k in layer_weights)
+    return {"mlp": mlp, "heads": heads, "residual": residual}
+
+
+def kernels(n: int = 3072, d: int = 768, head_dim: int = 64, heads: int = 12, repeats: int = 5) -> dict:
+    """Best-of-``repeats`` wall seconds of the kernels one iteration is made of, at GPT-2-small
+    shapes, with 1 thread and with the current thread count: the MLP score product in float32,
+    in bfloat16 (bfloat16 result: unusable for scores, shown for the AMX rate) and in float32 with
+    oneDNN's bf16 math mode (float32 result, the only CPU bf16 product with a float32 result that
+    torch exposes); the assignment pieces (top-64 per row, sparse LAPJV); the SVDs."""
+    from fedbasin.alignment.matching import _sparse_assignment
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, 2 * d, generator=g), torch.randn(n, 2 * d, generator=g)
+    score = a @ b.T
+    top = torch.topk(score, 64, dim=1)
+    c = torch.randn(d, d, generator=g, dtype=torch.float64)
+    pairs = torch.randn(heads * heads, head_dim, head_dim, generator=g, dtype=torch.float64)
+
+    def bf16_math():
+        previous = torch.backends.mkldnn.matmul.fp32_precision
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        try:
+            return a @ b.T
+        finally:
+            torch.backends.mkldnn.matmul.fp32_precision = previous
+
+    cases = {
+        "mlp_score_float32": lambda: a @ b.T,
+        "mlp_score_bfloat16_native": lambda: a.bfloat16() @ b.bfloat16().T,
+        "mlp_score_float32_onednn_bf16_math": bf16_math,
+        "topk64_rows": lambda: torch.topk(score, 64, dim=1),
+        "sparse_lapjv": lambda: _sparse_assignment(top.values, top.indices, n),
+        "svd_768_float64": lambda: torch.linalg.svd(c),
+        "svd_12x64x64_float64": lambda: torch.linalg.svd(pairs[:heads]),
+        "svdvals_144x64x64_float64": lambda: torch.linalg.svdvals(pairs),
+    }
+    threads = torch.get_num_threads()
+    out = {}
+    for count in sorted({1, threads}):
+        torch.set_num_threads(count)
+        try:
+            for name, fn in cases.items():
+                fn()
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    fn()
+                    best = min(best, time.perf_counter() - start)
+                out.setdefault(name, {})[f"{count}_threads"] = round(best, 4)
+        finally:
+            torch.set_num_threads(threads)
+    return out
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=20)
@@ -37,9 +134,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--profile", action="store_true",
-                        help="also report process CPU seconds per matching function (cProfile); works on "
-                             "older fedbasin versions too, for same-conditions comparisons")
+                        help="also report process CPU seconds per matching function (cProfile; it sees the "
+                             "main thread only, so steps run in per-layer worker threads appear in the "
+                             "phases' *_cpu parts instead); works on older fedbasin versions too, for "
+                             "same-conditions comparisons")
+    parser.add_argument("--kernels", action="store_true",
+                        help="only time the kernels an iteration is made of (1 thread and the current count)")
     args = parser.parse_args(argv)
+    if args.kernels:
+        out = {"kernels_best_wall_seconds": kernels(), "load_average_1min": round(os.getloadavg()[0], 2),
+               "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "amx": sorted(f for f in _cpu_flags() if f.startswith("amx"))}
+        print(json.dumps(out, indent=1))
+        return out
     config = dict(vocab_size=50257, block_size=1024, dim=768, depth=args.layers, heads=12, mlp_dim=3072)
     t0 = time.perf_counter()
     a = build_model("gpt", config, seed=0).state_dict()
@@ -48,6 +155,9 @@ def main(argv=None) -> dict:
     b = {k: v.to(args.device) for k, v in b.items()}
     spec = fedbasin_adapter("gpt", make_config("gpt", config)).spec
     build_s = time.perf_counter() - t0
+    flops = matmul_flops_per_iteration(spec, b)
+    rates = {"float32": round(gemm_gflops(config["mlp_dim"], 2 * config["dim"], torch.float32, args.device), 1),
+             "bfloat16": round(gemm_gflops(config["mlp_dim"], 2 * config["dim"], torch.bfloat16, args.device), 1)}
     rss_before = _peak_rss_gib()
     load_before = os.getloadavg()[0]
     cpu0 = time.process_time()
@@ -94,6 +204,12 @@ def main(argv=None) -> dict:
         "peak_rss_before_align_gib": round(rss_before, 2),
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "amx": sorted(f for f in _cpu_flags() if f.startswith("amx")),
+        "torch": torch.__version__,
+        "gemm_gflops": rates,
+        "matmul_gflop_per_iteration": {k: round(v / 1e9, 1) for k, v in flops.items()},
+        "blas_floor_seconds": round(result.iterations * sum(flops.values()) / (rates["float32"] * 1e9), 2),
     }
     print(json.dumps(out, indent=1))
     return out
