@@ -249,16 +249,23 @@ class RefineResult:
 
     def summary(self) -> dict:
         """JSON-ready record; says plainly when refinement returned its start unchanged."""
-        out = {"selection_loss_start": self.initial_loss, "selection_loss_best": self.best_loss,
-               "best_step": self.best_step, "improved": self.improved, "seconds": round(self.seconds, 3)}
+        out = keep_best_record(self)
         if self.start_mode:
             out["start"] = self.start_mode
-        if not np.isnan(self.evaluation_loss):
-            out.update(evaluation_loss_start=self.evaluation_initial_loss, evaluation_loss=self.evaluation_loss)
         if not self.improved:
             out["note"] = ("refinement could not improve on the weight-matching start (best_step 0): "
                            "the start is returned unchanged")
         return out
+
+
+def keep_best_record(result) -> dict:
+    """The keep-best fields shared by refinement and distillation results: selection loss at the
+    start and at the kept step, the kept step, and the evaluation split's losses when measured."""
+    out = {"selection_loss_start": result.initial_loss, "selection_loss_best": result.best_loss,
+           "best_step": result.best_step, "improved": result.improved, "seconds": round(result.seconds, 3)}
+    if not np.isnan(result.evaluation_loss):
+        out.update(evaluation_loss_start=result.evaluation_initial_loss, evaluation_loss=result.evaluation_loss)
+    return out
 
 
 @dataclass

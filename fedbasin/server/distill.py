@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedbasin.alignment.refine import RefineResult
+from fedbasin.alignment.refine import keep_best_record
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -47,7 +47,7 @@ class DistillResult:
     def summary(self) -> dict:
         """JSON-ready record, the same keep-best record as learned refinement's; says plainly when
         distillation returned its start unchanged."""
-        out = RefineResult.summary(self)
+        out = keep_best_record(self)
         if not self.improved:
             out["note"] = "distillation could not improve on the merged model (best_step 0): it is returned unchanged"
         return out
