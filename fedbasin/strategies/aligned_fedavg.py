@@ -12,9 +12,11 @@ Per round, with client states ``θ_k`` and example counts ``n_k``:
 
 from __future__ import annotations
 
+import io
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Iterable
 from logging import INFO, WARNING
 
@@ -476,7 +478,7 @@ class AlignedFedAvg(FedAvg):
         state = {}
         for key, expected in template.items():
             try:
-                value = arrays[key].numpy()
+                value = _array_view(arrays[key])
             except Exception as error:  # undecodable bytes, unknown serialisation type
                 raise ReplyError(f"{key}: cannot decode array ({error})") from error
             if value.shape != tuple(expected.shape):
@@ -490,7 +492,9 @@ class AlignedFedAvg(FedAvg):
                 if largest > self.max_abs_weight:
                     raise ReplyError(f"{key}: largest magnitude {largest:.3g} exceeds "
                                      f"max_abs_weight={self.max_abs_weight:g}")
-            state[key] = torch.from_numpy(value)
+            with warnings.catch_warnings():  # read-only on purpose: aggregation never writes into it
+                warnings.simplefilter("ignore", UserWarning)
+                state[key] = torch.from_numpy(value)
         self._check_untied(state, template)
         if self.alignment:  # e.g. a zero norm gain over a non-zero bias cannot be folded
             try:
@@ -517,6 +521,29 @@ class AlignedFedAvg(FedAvg):
                     server_round, key, value)
                 del metrics[key]
         return metrics
+
+
+def _array_view(array: Array) -> np.ndarray:
+    """The values of a reply's ``Array``, read-only and sharing the message's bytes: no second
+    copy of every client model while the round is aggregated (``Array.numpy()`` copies). The
+    ``.npy`` header is read and checked as ``np.load`` does; Fortran-ordered or object arrays
+    and other encodings fall back to ``Array.numpy()``."""
+    data = array.data
+    if array.stype != "numpy.ndarray" or not isinstance(data, bytes):
+        return array.numpy()
+    stream = io.BytesIO(data)
+    version = np.lib.format.read_magic(stream)
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    if version not in readers:
+        return array.numpy()
+    shape, fortran_order, dtype = readers[version](stream)
+    if fortran_order or dtype.hasobject:
+        return array.numpy()
+    count = math.prod(shape)
+    offset = stream.tell()
+    if len(data) - offset != count * dtype.itemsize:
+        raise ValueError(f"{len(data) - offset} data bytes for shape {shape} of {dtype}")
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
 def _reason(error: Exception) -> str:
