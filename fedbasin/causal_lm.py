@@ -203,6 +203,18 @@ def _resolve(task, config: Mapping[str, object]):
     return hf_config, untied
 
 
+#: config fields that describe a saved file, not the architecture (``save_checkpoint`` sets them)
+FILE_FIELDS = ("architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path")
+
+
+def config_differences(built, saved) -> list[str]:
+    """``field=saved (built ...)`` for every architecture field in which a saved Hugging Face
+    config differs from the one this run builds (empty: the checkpoint fits the run)."""
+    a, b = built.to_dict(), saved.to_dict()
+    return [f"{k}={b.get(k)!r} (this run: {a.get(k)!r})" for k in sorted(set(a) | set(b))
+            if k not in FILE_FIELDS and a.get(k) != b.get(k)]
+
+
 def _say_once(message: str) -> None:
     if message not in _SAID:
         _SAID.add(message)

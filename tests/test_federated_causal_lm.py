@@ -154,3 +154,14 @@ def test_two_rounds_federate_a_causal_lm_and_save_it_loadable(tmp_path, text_fil
         logits = model(ids).logits
     loss = float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
     assert loss == pytest.approx(rounds[2]["test_loss"], rel=1e-4)
+    # the run resumes from its last checkpoint; a run that builds another model is refused
+    from fedbasin.server.outputs import RunOutputs
+
+    config = resolve_run_config({**results["run_config"], "resume": True})
+    built = model_from_config(task, config, seed=0)
+    last, state = RunOutputs(config["out-dir"], model_type, built.config, config).resume()
+    built.load_state_dict(state)
+    assert last == 2
+    other = resolve_run_config({**config, "model.mlp-dim": 48})
+    with pytest.raises(ValueError, match="differs from this run's: .*=48"):
+        RunOutputs(config["out-dir"], model_type, model_from_config(task, other, seed=0).config, other).resume()

@@ -138,7 +138,13 @@ class RunOutputs:
                 log(WARNING, "resume: checkpoint %s is unusable (%s); moved it to %s and "
                     "falling back to the previous checkpoint", path, error, aside.name)
                 continue
-            if checkpoint.family != self.family or checkpoint.config != self.model_config:
+            if hasattr(self.model_config, "to_dict") and checkpoint.family == self.family:
+                from fedbasin.causal_lm import config_differences  # a Hugging Face model
+
+                if differences := config_differences(self.model_config, checkpoint.config):
+                    raise ValueError(f"cannot resume from {checkpoint.path}: its {self.family} "
+                                     f"model differs from this run's: {', '.join(differences[:4])}")
+            elif checkpoint.family != self.family or checkpoint.config != self.model_config:
                 raise ValueError(
                     f"cannot resume from {checkpoint.path}: it holds a {checkpoint.family} model "
                     f"with {checkpoint.config}, but this run builds a {self.family} model with "

@@ -352,7 +352,7 @@ class AlignedFedAvg(FedAvg):
         """Merged state (cohort screened and aggregated in the aligned basis) and metrics."""
         owners = list(nodes)  # node id per entry; None: the previous global model (weight 0)
         if not (self.independent_init and server_round == 1):
-            states, weights = [previous.to_torch_state_dict(), *states], [0.0, *weights]
+            states, weights = [_tensor_views(previous), *states], [0.0, *weights]
             owners = [None, *owners]
         combine = self._combiner(server_round, owners)
         if not self.alignment:
@@ -492,9 +492,7 @@ class AlignedFedAvg(FedAvg):
                 if largest > self.max_abs_weight:
                     raise ReplyError(f"{key}: largest magnitude {largest:.3g} exceeds "
                                      f"max_abs_weight={self.max_abs_weight:g}")
-            with warnings.catch_warnings():  # read-only on purpose: aggregation never writes into it
-                warnings.simplefilter("ignore", UserWarning)
-                state[key] = torch.from_numpy(value)
+            state[key] = _as_tensor(value)
         self._check_untied(state, template)
         if self.alignment:  # e.g. a zero norm gain over a non-zero bias cannot be folded
             try:
@@ -544,6 +542,18 @@ def _array_view(array: Array) -> np.ndarray:
     if len(data) - offset != count * dtype.itemsize:
         raise ValueError(f"{len(data) - offset} data bytes for shape {shape} of {dtype}")
     return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def _as_tensor(value: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy`` of a read-only view (aggregation never writes into its inputs)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        return torch.from_numpy(value)
+
+
+def _tensor_views(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    """``arrays.to_torch_state_dict()`` without copying the bytes (see :func:`_array_view`)."""
+    return {key: _as_tensor(_array_view(array)) for key, array in arrays.items()}
 
 
 def _reason(error: Exception) -> str:

@@ -1,0 +1,66 @@
+"""The strategy's memory savings keep its results: replies decoded as read-only views of their
+bytes, cohort statistics accumulated chunk-wise; the benchmark's measurement path runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord
+
+from fedbasin.strategies import aligned_fedavg, robust
+
+
+@pytest.mark.parametrize("value", [
+    np.arange(12, dtype=np.float32).reshape(3, 4), np.float64(2.5) * np.ones(()), np.zeros((0, 5), np.float16),
+    np.arange(7, dtype=np.int64), np.ones((2, 3, 4), dtype=np.float32)[:, ::2],
+])
+def test_reply_arrays_are_read_only_views_of_the_message_bytes(value):
+    array = Array.from_numpy_ndarray(np.ascontiguousarray(value))
+    view = aligned_fedavg._array_view(array)
+    np.testing.assert_array_equal(view, array.numpy())
+    assert view.dtype == array.numpy().dtype and view.shape == array.numpy().shape
+    assert not view.flags.writeable  # shares the immutable bytes: no copy was made
+
+
+def test_fortran_ordered_and_truncated_arrays():
+    fortran = Array.from_numpy_ndarray(np.asfortranarray(np.arange(6.0).reshape(2, 3)))
+    np.testing.assert_array_equal(aligned_fedavg._array_view(fortran), np.arange(6.0).reshape(2, 3))
+    truncated = Array(dtype="float32", shape=(3, 4), stype="numpy.ndarray",
+                      data=Array.from_numpy_ndarray(np.ones((3, 4), np.float32)).data[:-4])
+    with pytest.raises(ValueError, match="data bytes for shape"):
+        aligned_fedavg._array_view(truncated)
+
+
+def _reference_statistics(states, center):
+    """The cohort statistics computed on whole flattened models (the definition)."""
+    flat = torch.stack([torch.cat([s[k].reshape(-1).double() for k in robust.float_keys(s)]) for s in states])
+    others = [float((flat[k] - robust._median_rows(torch.cat([flat[:k], flat[k + 1:]]))).norm())
+              for k in range(len(states))]
+    center_flat = torch.cat([center[k].reshape(-1).double() for k in robust.float_keys(center)])
+    return others, (flat - center_flat).norm(dim=1).tolist()
+
+
+@pytest.mark.parametrize("chunk", [7, 1000, 2**20])
+def test_chunked_cohort_screening_equals_the_whole_model_statistics(monkeypatch, chunk):
+    g = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(40, 30, generator=g), "b": torch.randn(13, generator=g), "step": torch.tensor(3)}
+              for _ in range(6)]
+    states[4] = {k: v * 4 if v.is_floating_point() else v for k, v in states[4].items()}
+    center = {k: 0.5 * v if v.is_floating_point() else v for k, v in states[0].items()}
+    monkeypatch.setattr(robust, "CHUNK", chunk)
+    assert sorted(robust.cohort_outliers(states, center, 3.5)) == [4]
+    seen = []
+    monkeypatch.setattr(robust, "mad_outliers", lambda values, *args: seen.append(values) or [])
+    robust.cohort_outliers(states, center, 3.5)
+    for got, want in zip(seen, _reference_statistics(states, center), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_benchmark_measures_one_aggregation(monkeypatch):
+    from fedbasin.simulations import bench_server_memory as bench
+
+    monkeypatch.setattr(bench, "SHAPE", dict(vocab_size=50, block_size=8, dim=16, depth=1, heads=2, mlp_dim=32))
+    row = bench.measure(3, iterations=1)
+    assert row["clients"] == 3 and row["target"] == 6 and row["params"] > 0
+    assert row["peak"] >= row["held"] - 0.5  # the peak is measured over the same baseline
