@@ -9,6 +9,8 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fedbasin.strategies import aligned_fedavg, robust
+from tests.helpers import VIT, spec_of
+from tests.test_strategy import NODES, base_state, reply, serverapp_identity, strategy_for  # noqa: F401
 
 
 @pytest.mark.parametrize("value", [
@@ -64,3 +66,16 @@ def test_benchmark_measures_one_aggregation(monkeypatch):
     row = bench.measure(3, iterations=1)
     assert row["clients"] == 3 and row["target"] == 6 and row["params"] > 0
     assert row["peak"] >= row["held"] - 0.5  # the peak is measured over the same baseline
+
+
+def test_the_strategy_aggregates_views_of_the_reply_bytes():
+    """Screened reply states point into the message's bytes (no decoded copy of each model)."""
+    state = base_state()
+    strategy = strategy_for(spec_of("vit", VIT), state)
+    arrays = ArrayRecord(state)
+    decoded = strategy._checked_state(reply(NODES[0], arrays), strategy._global)
+    for key, tensor in decoded.items():
+        data = arrays[key].data
+        start = np.frombuffer(data, np.uint8).ctypes.data
+        assert start <= tensor.data_ptr() < start + len(data), key
+        torch.testing.assert_close(tensor, state[key])
