@@ -54,15 +54,13 @@ def selected(config: Mapping[str, object]) -> bool:
     return bool(config["hf-config"] or config["hf-pretrained"])
 
 
-def _looks_local(name: str) -> bool:
-    return name.startswith(("/", ".", "~")) or Path(name).expanduser().exists()
-
-
 @functools.lru_cache(maxsize=4)
 def pretrained_dir(source: str) -> Path:
     """The local directory of ``hf-pretrained``: the path itself, or a hub snapshot (config,
     weights and tokenizer files only)."""
-    if _looks_local(source):
+    from fedbasin.data.sources import is_hub_id
+
+    if Path(source).expanduser().exists() or not is_hub_id(source):
         where = Path(source).expanduser()
         if not (where / "config.json").is_file():
             raise FileNotFoundError(f"hf-pretrained {where} is not a directory holding config.json "
@@ -73,7 +71,7 @@ def pretrained_dir(source: str) -> Path:
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "tokenizer*"]
     try:
         return Path(snapshot_download(source, allow_patterns=patterns))
-    except Exception as error:  # offline, unknown id, gated repository
+    except Exception as error:  # noqa: BLE001 - offline, unknown id, gated repository
         raise RuntimeError(f"hf-pretrained {source!r}: could not download it from the Hugging Face "
                            f"hub ({type(error).__name__}: {error}); offline, give a local directory") from None
 
@@ -133,7 +131,7 @@ def _config_from_file(source: str):
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     try:
         return hf_config_class(model_type).from_dict(values)
-    except Exception as error:  # transformers validates field types
+    except Exception as error:  # noqa: BLE001 - transformers validates field types
         raise ValueError(f"hf-config {file}: {error}".splitlines()[0]) from None
 
 
@@ -161,9 +159,10 @@ def _resolve(task, config: Mapping[str, object]):
     where = "hf-pretrained" if config["hf-pretrained"] else "hf-config"
     by_type = config["hf-config"] in SUPPORTED_MODEL_TYPES
     if not isinstance(task.tokenizer, HFTokenizer):
-        raise ValueError(f"run-config {where}={config[where]!r} needs text data tokenised by a Hugging Face "
-                         f"tokenizer (data='text:FILE' and tokenizer=DIR); got data={config['data']!r}, "
-                         f"tokenizer={config['tokenizer']!r}")
+        raise ValueError(  # noqa: TRY004 - a run-config error, not a caller's type
+            f"run-config {where}={config[where]!r} needs text data tokenised by a Hugging Face "
+            f"tokenizer (data='text:FILE' and tokenizer=DIR); got data={config['data']!r}, "
+            f"tokenizer={config['tokenizer']!r}")
     if config["init"] == "client" and config["hf-pretrained"]:
         raise ValueError("run-config init='client' starts every node from its own random initialisation; "
                          "it does not apply to hf-pretrained (use hf-config)")
