@@ -8,7 +8,9 @@ in a fresh process: it builds the broadcast ``ArrayRecord`` and K reply messages
 weights plus independent Gaussian noise, std 0.01, seed k; serialised as Flower sends them),
 frees everything else, then measures one ``aggregate_train`` call of the default strategy
 (orthogonal alignment, ``--iterations`` weight-matching iterations, mean aggregator, outlier
-screening on). The peak is the kernel's high-water mark (``VmHWM``), reset just before the call
+screening on) with ``consume_replies`` on, as inside ``AlignedFedAvg.start`` (each reply's bytes
+are released once aligned; ``--keep-replies`` measures a direct call that leaves the messages
+intact). The peak is the kernel's high-water mark (``VmHWM``), reset just before the call
 through ``/proc/self/clear_refs``; where that is not allowed, ``ru_maxrss`` (the whole life of
 the process, an upper bound) is reported instead and flagged.
 
@@ -63,7 +65,7 @@ def _release() -> None:
         pass
 
 
-def measure(clients: int, iterations: int) -> dict:
+def measure(clients: int, iterations: int, consume: bool = True) -> dict:
     """One ``aggregate_train`` with ``clients`` replies, in this process (see the module docstring)."""
     import torch
     from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -101,6 +103,7 @@ def measure(clients: int, iterations: int) -> dict:
     strategy = AlignedFedAvg(spec, iterations=iterations, min_train_nodes=clients,
                              min_available_nodes=clients)
     list(strategy.configure_train(1, broadcast, ConfigRecord(), Grid()))
+    strategy.consume_replies = consume  # what ``start`` does: Flower drops the replies afterwards
     _release()
     held = _status("VmRSS")
     exact = _reset_peak()
@@ -114,6 +117,7 @@ def measure(clients: int, iterations: int) -> dict:
         "clients": clients, "params": size // 4, "model_bytes": size, "baseline_bytes": baseline,
         "held": round((held - baseline) / size, 2), "peak": round((peak - baseline) / size, 2),
         "target": clients + 3, "seconds": round(seconds, 1), "peak_is_exact": exact,
+        "consume_replies": consume,
     }
 
 
@@ -121,16 +125,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[2, 4, 8], metavar="K")
     parser.add_argument("--iterations", type=int, default=2, help="weight-matching iterations")
+    parser.add_argument("--keep-replies", action="store_true",
+                        help="leave the reply messages intact (a direct aggregate_train call)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(measure(args.child, args.iterations)))
+        print(json.dumps(measure(args.child, args.iterations, consume=not args.keep_replies)))
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     rows = []
     for k in args.clients:
         done = subprocess.run([sys.executable, "-m", "fedbasin.simulations.bench_server_memory",
-                               "--child", str(k), "--iterations", str(args.iterations)],
+                               "--child", str(k), "--iterations", str(args.iterations),
+                               *(["--keep-replies"] if args.keep_replies else [])],
                               env=env, capture_output=True, text=True, check=False)
         if done.returncode:
             print(done.stderr[-3000:], file=sys.stderr)
