@@ -79,3 +79,73 @@ def test_the_strategy_aggregates_views_of_the_reply_bytes():
         start = np.frombuffer(data, np.uint8).ctypes.data
         assert start <= tensor.data_ptr() < start + len(data), key
         torch.testing.assert_close(tensor, state[key])
+
+
+def _previous_merge(spec, states, weights, reference=0, combine=None):
+    """What ``merge`` computed before streaming (one pass): every model canonicalised up front,
+    each non-reference one weight-matched to the canonical reference, then combined."""
+    from fedbasin.alignment import average_states, canonicalize, to_gauge, weight_match
+
+    combine = combine or average_states
+    ref = canonicalize(spec, states[reference], validate=False)
+    canon = [canonicalize(spec, s, validate=False).state for s in states]
+    aligned = [canon[k] if k == reference else weight_match(spec, ref.state, canon[k], iterations=3).canonical
+               for k in range(len(states))]
+    return to_gauge(spec, combine(aligned, weights), ref.gains)
+
+
+def test_streamed_merge_equals_the_previous_merge_bitwise_and_releases_the_models():
+    from fedbasin.alignment import merge
+    from tests.test_strategy import transformed_copies
+
+    spec = spec_of("vit", VIT)
+    base = base_state()
+    states = [base, *transformed_copies(spec, base, 3, noise=1e-3)]
+    weights = [0.0, 1.0, 2.0, 3.0]
+    expected = _previous_merge(spec, states, weights)
+    for release in (False, True):
+        given = list(states)
+        result = merge(spec, given, weights, iterations=3, release=release)
+        assert result.state.keys() == expected.keys()
+        for key in expected:
+            assert torch.equal(result.state[key], expected[key]), key
+        if release:  # the aligned models and the caller's inputs are let go (the reference stays)
+            assert given[0] is base and given[1:] == [None, None, None]
+            assert all(m.state == {} and m.canonical == {} and m.objective for m in result.matches)
+        else:
+            assert given == states and all(m.canonical for m in result.matches)
+
+
+def test_consumed_replies_give_the_same_aggregate_and_are_freed_before_aggregation(monkeypatch):
+    """With consume_replies (as inside ``start``) every reply's ArrayRecord leaves its message,
+    and once all models are aligned nothing holds a reply's bytes any more; the aggregate is
+    bitwise the one of a call that leaves the messages intact."""
+    import sys
+
+    from tests.test_strategy import transformed_copies
+
+    spec = spec_of("vit", VIT)
+    base = base_state()
+    copies = transformed_copies(spec, base, len(NODES), noise=1e-3)
+
+    def replies():
+        return [reply(n, ArrayRecord(s)) for n, s in zip(NODES, copies)]
+
+    kept = replies()
+    plain, _ = strategy_for(spec, base).aggregate_train(2, kept)
+    assert all(m.content.array_records for m in kept)  # a direct call leaves the messages alone
+
+    consumed = replies()
+    probe = [next(iter(m.content["arrays"].values())).data for m in consumed]
+    holders = []
+    real_aggregate = aligned_fedavg.aggregate
+    monkeypatch.setattr(aligned_fedavg, "aggregate", lambda *a: holders.append(
+        [sys.getrefcount(probe[i]) - 2 for i in range(len(probe))]) or real_aggregate(*a))  # probe, argument
+    strategy = strategy_for(spec, base)
+    strategy.consume_replies = True
+    arrays, metrics = strategy.aggregate_train(2, consumed)
+    assert metrics["num_excluded"] == 0 and holders == [[0] * len(NODES)]
+    assert not any(m.content.array_records for m in consumed)
+    assert arrays.keys() == plain.keys()
+    for key in plain:
+        np.testing.assert_array_equal(arrays[key].numpy(), plain[key].numpy())

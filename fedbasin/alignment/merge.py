@@ -94,8 +94,8 @@ def merge(
     ``combine(aligned_canonical_states, weights)`` replaces the weighted mean (e.g. a robust
     aggregator that screens the aligned models first).
 
-    Memory: with one universe pass each model is canonicalised only while it is aligned, so the
-    merge holds the aligned models plus one model in flight. ``release=True`` (the caller
+    Memory: with one universe pass each model is canonicalised only while it is aligned (inside
+    :func:`weight_match`), so the merge holds the aligned models plus one model in flight. ``release=True`` (the caller
     hands ``states`` over) also sets ``states[k] = None`` once model ``k`` is aligned (its
     memory goes as soon as nothing else refers to it), keeps no gauged copy of the aligned
     models and drops them after ``combine``. Universe matching (``universe_iterations > 1``)
@@ -108,8 +108,8 @@ def merge(
         raise ValueError(f"reference index {reference} out of range for {len(states)} models")
     weights = _normalise_weights(weights, len(states))
     names = [f"model {i}" for i in range(len(states))]
-    for i, s in enumerate(states):
-        check_compatible(spec, states[reference], s, (names[reference], names[i]))
+    for i in range(len(states)):  # no loop variable may keep a model alive (release=True)
+        check_compatible(spec, states[reference], states[i], (names[reference], names[i]))
     ref_c = canonicalize(spec, states[reference], names[reference], validate=False)
     if not align:
         canon = [canonicalize(spec, s, names[i], validate=False).state for i, s in enumerate(states)]
@@ -118,9 +118,12 @@ def merge(
                            untied=ref_c.untied)
 
     passes = max(universe_iterations, 1)
-    canon = None  # one pass: canonical forms are made one at a time, right before alignment
     if passes > 1:
         canon = [canonicalize(spec, s, names[i], validate=False).state for i, s in enumerate(states)]
+    else:  # one pass: weight_match canonicalises each model itself (the same tensors, bitwise)
+        canon = None
+        for i in range(len(states)):  # bad gains fail here, before any alignment starts
+            canonicalize(spec, states[i], names[i], validate=False)
     universe = ref_c.state
     result = MergeResult({}, {}, [], untied=ref_c.untied)
     bar = progress_bar(len(states) * passes, progress, "aligning", "model")
@@ -132,11 +135,8 @@ def merge(
                 matches.append(None)
                 aligned.append(ref_c.state if canon is None else canon[k])
             else:
-                candidate = canon[k] if canon is not None else \
-                    canonicalize(spec, states[k], names[k], validate=False).state
-                match = weight_match(spec, universe, candidate, mode=mode, iterations=iterations, tol=tol,
-                                     weighting=weighting, token_rows=token_rows)
-                del candidate
+                match = weight_match(spec, universe, states[k] if canon is None else canon[k], mode=mode,
+                                     iterations=iterations, tol=tol, weighting=weighting, token_rows=token_rows)
                 if release:
                     match.state = {}  # the gauged copy: the merge needs the canonical one only
                     if k != reference:

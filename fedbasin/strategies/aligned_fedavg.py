@@ -276,11 +276,11 @@ class AlignedFedAvg(FedAvg):
                         f"round (kept its reply {accepted[node][0][:12]})"
                     )
                 weight = self._num_examples(msg)
-                state = self._checked_state(msg, template)
+                decoded[node] = self._checked_state(msg, template)
             except Exception as error:  # noqa: BLE001 - no client content may stop the round
                 self._exclude(server_round, node, _reason(error))
                 continue
-            accepted[node], decoded[node] = (msg.metadata.message_id, weight, msg.content), state
+            accepted[node] = (msg.metadata.message_id, weight, msg.content)
             if self.consume_replies:  # the state's views now hold the bytes: freed once aligned
                 for name in _array_record_names(msg.content):
                     del msg.content[name]
