@@ -101,7 +101,7 @@ def test_streamed_merge_equals_the_previous_merge_bitwise_and_releases_the_model
     spec = spec_of("vit", VIT)
     base = base_state()
     states = [base, *transformed_copies(spec, base, 3, noise=1e-3)]
-    weights = [0.0, 1.0, 2.0, 3.0]
+    weights = [0.5, 1.0, 2.0, 3.0]
     expected = _previous_merge(spec, states, weights)
     for release in (False, True):
         given = list(states)
