@@ -17,7 +17,9 @@ the process, an upper bound) is reported instead and flagged.
 Reported per K, in units of S: ``held`` — RSS before the call above the process's baseline
 (interpreter and imports, measured before any model exists): the K replies and the broadcast
 model that the server holds anyway; ``peak`` — peak RSS during the call above the baseline;
-``target`` — K + 3 (issue 9). Prints one JSON line per K and a Markdown table.
+``target`` — K + 3 (issue 9). Prints one JSON line per K and a Markdown table. The children
+inherit the environment, so ``MALLOC_MMAP_THRESHOLD_=65536 python -m ...`` measures the server
+with glibc's mmap threshold fixed (freed model-sized blocks go back to the kernel at once).
 """
 
 from __future__ import annotations
