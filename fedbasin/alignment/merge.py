@@ -95,10 +95,10 @@ def merge(
     aggregator that screens the aligned models first).
 
     Memory: with one universe pass each model is canonicalised only while it is aligned (inside
-    :func:`weight_match`), so the merge holds the aligned models plus one model in flight. ``release=True`` (the caller
-    hands ``states`` over) also sets ``states[k] = None`` once model ``k`` is aligned (its
-    memory goes as soon as nothing else refers to it), keeps no gauged copy of the aligned
-    models and drops them after ``combine``. Universe matching (``universe_iterations > 1``)
+    :func:`weight_match`), so the merge holds the aligned models plus one model in flight.
+    ``release=True`` (the caller hands ``states`` over) also sets ``states[k] = None`` once
+    model ``k`` is aligned (its memory goes as soon as nothing else refers to it), keeps no
+    gauged copy of the aligned models and drops them after ``combine``. Universe matching (``universe_iterations > 1``)
     re-aligns the original models in every pass, so it holds all of them in canonical form.
     """
     t0 = time.perf_counter()
