@@ -416,8 +416,12 @@ def save_checkpoint(
     *,
     kind: str | None = None,
     updates: dict | None = None,
+    extra_files=None,
 ) -> Path:
     """Write ``state`` (``state_dict()`` keys) and ``config`` as a checkpoint directory, atomically.
+
+    ``extra_files(directory)``, if given, writes more files (e.g. a tokenizer) into the
+    directory before it is swapped in.
 
     ``kind`` defaults to ``"hf"`` when ``config`` is a transformers ``PretrainedConfig``, else
     ``"fedbasin"`` (``config`` a dataclass or dict). The config is written with
@@ -466,6 +470,8 @@ def save_checkpoint(
         (tmp / CONFIG_FILE).write_text(config_text)
         tensors = _file_tensors(file_state)
         safetensors.torch.save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if extra_files is not None:
+            extra_files(tmp)
 
     _atomic_replace_dir(path, write)
     return path

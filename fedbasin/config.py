@@ -14,6 +14,7 @@ from dataclasses import fields
 
 from torch import nn
 
+from fedbasin.alignment.adapters import Adapter, fedbasin_adapter
 from fedbasin.data import Task, load_task
 from fedbasin.models import FAMILIES, build_model
 
@@ -38,6 +39,11 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "model.bias": True,
     "model.patch-size": 0,  # vit only
     "model.position": "",  # gpt only: learned | rope
+    "model.kv-heads": 0,  # hf-config model types with grouped-query attention; 0: as many as heads
+    # Hugging Face causal LMs on text data (fedbasin.causal_lm); "" keeps fedbasin's own models
+    "hf-config": "",  # a model type (gpt2 | gpt_neox | llama | mistral | qwen2) sized by model.*, or a config.json
+    "hf-pretrained": "",  # a saved model directory (or hub id): its weights start the run
+    "tokenizer": "",  # Hugging Face tokenizer directory (or hub id) for text data; "": hf-pretrained's
     # local training on each node
     "init": "server",  # server: start from the broadcast model | client: round 1 from a node seed
     "local-epochs": 5,
@@ -87,7 +93,7 @@ RANGES = (
     (("num-server-rounds", "local-epochs", "batch-size", "block-size", "align-iterations",
       "universe-iterations", "min-nodes"), 1, True),
     (("seed", "proxy-size", "max-train-examples", "refine-steps", "distill-steps", "max-num-examples",
-      "model.dim", "model.depth", "model.heads", "model.mlp-dim", "model.patch-size",
+      "model.dim", "model.depth", "model.heads", "model.mlp-dim", "model.patch-size", "model.kv-heads",
       "weight-decay", "max-examples-ratio", "outlier-threshold", "clip-ratio", "trim-fraction",
       "lr", "fraction-train", "fraction-evaluate"), 0, True),
     (("refine-lr", "distill-lr", "distill-temperature", "dirichlet-alpha", "max-abs-weight"), 0, False),
@@ -159,17 +165,47 @@ def model_config(
 
 def task_from_config(config: Mapping[str, object]) -> Task:
     """The run's data (cached per process, so every round of a node reuses it)."""
+    from fedbasin import causal_lm
+
     return load_task(
         config["data"],
         seed=config["seed"],
         proxy_size=config["proxy-size"],
         max_train_examples=config["max-train-examples"],
         block_size=config["block-size"],
+        tokenizer=causal_lm.tokenizer_source(config),
     )
 
 
-def model_from_config(task: Task, config: Mapping[str, object], seed: int) -> nn.Module:
-    """A freshly initialised model of the task's family, shaped by the data and ``model.*``."""
+def model_from_config(
+    task: Task, config: Mapping[str, object], seed: int, load_weights: bool = True
+) -> nn.Module:
+    """A freshly initialised model of the task's family, shaped by the data and ``model.*``;
+    or the Hugging Face causal LM of ``hf-config`` / ``hf-pretrained`` (its pretrained weights
+    loaded when ``load_weights``; see :mod:`fedbasin.causal_lm`)."""
+    from fedbasin import causal_lm
+
+    if causal_lm.selected(config):
+        return causal_lm.build(task, config, seed, load_weights)
     return build_model(
         task.family, model_config(task.family, task.model_overrides, config), seed=seed
     )
+
+
+def model_adapter(task: Task, model: nn.Module) -> tuple[str, Adapter]:
+    """``(family, adapter)`` of a model from :func:`model_from_config`: the fedbasin family or the
+    Hugging Face ``model_type``; the adapter's ``to_standard`` gives the layout the strategy's
+    spec describes (what the Flower messages carry), ``from_standard`` the model's own keys."""
+    if isinstance(model.config, tuple(config_cls for _, config_cls in FAMILIES.values())):
+        return task.family, fedbasin_adapter(task.family, model.config)
+    from fedbasin.alignment.hf import hf_adapter
+
+    return model.config.model_type, hf_adapter(model)
+
+
+def eval_batch_size(task: Task, model: nn.Module, budget: int = 2**26) -> int:
+    """Evaluation batch size keeping one batch's logits under ``budget`` values (a 50k-token
+    vocabulary makes 512 blocks of 64 tokens 6.6 GB), at most 512."""
+    vocab = getattr(model.config, "vocab_size", 1)
+    per_example = max(1, task.test.targets[0].numel() * vocab)
+    return max(1, min(512, budget // per_example))

@@ -25,6 +25,8 @@ class MergeResult:
 
     objectives: per universe iteration, the weight-matching records of every model;
     universe_change: relative change of the merged weights per universe iteration.
+    With ``merge(..., release=True)`` the matches keep their transform and objective records
+    only (``state`` and ``canonical`` are empty dicts).
     """
 
     state: dict
@@ -82,6 +84,7 @@ def merge(
     progress: bool = False,
     token_rows: torch.Tensor | None = None,
     combine=average_states,
+    release: bool = False,
 ) -> MergeResult:
     """Align every model to ``states[reference]`` (then to the running universe) and average.
 
@@ -90,6 +93,13 @@ def merge(
     ``token_rows``: match token-indexed rows of these ids only (see :func:`weight_match`).
     ``combine(aligned_canonical_states, weights)`` replaces the weighted mean (e.g. a robust
     aggregator that screens the aligned models first).
+
+    Memory: with one universe pass each model is canonicalised only while it is aligned (inside
+    :func:`weight_match`), so the merge holds the aligned models plus one model in flight.
+    ``release=True`` (the caller hands ``states`` over) also sets ``states[k] = None`` once
+    model ``k`` is aligned (its memory goes as soon as nothing else refers to it), keeps no
+    gauged copy of the aligned models and drops them after ``combine``. Universe matching (``universe_iterations > 1``)
+    re-aligns the original models in every pass, so it holds all of them in canonical form.
     """
     t0 = time.perf_counter()
     if len(states) < 2:
@@ -98,32 +108,51 @@ def merge(
         raise ValueError(f"reference index {reference} out of range for {len(states)} models")
     weights = _normalise_weights(weights, len(states))
     names = [f"model {i}" for i in range(len(states))]
-    for i, s in enumerate(states):
-        check_compatible(spec, states[reference], s, (names[reference], names[i]))
+    for i in range(len(states)):  # no loop variable may keep a model alive (release=True)
+        check_compatible(spec, states[reference], states[i], (names[reference], names[i]))
     ref_c = canonicalize(spec, states[reference], names[reference], validate=False)
-    canon = [canonicalize(spec, s, names[i], validate=False).state for i, s in enumerate(states)]
     if not align:
+        canon = [canonicalize(spec, s, names[i], validate=False).state for i, s in enumerate(states)]
         merged = combine(canon, weights)
         return MergeResult(to_gauge(spec, merged, ref_c.gains), merged, [], seconds=time.perf_counter() - t0,
                            untied=ref_c.untied)
 
+    passes = max(universe_iterations, 1)
+    if passes > 1:
+        canon = [canonicalize(spec, s, names[i], validate=False).state for i, s in enumerate(states)]
+    else:  # one pass: weight_match canonicalises each model itself (the same tensors, bitwise)
+        canon = None
+        for i in range(len(states)):  # bad gains fail here, before any alignment starts
+            canonicalize(spec, states[i], names[i], validate=False)
     universe = ref_c.state
     result = MergeResult({}, {}, [], untied=ref_c.untied)
-    bar = progress_bar(len(states) * max(universe_iterations, 1), progress, "aligning", "model")
-    for t in range(max(universe_iterations, 1)):
-        matches = []
-        for k, s in enumerate(canon):
+    bar = progress_bar(len(states) * passes, progress, "aligning", "model")
+    for t in range(passes):
+        matches, aligned = [], []
+        for k in range(len(states)):
             if (t == 0 and k == reference) or (t > 0 and weights[k] == 0):
-                matches.append(None)  # the reference itself, or a weight-0 model (alignment target only)
+                # the reference itself, or a weight-0 model (alignment target only)
+                matches.append(None)
+                aligned.append(ref_c.state if canon is None else canon[k])
             else:
-                matches.append(weight_match(spec, universe, s, mode=mode, iterations=iterations, tol=tol,
-                                            weighting=weighting, token_rows=token_rows))
+                match = weight_match(spec, universe, states[k] if canon is None else canon[k], mode=mode,
+                                     iterations=iterations, tol=tol, weighting=weighting, token_rows=token_rows)
+                if release:
+                    match.state = {}  # the gauged copy: the merge needs the canonical one only
+                    if k != reference:
+                        states[k] = None
+                matches.append(match)
+                aligned.append(match.canonical)
             bar.update(1)
-        aligned = [canon[k] if m is None else m.canonical for k, m in enumerate(matches)]
         new_universe = combine(aligned, weights)
+        del aligned
+        result.matches = [m for m in matches if m is not None]
+        if release:
+            for m in result.matches:
+                m.canonical = {}
+        del matches
         change = _relative_change(spec, universe, new_universe)
         universe = new_universe
-        result.matches = [m for m in matches if m is not None]
         result.objectives.append([m.objective for m in result.matches])
         result.universe_change.append(change)
         if change < universe_tol:

@@ -4,6 +4,12 @@ The node finds its partition in its node config (``partition-id``, ``num-partiti
 simulation sets them, a SuperNode gets them from ``--node-config``, which may also name a
 node-local ``data`` source). The run config comes with each message (the ServerApp sends it),
 falling back to the node's ``context.run_config`` and :data:`fedbasin.config.DEFAULT_RUN_CONFIG`.
+
+Messages carry the model in its adapter's standard layout (``model_adapter``: the layout of the
+strategy's symmetry spec; for fedbasin's models the state dict itself). Hugging Face causal LMs
+(``hf-config`` / ``hf-pretrained``, :mod:`fedbasin.causal_lm`) are built from the config alone
+here, untied when the run aligns (the server's model is untied the same way), and their
+pretrained weights arrive with the broadcast.
 """
 
 from __future__ import annotations
@@ -13,7 +19,13 @@ import time
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedbasin.config import model_from_config, resolve_run_config, task_from_config
+from fedbasin.config import (
+    eval_batch_size,
+    model_adapter,
+    model_from_config,
+    resolve_run_config,
+    task_from_config,
+)
 from fedbasin.training import evaluate as evaluate_model
 from fedbasin.training import resolve_device
 from fedbasin.training import train as train_model
@@ -35,9 +47,11 @@ def train(msg: Message, context: Context) -> Message:
     node_index, task, train_data, _ = _local_data(context, config)
     if config["init"] == "client" and server_round == 1:
         model = model_from_config(task, config, seed=config["seed"] + 1 + node_index)
+        adapter = model_adapter(task, model)[1]
     else:
-        model = model_from_config(task, config, seed=config["seed"])
-        model.load_state_dict(clock.decode(msg.content["arrays"]))
+        model = model_from_config(task, config, seed=config["seed"], load_weights=False)
+        adapter = model_adapter(task, model)[1]
+        model.load_state_dict(adapter.from_standard(clock.decode(msg.content["arrays"])))
     started = time.perf_counter()
     result = train_model(
         model,
@@ -55,7 +69,7 @@ def train(msg: Message, context: Context) -> Message:
         "num-examples": len(train_data),
     }
     encode_started = time.perf_counter()
-    arrays = ArrayRecord(model.state_dict())
+    arrays = ArrayRecord(adapter.to_standard(model.state_dict()))
     clock.encode_seconds = time.perf_counter() - encode_started
     metrics.update(clock.metrics("train_"))
     content = RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)})
@@ -68,9 +82,10 @@ def evaluate(msg: Message, context: Context) -> Message:
     clock = _Clock(msg)
     config, _ = _run_config(msg, context)
     _, task, _, validation = _local_data(context, config)
-    model = model_from_config(task, config, seed=config["seed"])
-    model.load_state_dict(clock.decode(msg.content["arrays"]))
-    result = evaluate_model(model, validation, device=resolve_device(config["device"]))
+    model = model_from_config(task, config, seed=config["seed"], load_weights=False)
+    model.load_state_dict(model_adapter(task, model)[1].from_standard(clock.decode(msg.content["arrays"])))
+    result = evaluate_model(model, validation, device=resolve_device(config["device"]),
+                            batch_size=eval_batch_size(task, model))
     metrics = {
         "eval_loss": result["loss"],
         "eval_accuracy": result["accuracy"],

@@ -64,12 +64,19 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         where = Path(path).expanduser()
-        if not where.is_dir():
+        if not where.is_dir() and is_hub_id(str(path)):
+            try:  # a hub id such as "gpt2" or "org/name" (needs the network)
+                self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+            except Exception as error:  # noqa: BLE001 - offline, unknown id, gated repository
+                raise RuntimeError(f"tokenizer {path!r} is not a local directory and could not be loaded "
+                                   f"from the Hugging Face hub ({type(error).__name__})") from None
+        elif not where.is_dir():
             raise FileNotFoundError(f"tokenizer directory {where} does not exist")
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(where))
-        except Exception as error:  # transformers raises OSError/ValueError/TypeError variously
-            raise ValueError(f"{where} holds no loadable Hugging Face tokenizer ({error})") from None
+        else:
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(str(where))
+            except Exception as error:  # transformers raises OSError/ValueError/TypeError variously
+                raise ValueError(f"{where} holds no loadable Hugging Face tokenizer ({error})") from None
         self.tokenizer.model_max_length = int(1e30)  # long texts are cut into blocks later
         self.path = where
 
@@ -82,6 +89,11 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids])
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a hub id (``gpt2``, ``org/name``) rather than a local path."""
+    return not name.startswith(("/", ".", "~")) and name.count("/") <= 1 and bool(name.strip())
 
 
 def token_blocks(ids: torch.Tensor, block_size: int) -> Split:

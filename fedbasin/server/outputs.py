@@ -3,7 +3,9 @@
 Layout of ``out-dir``::
 
     round-0000/ ... round-NNNN/   fedbasin checkpoints (config.json + model.safetensors) of the
-                                  global model after each round (0: the initial model)
+                                  global model after each round (0: the initial model); for a
+                                  Hugging Face causal LM a from_pretrained directory with the
+                                  run's tokenizer files beside the weights
     results.json                  {"run_config", "model", "rounds": [{"round", "test_loss",
                                   "test_accuracy", ...train/eval/strategy metrics, "excluded":
                                   [{"node", "stage", "reason"}], "capped", "failure"}],
@@ -60,12 +62,17 @@ def fresh_out_dir_entries(out_dir: Path, overwrite: bool) -> list[str]:
 class RunOutputs:
     """Checkpoints, ``results.json`` and ``curves.png`` of one federated run in ``out_dir``."""
 
-    def __init__(self, out_dir: str | os.PathLike, family: str, model_config, run_config: dict):
+    def __init__(self, out_dir: str | os.PathLike, family: str, model_config, run_config: dict,
+                 extra_files=None):
+        """``extra_files(directory)``: writes more files into every checkpoint (e.g. the
+        tokenizer), inside its atomic write."""
         self.dir = Path(out_dir)
         self.family, self.model_config = family, model_config
+        self.extra_files = extra_files
+        described = model_config.to_diff_dict() if hasattr(model_config, "to_diff_dict") else asdict(model_config)
         self.results = {
             "run_config": dict(run_config),
-            "model": {"family": family, **asdict(model_config)},
+            "model": {"family": family, **described},
             "rounds": [],
         }
 
@@ -131,7 +138,13 @@ class RunOutputs:
                 log(WARNING, "resume: checkpoint %s is unusable (%s); moved it to %s and "
                     "falling back to the previous checkpoint", path, error, aside.name)
                 continue
-            if checkpoint.family != self.family or checkpoint.config != self.model_config:
+            if hasattr(self.model_config, "to_dict") and checkpoint.family == self.family:
+                from fedbasin.causal_lm import config_differences  # a Hugging Face model
+
+                if differences := config_differences(self.model_config, checkpoint.config):
+                    raise ValueError(f"cannot resume from {checkpoint.path}: its {self.family} "
+                                     f"model differs from this run's: {', '.join(differences[:4])}")
+            elif checkpoint.family != self.family or checkpoint.config != self.model_config:
                 raise ValueError(
                     f"cannot resume from {checkpoint.path}: it holds a {checkpoint.family} model "
                     f"with {checkpoint.config}, but this run builds a {self.family} model with "
@@ -190,7 +203,8 @@ class RunOutputs:
         saved), then add its metrics to the results."""
         self.dir.mkdir(parents=True, exist_ok=True)
         if state is not None:
-            save_checkpoint(self.checkpoint_dir(server_round), self.family, self.model_config, state)
+            save_checkpoint(self.checkpoint_dir(server_round), self.family, self.model_config, state,
+                            extra_files=self.extra_files)
         rounds = [r for r in self.results["rounds"] if r["round"] != server_round]
         self.results["rounds"] = sorted(rounds + [{"round": server_round, **metrics}],
                                         key=lambda r: r["round"])

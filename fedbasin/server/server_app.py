@@ -19,9 +19,16 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedbasin.alignment import fedbasin_adapter, learned_refine, proxy_streams
+from fedbasin import causal_lm
+from fedbasin.alignment import learned_refine, proxy_streams
 from fedbasin.checkpoint import load_checkpoint
-from fedbasin.config import model_from_config, resolve_run_config, task_from_config
+from fedbasin.config import (
+    eval_batch_size,
+    model_adapter,
+    model_from_config,
+    resolve_run_config,
+    task_from_config,
+)
 from fedbasin.server.distill import ensemble_distill
 from fedbasin.server.outputs import RunOutputs
 from fedbasin.strategies import AlignedFedAvg
@@ -36,31 +43,39 @@ def main(grid: Grid, context: Context) -> None:
     run_server(grid, resolve_run_config(context.run_config))
 
 
-def make_refiner(spec, model, task, config: dict):
+def make_refiner(spec, model, task, config: dict, to_module_state=None):
     """``refine(reference, clients)``: learned refinement on the proxy split (20% selects the
-    alignment kept, 20% only reports its loss)."""
+    alignment kept, 20% only reports its loss); ``to_module_state``: the adapter's
+    ``from_standard`` when the model's keys differ from the spec's layout."""
     data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
     return functools.partial(
         learned_refine, spec, model, loss_fn=task.loss_fn, batches=data.batches, selection=data.selection,
+        to_module_state=to_module_state,
         evaluation=data.evaluation,
         steps=config["refine-steps"], lr=config["refine-lr"], mode=config["symmetry"],
         permutations=config["refine-permutations"], match_iterations=config["align-iterations"],
     )
 
 
-def make_distiller(model, task, config: dict):
+def make_distiller(model, task, config: dict, adapter=None):
     """``distill(merged, clients)``: ensemble distillation of the clients' mean logits into the
     merged model on the proxy split (the same training / selection / evaluation parts as
-    :func:`make_refiner`; keep-best on the selection split)."""
+    :func:`make_refiner`; keep-best on the selection split). States come and go in the spec's
+    standard layout; ``adapter`` translates them to the model's own keys and back."""
     if task.proxy is None:
         raise ValueError(f"run-config distill-steps={config['distill-steps']} needs proxy data: "
                          f"{task.name} has no proxy split (set proxy-size >= 10)")
+    to_module = adapter.from_standard if adapter is not None else (lambda state: state)
+    to_standard = adapter.to_standard if adapter is not None else (lambda state: state)
 
     def distill(merged: dict, clients: list[dict]):
         data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
-        return ensemble_distill(model, merged, clients, task.loss_fn, data.batches, data.selection,
-                                data.evaluation, steps=config["distill-steps"], lr=config["distill-lr"],
-                                temperature=config["distill-temperature"])
+        result = ensemble_distill(model, to_module(merged), [to_module(c) for c in clients], task.loss_fn,
+                                  data.batches, data.selection, data.evaluation,
+                                  steps=config["distill-steps"], lr=config["distill-lr"],
+                                  temperature=config["distill-temperature"])
+        result.state = to_standard(result.state)
+        return result
 
     return distill
 
@@ -74,9 +89,10 @@ class DistillingAlignedFedAvg(AlignedFedAvg):
         self.distill = distill
 
     def _merge(self, server_round, previous, nodes, states, weights):
+        clients = list(zip(nodes, states))  # the teachers: the merge empties ``states`` as it aligns
         merged, metrics = super()._merge(server_round, previous, nodes, states, weights)
         excluded = self._cohort_excluded(server_round)
-        result = self.distill(merged, [s for n, s in zip(nodes, states) if n not in excluded])
+        result = self.distill(merged, [state for node, state in clients if node not in excluded])
         log(INFO, "round %d: ensemble distillation, selection proxy loss %.4f -> %.4f (step %d)",
             server_round, result.initial_loss, result.best_loss, result.best_step)
         return result.state, {**metrics, "distill_selection_loss_start": result.initial_loss,
@@ -114,7 +130,10 @@ def run_server(grid: Grid, config: dict) -> dict:
     """Run ``num-server-rounds`` rounds with a resolved run config; returns the results dict."""
     task = task_from_config(config)
     model = model_from_config(task, config, seed=config["seed"])
-    outputs = RunOutputs(config["out-dir"], task.family, model.config, config)
+    family, adapter = model_adapter(task, model)
+    outputs = RunOutputs(config["out-dir"], family, model.config, config,
+                         extra_files=causal_lm.save_tokenizer(task))
+    eval_batch = eval_batch_size(task, model)
     num_rounds = config["num-server-rounds"]
     device = resolve_device(config["device"])
     first_round = 1
@@ -128,7 +147,7 @@ def run_server(grid: Grid, config: dict) -> dict:
                 log(WARNING, "resume: round %d has no record and its checkpoint does not load "
                     "(%s); it stays without one", server_round, error)
                 continue
-            test = task.evaluate(model, "test", device)
+            test = task.evaluate(model, "test", device, eval_batch)
             outputs.record(server_round, None, {"test_loss": test["loss"],
                                                 "test_accuracy": test["accuracy"], "rebuilt": True})
             log(INFO, "resume: round %d had no record; rebuilt its test metrics from %s",
@@ -142,8 +161,8 @@ def run_server(grid: Grid, config: dict) -> dict:
     elif removed := outputs.prepare_fresh(config["overwrite"]):
         log(INFO, "fresh run (overwrite=true): removed %s from %s", removed, outputs.dir)
 
-    spec = fedbasin_adapter(task.family, model.config).spec
-    distill = {"distill": make_distiller(model, task, config)} if config["distill-steps"] > 0 else {}
+    spec = adapter.spec
+    distill = {"distill": make_distiller(model, task, config, adapter)} if config["distill-steps"] > 0 else {}
     strategy = (DistillingAlignedFedAvg if distill else AlignedFedAvg)(
         spec,
         alignment=config["alignment"],
@@ -151,7 +170,8 @@ def run_server(grid: Grid, config: dict) -> dict:
         iterations=config["align-iterations"],
         independent_init=config["init"] == "client",
         universe_iterations=config["universe-iterations"],
-        refine=make_refiner(spec, model, task, config) if config["refine-steps"] > 0 else None,
+        refine=(make_refiner(spec, model, task, config, adapter.from_standard)
+                if config["refine-steps"] > 0 else None),
         fraction_train=config["fraction-train"],
         fraction_evaluate=config["fraction-evaluate"],
         min_train_nodes=config["min-nodes"],
@@ -168,8 +188,8 @@ def run_server(grid: Grid, config: dict) -> dict:
         nonlocal round_started
         seconds, round_started = time.perf_counter() - round_started, time.perf_counter()
         eval_started = time.perf_counter()
-        model.load_state_dict(arrays.to_torch_state_dict())
-        test = task.evaluate(model, "test", device)
+        model.load_state_dict(adapter.from_standard(arrays.to_torch_state_dict()))
+        test = task.evaluate(model, "test", device, eval_batch)
         metrics = {"test_loss": test["loss"], "test_accuracy": test["accuracy"]}
         timing = {f"{kind}_exchange_seconds": s for kind, s in exchanges.items()}
         timing["server_eval_seconds"] = time.perf_counter() - eval_started
@@ -194,7 +214,7 @@ def run_server(grid: Grid, config: dict) -> dict:
 
     strategy.start(
         grid,
-        initial_arrays=ArrayRecord(model.state_dict()),
+        initial_arrays=ArrayRecord(adapter.to_standard(model.state_dict())),
         num_rounds=num_rounds,
         train_config=ConfigRecord(config),
         evaluate_config=ConfigRecord(config),

@@ -12,9 +12,11 @@ Per round, with client states ``θ_k`` and example counts ``n_k``:
 
 from __future__ import annotations
 
+import io
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Iterable
 from logging import INFO, WARNING
 
@@ -96,6 +98,12 @@ class AlignedFedAvg(FedAvg):
     ``screen_seconds``, ``aggregate_seconds``, ``num_excluded``, ``excluded_nodes``,
     ``capped_nodes`` and ``round_failed``. ``train_metrics`` and ``evaluate_metrics`` keep the
     aggregated metrics by round as they arrive (for per-round records while ``start`` runs).
+
+    Memory: with ``consume_replies`` true — always while :meth:`start` runs, since Flower drops
+    each round's replies once they are aggregated — every accepted reply's ArrayRecord is taken
+    out of its message when it is decoded, so each client model's bytes are freed as soon as it
+    is aligned and the server holds about one model per client through the round. A direct
+    ``aggregate_train`` call leaves the messages untouched unless ``consume_replies`` is set.
     """
 
     def __init__(
@@ -168,6 +176,7 @@ class AlignedFedAvg(FedAvg):
         self.evaluate_metrics: dict[int, MetricRecord] = {}
         self._global: ArrayRecord | None = None
         self._round_offset = 0
+        self.consume_replies = False
 
     def summary(self) -> None:
         super().summary()
@@ -203,6 +212,7 @@ class AlignedFedAvg(FedAvg):
         shifted = (
             None if evaluate_fn is None else (lambda rnd, arrays: evaluate_fn(rnd + offset, arrays))
         )
+        consume, self.consume_replies = self.consume_replies, True
         try:
             result = super().start(
                 grid,
@@ -215,6 +225,7 @@ class AlignedFedAvg(FedAvg):
             )
         finally:
             self._round_offset = 0
+            self.consume_replies = consume
         for name in (
             "train_metrics_clientapp",
             "evaluate_metrics_clientapp",
@@ -254,7 +265,8 @@ class AlignedFedAvg(FedAvg):
             )
         template = self._global
         record = self.screening[server_round] = {"excluded": [], "capped": [], "failed": ""}
-        accepted: dict[int, tuple] = {}  # node -> (message id, state, num-examples, content)
+        accepted: dict[int, tuple] = {}  # node -> (message id, num-examples, content)
+        decoded: dict[int, dict] = {}  # node -> state (views of the reply's bytes)
         for msg in replies:
             node = msg.metadata.src_node_id
             try:
@@ -264,14 +276,17 @@ class AlignedFedAvg(FedAvg):
                         f"round (kept its reply {accepted[node][0][:12]})"
                     )
                 weight = self._num_examples(msg)
-                state = self._checked_state(msg, template)
+                decoded[node] = self._checked_state(msg, template)
             except Exception as error:  # noqa: BLE001 - no client content may stop the round
                 self._exclude(server_round, node, _reason(error))
                 continue
-            accepted[node] = (msg.metadata.message_id, state, weight, msg.content)
+            accepted[node] = (msg.metadata.message_id, weight, msg.content)
+            if self.consume_replies:  # the state's views now hold the bytes: freed once aligned
+                for name in _array_record_names(msg.content):
+                    del msg.content[name]
         nodes = sorted(accepted)  # the aggregate does not depend on the replies' arrival order
-        states = [accepted[n][1] for n in nodes]
-        weights = self._capped_weights(server_round, nodes, [accepted[n][2] for n in nodes])
+        states = [decoded.pop(n) for n in nodes]
+        weights = self._capped_weights(server_round, nodes, [accepted[n][1] for n in nodes])
         log(INFO, "round %d: %d valid replies, %d excluded", server_round, len(states),
             len(record["excluded"]))
 
@@ -291,7 +306,7 @@ class AlignedFedAvg(FedAvg):
             else:
                 metrics = self._client_metrics(
                     server_round,
-                    [_with_weight(accepted[n][3], w, self.weighted_by_key)
+                    [_with_weight(accepted[n][2], w, self.weighted_by_key)
                      for n, w in zip(nodes, weights) if n not in self._cohort_excluded(server_round)],
                     self.train_metrics_aggr_fn,
                 )
@@ -309,12 +324,9 @@ class AlignedFedAvg(FedAvg):
         self.train_metrics[server_round] = metrics
         if merged is None:
             return None, metrics
-        arrays = ArrayRecord(
-            {
-                key: Array(merged[key].numpy().astype(template[key].dtype, copy=False))
-                for key in template
-            }
-        )
+        arrays = ArrayRecord()
+        for key in template:  # each merged tensor goes once it is serialised
+            arrays[key] = Array(merged.pop(key).numpy().astype(template[key].dtype, copy=False))
         return arrays, metrics
 
     def aggregate_evaluate(
@@ -347,11 +359,17 @@ class AlignedFedAvg(FedAvg):
     def _merge(
         self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list
     ) -> tuple[dict, dict]:
-        """Merged state (cohort screened and aggregated in the aligned basis) and metrics."""
+        """Merged state (cohort screened and aggregated in the aligned basis) and metrics.
+
+        The client models are taken out of ``states`` (the list is emptied), so that the merge
+        can let each go once it is aligned."""
         owners = list(nodes)  # node id per entry; None: the previous global model (weight 0)
+        models, weights = list(states), list(weights)
+        states.clear()
         if not (self.independent_init and server_round == 1):
-            states, weights = [previous.to_torch_state_dict(), *states], [0.0, *weights]
+            models, weights = [_tensor_views(previous), *models], [0.0, *weights]
             owners = [None, *owners]
+        states = models
         combine = self._combiner(server_round, owners)
         if not self.alignment:
             return combine(states, weights), {"align_gain": 0.0, **combine.metrics}
@@ -366,7 +384,7 @@ class AlignedFedAvg(FedAvg):
             return merged, {"align_gain": refined.initial_loss - refined.best_loss,
                             "refine_heldout_loss": refined.best_loss, **combine.metrics}
         result = merge(self.spec, states, weights, reference, self.mode, self.iterations, self.tol,
-                       universe_iterations=self.universe_iterations, combine=combine)
+                       universe_iterations=self.universe_iterations, combine=combine, release=True)
         gains = [m.objective[-1] - m.initial_objective for m in result.matches]
         return result.state, {"align_gain": float(sum(gains) / len(gains)) if gains else 0.0,
                               "universe_passes": len(result.universe_change), **combine.metrics}
@@ -463,10 +481,10 @@ class AlignedFedAvg(FedAvg):
 
     def _checked_state(self, msg: Message, template: ArrayRecord) -> dict[str, torch.Tensor]:
         """The reply's arrays as tensors, after checking them against the broadcast model."""
-        records = msg.content.array_records
-        if len(records) != 1:
-            raise ReplyError(f"expected exactly one ArrayRecord, got {len(records)}")
-        arrays = next(iter(records.values()))
+        names = _array_record_names(msg.content)
+        if len(names) != 1:
+            raise ReplyError(f"expected exactly one ArrayRecord, got {len(names)}")
+        arrays = msg.content[names[0]]
         missing = [k for k in template if k not in arrays]
         if missing:
             raise ReplyError(f"missing array(s) {missing[:5]}")
@@ -476,7 +494,7 @@ class AlignedFedAvg(FedAvg):
         state = {}
         for key, expected in template.items():
             try:
-                value = arrays[key].numpy()
+                value = _array_view(arrays[key])
             except Exception as error:  # undecodable bytes, unknown serialisation type
                 raise ReplyError(f"{key}: cannot decode array ({error})") from error
             if value.shape != tuple(expected.shape):
@@ -490,7 +508,7 @@ class AlignedFedAvg(FedAvg):
                 if largest > self.max_abs_weight:
                     raise ReplyError(f"{key}: largest magnitude {largest:.3g} exceeds "
                                      f"max_abs_weight={self.max_abs_weight:g}")
-            state[key] = torch.from_numpy(value)
+            state[key] = _as_tensor(value)
         self._check_untied(state, template)
         if self.alignment:  # e.g. a zero norm gain over a non-zero bias cannot be folded
             try:
@@ -517,6 +535,47 @@ class AlignedFedAvg(FedAvg):
                     server_round, key, value)
                 del metrics[key]
         return metrics
+
+
+def _array_view(array: Array) -> np.ndarray:
+    """The values of a reply's ``Array``, read-only and sharing the message's bytes: no second
+    copy of every client model while the round is aggregated (``Array.numpy()`` copies). The
+    ``.npy`` header is read and checked as ``np.load`` does; Fortran-ordered or object arrays
+    and other encodings fall back to ``Array.numpy()``."""
+    data = array.data
+    if array.stype != "numpy.ndarray" or not isinstance(data, bytes):
+        return array.numpy()
+    stream = io.BytesIO(data)
+    version = np.lib.format.read_magic(stream)
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    if version not in readers:
+        return array.numpy()
+    shape, fortran_order, dtype = readers[version](stream)
+    if fortran_order or dtype.hasobject:
+        return array.numpy()
+    count = math.prod(shape)
+    offset = stream.tell()
+    if len(data) - offset != count * dtype.itemsize:
+        raise ValueError(f"{len(data) - offset} data bytes for shape {shape} of {dtype}")
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def _as_tensor(value: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy`` of a read-only view (aggregation never writes into its inputs)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        return torch.from_numpy(value)
+
+
+def _tensor_views(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    """``arrays.to_torch_state_dict()`` without copying the bytes (see :func:`_array_view`)."""
+    return {key: _as_tensor(_array_view(array)) for key, array in arrays.items()}
+
+
+def _array_record_names(content: RecordDict) -> list[str]:
+    """Names of the ArrayRecords in ``content``. Not ``content.array_records``: that view is a
+    reference cycle, so it would keep the reply's bytes alive until the next garbage collection."""
+    return [name for name, record in content.items() if isinstance(record, ArrayRecord)]
 
 
 def _reason(error: Exception) -> str:

@@ -30,6 +30,7 @@ MIN_COHORT = 3  # the median of fewer models cannot tell an outlier from an hone
 MAD_SCALE = 1.4826  # MAD of a normal sample × this = its standard deviation
 RELATIVE_FLOOR = 0.15  # never flag a model within (1 + 0.15 t) × the median
 NEGLIGIBLE = 0.01  # nor one whose statistic is below this × the norm of the median model
+CHUNK = 2**20  # coordinates per step of cohort_outliers (K × 8 MiB of float64)
 
 
 def float_keys(state: dict) -> list[str]:
@@ -54,11 +55,6 @@ def coordinate_median(states: list[dict]) -> dict:
     return _sorted_reduce(states, lambda v, k: _median_rows(v))
 
 
-def flatten(state: dict) -> torch.Tensor:
-    """All floating entries as one float64 vector (key order of ``state``)."""
-    return torch.cat([state[k].detach().reshape(-1).double() for k in float_keys(state)])
-
-
 def _median_rows(x: torch.Tensor) -> torch.Tensor:
     """Median over dim 0 (mean of the two middle rows when the count is even)."""
     v, k = x.sort(dim=0).values, x.shape[0]
@@ -81,16 +77,31 @@ def mad_outliers(values: list[float], threshold: float, negligible: float = 0.0)
 
 def cohort_outliers(states: list[dict], center: dict | None, threshold: float) -> dict[int, str]:
     """``{index: reason}`` of the models far from the cohort (see the module docstring); empty
-    for fewer than ``MIN_COHORT`` models."""
+    for fewer than ``MIN_COHORT`` models.
+
+    The medians are coordinate-wise, so every squared norm is a sum over coordinates: the
+    statistics are accumulated over chunks of :data:`CHUNK` coordinates (float64), holding
+    K × CHUNK values at a time instead of the whole cohort a second time."""
     if len(states) < MIN_COHORT:
         return {}
-    flat = torch.stack([flatten(s) for s in states])  # (K, P) float64: one pass per statistic
-    negligible = NEGLIGIBLE * float(_median_rows(flat).norm())
-    to_others = [float((flat[k] - _median_rows(torch.cat([flat[:k], flat[k + 1 :]]))).norm())
-                 for k in range(len(states))]
-    checks = [("distance to the others' median", to_others)]
+    count = len(states)
+    median_sq, to_others_sq, update_sq = 0.0, torch.zeros(count, dtype=torch.float64), torch.zeros(
+        count, dtype=torch.float64)
+    for key in float_keys(states[0]):
+        flat = [s[key].detach().reshape(-1) for s in states]
+        for start in range(0, flat[0].numel(), CHUNK):
+            chunk = torch.stack([f[start:start + CHUNK].double() for f in flat])  # (K, ≤ CHUNK)
+            median_sq += float(_median_rows(chunk).pow(2).sum())
+            for k in range(count):
+                others = _median_rows(torch.cat([chunk[:k], chunk[k + 1:]]))
+                to_others_sq[k] += float((chunk[k] - others).pow(2).sum())
+            if center is not None:
+                c = center[key].detach().reshape(-1)[start:start + CHUNK].double()
+                update_sq += (chunk - c).pow(2).sum(dim=1)
+    negligible = NEGLIGIBLE * math.sqrt(median_sq)
+    checks = [("distance to the others' median", to_others_sq.sqrt().tolist())]
     if center is not None:
-        checks.append(("update norm", (flat - flatten(center)).norm(dim=1).tolist()))
+        checks.append(("update norm", update_sq.sqrt().tolist()))
     reasons: dict[int, str] = {}
     for name, values in checks:
         med = statistics.median(values)

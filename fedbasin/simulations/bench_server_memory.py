@@ -1,0 +1,161 @@
+"""Server memory of ``AlignedFedAvg.aggregate_train`` with K client replies of a model of size S.
+
+    python -m fedbasin.simulations.bench_server_memory [--clients 2 4 8] [--iterations 2]
+
+Model: a fedbasin GPT, GPT-2-like in shape but smaller (width 384, 6 layers, 6 heads, MLP 1536,
+vocabulary 8192, 256 positions, untied, float32: 16.8 M parameters, S = 67 MB). Each K runs
+in a fresh process: it builds the broadcast ``ArrayRecord`` and K reply messages (the broadcast
+weights plus independent Gaussian noise, std 0.01, seed k; serialised as Flower sends them),
+frees everything else, then measures one ``aggregate_train`` call of the default strategy
+(orthogonal alignment, ``--iterations`` weight-matching iterations, mean aggregator, outlier
+screening on) with ``consume_replies`` on, as inside ``AlignedFedAvg.start`` (each reply's bytes
+are released once aligned; ``--keep-replies`` measures a direct call that leaves the messages
+intact). The peak is the kernel's high-water mark (``VmHWM``), reset just before the call
+through ``/proc/self/clear_refs``; where that is not allowed, ``ru_maxrss`` (the whole life of
+the process, an upper bound) is reported instead and flagged.
+
+Reported per K, in units of S: ``held`` — RSS before the call above the process's baseline
+(interpreter and imports, measured before any model exists): the K replies and the broadcast
+model that the server holds anyway; ``peak`` — peak RSS during the call above the baseline;
+``target`` — K + 3 (issue 9). Prints one JSON line per K and a Markdown table. The children
+inherit the environment, so ``MALLOC_MMAP_THRESHOLD_=65536 python -m ...`` measures the server
+with glibc's mmap threshold fixed (freed model-sized blocks go back to the kernel at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+SHAPE = {"vocab_size": 8192, "block_size": 256, "dim": 384, "depth": 6, "heads": 6, "mlp_dim": 1536}
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux ≥ 4.0); False if not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _release() -> None:
+    """Collect garbage and hand freed heap pages back to the kernel (glibc ``malloc_trim``), so
+    that RSS counts live data only."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def measure(clients: int, iterations: int, consume: bool = True) -> dict:
+    """One ``aggregate_train`` with ``clients`` replies, in this process (see the module docstring)."""
+    import torch
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedbasin.alignment import fedbasin_adapter
+    from fedbasin.models import build_model
+    from fedbasin.strategies import AlignedFedAvg
+
+    _release()
+    baseline = _status("VmRSS")
+    for name, value in (("_run_id", 1), ("_task_id", 1), ("_node_id", 0)):
+        setattr(TaskIdentity, name, value)  # what a ServerApp process sets before sending
+    model = build_model("gpt", SHAPE, seed=0)
+    spec = fedbasin_adapter("gpt", model.config).spec
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    size = sum(v.numel() * v.element_size() for v in state.values())
+    broadcast = ArrayRecord(state)
+    nodes = list(range(1, clients + 1))
+    replies = []
+    for node in nodes:
+        g = torch.Generator().manual_seed(node)
+        arrays = ArrayRecord({k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in state.items()})
+        instruction = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=node,
+                              message_type=MessageType.TRAIN)
+        metrics = MetricRecord({"train_loss": 1.0, "num-examples": 100})
+        replies.append(Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=instruction))
+        del arrays
+    del model, state
+
+    class Grid:
+        def get_node_ids(self):
+            return nodes
+
+    strategy = AlignedFedAvg(spec, iterations=iterations, min_train_nodes=clients,
+                             min_available_nodes=clients)
+    list(strategy.configure_train(1, broadcast, ConfigRecord(), Grid()))
+    strategy.consume_replies = consume  # what ``start`` does: Flower drops the replies afterwards
+    _release()
+    held = _status("VmRSS")
+    exact = _reset_peak()
+    started = time.perf_counter()
+    merged, metrics = strategy.aggregate_train(1, replies)
+    seconds = time.perf_counter() - started
+    peak = _status("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if merged is None or metrics["num_excluded"]:
+        raise RuntimeError(f"the benchmark round did not aggregate every reply: {dict(metrics)}")
+    return {
+        "clients": clients, "params": size // 4, "model_bytes": size, "baseline_bytes": baseline,
+        "held": round((held - baseline) / size, 2), "peak": round((peak - baseline) / size, 2),
+        "target": clients + 3, "seconds": round(seconds, 1), "peak_is_exact": exact,
+        "consume_replies": consume,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[2, 4, 8], metavar="K")
+    parser.add_argument("--iterations", type=int, default=2, help="weight-matching iterations")
+    parser.add_argument("--keep-replies", action="store_true",
+                        help="leave the reply messages intact (a direct aggregate_train call)")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(measure(args.child, args.iterations, consume=not args.keep_replies)))
+        return 0
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    rows = []
+    for k in args.clients:
+        done = subprocess.run([sys.executable, "-m", "fedbasin.simulations.bench_server_memory",
+                               "--child", str(k), "--iterations", str(args.iterations),
+                               *(["--keep-replies"] if args.keep_replies else [])],
+                              env=env, capture_output=True, text=True, check=False)
+        if done.returncode:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return done.returncode
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    r = rows[0]
+    print(f"\nS = {r['model_bytes'] / 2**20:.0f} MiB ({r['params'] / 1e6:.1f} M float32 parameters); "
+          f"baseline RSS {r['baseline_bytes'] / 2**20:.0f} MiB\n")
+    print("| K | held before (× S) | peak during aggregate_train (× S) | target K + 3 | seconds |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        flag = "" if r["peak_is_exact"] else " (ru_maxrss)"
+        print(f"| {r['clients']} | {r['held']} | {r['peak']}{flag} | {r['target']} | {r['seconds']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The strategy's memory savings keep its results: replies decoded as read-only views of their
+bytes, cohort statistics accumulated chunk-wise; the benchmark's measurement path runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord
+
+from fedbasin.strategies import aligned_fedavg, robust
+from tests.helpers import VIT, spec_of
+from tests.test_strategy import NODES, base_state, reply, serverapp_identity, strategy_for  # noqa: F401
+
+
+@pytest.mark.parametrize("value", [
+    np.arange(12, dtype=np.float32).reshape(3, 4), np.float64(2.5) * np.ones(()), np.zeros((0, 5), np.float16),
+    np.arange(7, dtype=np.int64), np.ones((2, 3, 4), dtype=np.float32)[:, ::2],
+])
+def test_reply_arrays_are_read_only_views_of_the_message_bytes(value):
+    array = Array.from_numpy_ndarray(np.ascontiguousarray(value))
+    view = aligned_fedavg._array_view(array)
+    np.testing.assert_array_equal(view, array.numpy())
+    assert view.dtype == array.numpy().dtype and view.shape == array.numpy().shape
+    assert not view.flags.writeable  # shares the immutable bytes: no copy was made
+
+
+def test_fortran_ordered_and_truncated_arrays():
+    fortran = Array.from_numpy_ndarray(np.asfortranarray(np.arange(6.0).reshape(2, 3)))
+    np.testing.assert_array_equal(aligned_fedavg._array_view(fortran), np.arange(6.0).reshape(2, 3))
+    truncated = Array(dtype="float32", shape=(3, 4), stype="numpy.ndarray",
+                      data=Array.from_numpy_ndarray(np.ones((3, 4), np.float32)).data[:-4])
+    with pytest.raises(ValueError, match="data bytes for shape"):
+        aligned_fedavg._array_view(truncated)
+
+
+def _reference_statistics(states, center):
+    """The cohort statistics computed on whole flattened models (the definition)."""
+    flat = torch.stack([torch.cat([s[k].reshape(-1).double() for k in robust.float_keys(s)]) for s in states])
+    others = [float((flat[k] - robust._median_rows(torch.cat([flat[:k], flat[k + 1:]]))).norm())
+              for k in range(len(states))]
+    center_flat = torch.cat([center[k].reshape(-1).double() for k in robust.float_keys(center)])
+    return others, (flat - center_flat).norm(dim=1).tolist()
+
+
+@pytest.mark.parametrize("chunk", [7, 1000, 2**20])
+def test_chunked_cohort_screening_equals_the_whole_model_statistics(monkeypatch, chunk):
+    g = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(40, 30, generator=g), "b": torch.randn(13, generator=g), "step": torch.tensor(3)}
+              for _ in range(6)]
+    states[4] = {k: v * 4 if v.is_floating_point() else v for k, v in states[4].items()}
+    center = {k: 0.5 * v if v.is_floating_point() else v for k, v in states[0].items()}
+    monkeypatch.setattr(robust, "CHUNK", chunk)
+    assert sorted(robust.cohort_outliers(states, center, 3.5)) == [4]
+    seen = []
+    monkeypatch.setattr(robust, "mad_outliers", lambda values, *args: seen.append(values) or [])
+    robust.cohort_outliers(states, center, 3.5)
+    for got, want in zip(seen, _reference_statistics(states, center), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_benchmark_measures_one_aggregation(monkeypatch):
+    from fedbasin.simulations import bench_server_memory as bench
+
+    monkeypatch.setattr(bench, "SHAPE", {"vocab_size": 50, "block_size": 8, "dim": 16, "depth": 1, "heads": 2, "mlp_dim": 32})
+    row = bench.measure(3, iterations=1)
+    assert row["clients"] == 3 and row["target"] == 6 and row["params"] > 0
+    assert row["peak"] >= row["held"] - 0.5  # the peak is measured over the same baseline
+
+
+def test_the_strategy_aggregates_views_of_the_reply_bytes():
+    """Screened reply states point into the message's bytes (no decoded copy of each model)."""
+    state = base_state()
+    strategy = strategy_for(spec_of("vit", VIT), state)
+    arrays = ArrayRecord(state)
+    decoded = strategy._checked_state(reply(NODES[0], arrays), strategy._global)
+    for key, tensor in decoded.items():
+        data = arrays[key].data
+        start = np.frombuffer(data, np.uint8).ctypes.data
+        assert start <= tensor.data_ptr() < start + len(data), key
+        torch.testing.assert_close(tensor, state[key])
+
+
+def _previous_merge(spec, states, weights, reference=0, combine=None):
+    """What ``merge`` computed before streaming (one pass): every model canonicalised up front,
+    each non-reference one weight-matched to the canonical reference, then combined."""
+    from fedbasin.alignment import average_states, canonicalize, to_gauge, weight_match
+
+    combine = combine or average_states
+    ref = canonicalize(spec, states[reference], validate=False)
+    canon = [canonicalize(spec, s, validate=False).state for s in states]
+    aligned = [canon[k] if k == reference else weight_match(spec, ref.state, canon[k], iterations=3).canonical
+               for k in range(len(states))]
+    return to_gauge(spec, combine(aligned, weights), ref.gains)
+
+
+def test_streamed_merge_equals_the_previous_merge_bitwise_and_releases_the_models():
+    from fedbasin.alignment import merge
+    from tests.test_strategy import transformed_copies
+
+    spec = spec_of("vit", VIT)
+    base = base_state()
+    states = [base, *transformed_copies(spec, base, 3, noise=1e-3)]
+    weights = [0.5, 1.0, 2.0, 3.0]
+    expected = _previous_merge(spec, states, weights)
+    for release in (False, True):
+        given = list(states)
+        result = merge(spec, given, weights, iterations=3, release=release)
+        assert result.state.keys() == expected.keys()
+        for key in expected:
+            assert torch.equal(result.state[key], expected[key]), key
+        if release:  # the aligned models and the caller's inputs are let go (the reference stays)
+            assert given[0] is base and given[1:] == [None, None, None]
+            assert all(m.state == {} and m.canonical == {} and m.objective for m in result.matches)
+        else:
+            assert given == states and all(m.canonical for m in result.matches)
+
+
+def test_consumed_replies_give_the_same_aggregate_and_are_freed_before_aggregation(monkeypatch):
+    """With consume_replies (as inside ``start``) every reply's ArrayRecord leaves its message,
+    and once all models are aligned nothing holds a reply's bytes any more; the aggregate is
+    bitwise the one of a call that leaves the messages intact."""
+    import sys
+
+    from tests.test_strategy import transformed_copies
+
+    spec = spec_of("vit", VIT)
+    base = base_state()
+    copies = transformed_copies(spec, base, len(NODES), noise=1e-3)
+
+    def replies():
+        return [reply(n, ArrayRecord(s)) for n, s in zip(NODES, copies)]
+
+    kept = replies()
+    plain, _ = strategy_for(spec, base).aggregate_train(2, kept)
+    assert all(m.content.array_records for m in kept)  # a direct call leaves the messages alone
+
+    consumed = replies()
+    probe = [next(iter(m.content["arrays"].values())).data for m in consumed]
+    holders = []
+    real_aggregate = aligned_fedavg.aggregate
+    monkeypatch.setattr(aligned_fedavg, "aggregate", lambda *a: holders.append(
+        [sys.getrefcount(probe[i]) - 2 for i in range(len(probe))]) or real_aggregate(*a))  # probe, argument
+    strategy = strategy_for(spec, base)
+    strategy.consume_replies = True
+    arrays, metrics = strategy.aggregate_train(2, consumed)
+    assert metrics["num_excluded"] == 0 and holders == [[0] * len(NODES)]
+    assert not any(m.content.array_records for m in consumed)
+    assert arrays.keys() == plain.keys()
+    for key in plain:
+        np.testing.assert_array_equal(arrays[key].numpy(), plain[key].numpy())
