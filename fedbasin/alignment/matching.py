@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
+from fedbasin import heap
+
 from .canonical import canonicalize, to_gauge
 from .group import (
     GroupElement,
@@ -177,19 +179,8 @@ def per_layer(step, layers: list, device: torch.device) -> list:
 
     with one_thread(device), ThreadPoolExecutor(threads) as pool:
         results = list(pool.map(in_worker, layers))
-    _trim_malloc_arenas()
+    heap.trim()  # memory the worker threads freed stays in their arenas otherwise (+0.29 GiB peak)
     return results
-
-
-def _trim_malloc_arenas() -> None:
-    """Hand the memory the worker threads freed back to the OS (glibc keeps it in per-thread
-    arenas: +0.29 GiB peak RSS on the GPT-2-small pair without this, none with one arena)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def procrustes(m: torch.Tensor, value: bool = False):

@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedbasin import causal_lm
+from fedbasin import causal_lm, heap
 from fedbasin.alignment import learned_refine, proxy_streams
 from fedbasin.checkpoint import load_checkpoint
 from fedbasin.config import (
@@ -40,6 +40,7 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Entry point for ``flwr run``: the run config is ``[tool.flwr.app.config]`` + overrides."""
+    heap.fix_mmap_threshold()  # freed model-sized tensors go back to the kernel at once (fedbasin.heap)
     run_server(grid, resolve_run_config(context.run_config))
 
 

@@ -18,8 +18,8 @@ Reported per K, in units of S: ``held`` — RSS before the call above the proces
 (interpreter and imports, measured before any model exists): the K replies and the broadcast
 model that the server holds anyway; ``peak`` — peak RSS during the call above the baseline;
 ``target`` — K + 3 (issue 9). Prints one JSON line per K and a Markdown table. The children
-inherit the environment, so ``MALLOC_MMAP_THRESHOLD_=65536 python -m ...`` measures the server
-with glibc's mmap threshold fixed (freed model-sized blocks go back to the kernel at once).
+fix glibc's mmap threshold at 64 KiB first, as the ServerApp does (``fedbasin.heap``: freed
+model-sized blocks go back to the kernel at once); ``--dynamic-mmap`` measures glibc's default.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import resource
 import subprocess
 import sys
 import time
+
+from fedbasin import heap
 
 SHAPE = {"vocab_size": 8192, "block_size": 256, "dim": 384, "depth": 6, "heads": 6, "mlp_dim": 1536}
 
@@ -59,16 +61,13 @@ def _release() -> None:
     """Collect garbage and hand freed heap pages back to the kernel (glibc ``malloc_trim``), so
     that RSS counts live data only."""
     gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    heap.trim()
 
 
-def measure(clients: int, iterations: int, consume: bool = True) -> dict:
-    """One ``aggregate_train`` with ``clients`` replies, in this process (see the module docstring)."""
+def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: bool = True) -> dict:
+    """One ``aggregate_train`` with ``clients`` replies, in this process (see the module docstring);
+    ``fixed_mmap``: glibc's mmap threshold fixed first, as the ServerApp does (``heap.fix_mmap_threshold``)."""
+    fixed_mmap = fixed_mmap and heap.fix_mmap_threshold()
     import torch
     from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
@@ -119,7 +118,7 @@ def measure(clients: int, iterations: int, consume: bool = True) -> dict:
         "clients": clients, "params": size // 4, "model_bytes": size, "baseline_bytes": baseline,
         "held": round((held - baseline) / size, 2), "peak": round((peak - baseline) / size, 2),
         "target": clients + 3, "seconds": round(seconds, 1), "peak_is_exact": exact,
-        "consume_replies": consume,
+        "consume_replies": consume, "mmap_threshold_fixed": fixed_mmap,
     }
 
 
@@ -129,17 +128,21 @@ def main(argv=None) -> int:
     parser.add_argument("--iterations", type=int, default=2, help="weight-matching iterations")
     parser.add_argument("--keep-replies", action="store_true",
                         help="leave the reply messages intact (a direct aggregate_train call)")
+    parser.add_argument("--dynamic-mmap", action="store_true",
+                        help="keep glibc's dynamic mmap threshold (the ServerApp fixes it: fedbasin.heap)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(measure(args.child, args.iterations, consume=not args.keep_replies)))
+        print(json.dumps(measure(args.child, args.iterations, consume=not args.keep_replies,
+                                 fixed_mmap=not args.dynamic_mmap)))
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     rows = []
     for k in args.clients:
         done = subprocess.run([sys.executable, "-m", "fedbasin.simulations.bench_server_memory",
                                "--child", str(k), "--iterations", str(args.iterations),
-                               *(["--keep-replies"] if args.keep_replies else [])],
+                               *(["--keep-replies"] if args.keep_replies else []),
+                               *(["--dynamic-mmap"] if args.dynamic_mmap else [])],
                               env=env, capture_output=True, text=True, check=False)
         if done.returncode:
             print(done.stderr[-3000:], file=sys.stderr)
