@@ -535,6 +535,16 @@ def weight_match(
     def layer_steps(step, layers):
         return per_layer(step, layers, device) if disjoint else [step(x) for x in layers]
 
+    def apply_each(point: _Point, factor: str, maps: list) -> _Point:
+        """Apply layer i's map of ``factor`` (``heads`` or ``neurons``) in turn, each kept only if J
+        does not fall."""
+        with matcher.clock("heads.apply" if factor == "heads" else "mlp.apply"), one_thread(device):
+            for i, layer_map in enumerate(maps):
+                step = GroupElement.identity(spec)
+                getattr(step, factor)[i] = layer_map
+                point = point.try_step(inner, J, step, free)
+        return point
+
     def iterate(point: _Point) -> _Point:
         clock = time.perf_counter()
         cpu_clock[0] = time.process_time()
@@ -542,20 +552,10 @@ def weight_match(
         # when the layers share no tensor (identical to the sequential loop), then applied in turn
         # (applying one layer's step is small, memory-bound work: single-threaded)
         state = point.state
-        head_maps = layer_steps(lambda a: matcher.head_step(a, state), spec.attention)
-        with matcher.clock("heads.apply"), one_thread(device):
-            for i, head_map in enumerate(head_maps):
-                step = GroupElement.identity(spec)
-                step.heads[i] = head_map
-                point = point.try_step(inner, J, step, free)
+        point = apply_each(point, "heads", layer_steps(lambda a: matcher.head_step(a, state), spec.attention))
         clock = timed("heads", clock)
         state = point.state
-        neuron_maps = layer_steps(lambda m: matcher.neuron_step(m, state), spec.mlp)
-        with matcher.clock("mlp.apply"), one_thread(device):
-            for i, neuron_map in enumerate(neuron_maps):
-                step = GroupElement.identity(spec)
-                step.neurons[i] = neuron_map
-                point = point.try_step(inner, J, step, free)
+        point = apply_each(point, "neurons", layer_steps(lambda m: matcher.neuron_step(m, state), spec.mlp))
         clock = timed("mlp", clock)
         step = GroupElement.identity(spec)
         step.residual = matcher.residual_step(point.state, free=free, residual=point.g.residual)
