@@ -63,7 +63,7 @@ def run_glmc(args, blocks_file: Path, permutations_only: bool, model1: str | Non
     started = time.perf_counter()
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # its progress goes to our stderr
     if done.returncode != 0:
-        raise SystemExit(f"glmc_compare: GLMC's weight matching failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"glmc_compare: GLMC's driver failed (exit {done.returncode}; its error is printed above)")
     out = json.loads(done.stdout.strip().splitlines()[-1])
     out["barrier"], out["argmax"] = loss_barrier(out["lambdas"], out["losses"])
     out["wall_seconds"] = round(time.perf_counter() - started, 1)
@@ -101,6 +101,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--glmc-rows", default="permutation,orthogonal",
                         help="GLMC weight-matching rows to run (comma-separated; empty: none)")
     args = parser.parse_args(argv)
+    for item in args.aligned:
+        name, sep, path = item.partition("=")
+        if not (name and sep and (Path(path) / "config.json").is_file()):
+            raise SystemExit(f"glmc_compare: --aligned {item!r}: expected NAME=DIR with DIR/config.json")
     torch.set_num_threads(1)
     a, b = load_checkpoint(args.a), load_checkpoint(args.b)
     _, splits = pair_data(args.text, args.tokenizer or args.a, a.config.n_positions)
