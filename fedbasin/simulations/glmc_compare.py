@@ -17,6 +17,11 @@ replaced by RMSNorm on mean-free weights, every attention head expanded to its f
 circuits — head width d + 1 — so attention scores and OV maps interpolate linearly), while
 fedbasin's merge keeps the GPT-2 architecture of the inputs; the last row separates the quality
 of the alignment from the path it is evaluated on.
+
+Learned alignment: ``--aligned NAME=DIR`` adds the plain path from A to an endpoint already in A's
+basis (``fedbasin align A B --refine-data ...`` output: its plain path is the learned curve);
+``--glmc-learned-steps N`` adds GLMC's own learned matching (its merger's maps trained N steps on
+``--glmc-proxy-examples`` training blocks drawn with seed 0, batch ``--glmc-batch-size``).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ def seen_tokens(train_ids: torch.Tensor) -> torch.Tensor:
 
 
 def run_glmc(args, blocks_file: Path, permutations_only: bool, model1: str | None = None,
-             iterations: int | None = None) -> dict:
+             iterations: int | None = None, train_steps: int = 0) -> dict:
     """GLMC's merger on (A, ``model1`` or B): its weight matching for ``iterations`` (0: none, to
     evaluate a given alignment on GLMC's path), losses on its λ grid."""
     iterations = args.glmc_iterations if iterations is None else iterations
@@ -52,10 +57,13 @@ def run_glmc(args, blocks_file: Path, permutations_only: bool, model1: str | Non
                "--points", str(args.points), "--iterations", str(iterations)]
     if permutations_only:
         command.append("--permutations-only")
+    if train_steps:
+        command += ["--train-steps", str(train_steps), "--train-batch-size", str(args.glmc_batch_size),
+                    "--lr", str(args.glmc_lr)]
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # its progress goes to our stderr
     if done.returncode != 0:
-        raise SystemExit(f"glmc_compare: GLMC's weight matching failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"glmc_compare: GLMC's driver failed (exit {done.returncode}; its error is printed above)")
     out = json.loads(done.stdout.strip().splitlines()[-1])
     out["barrier"], out["argmax"] = loss_barrier(out["lambdas"], out["losses"])
     out["wall_seconds"] = round(time.perf_counter() - started, 1)
@@ -84,7 +92,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-blocks", type=int, default=0, help="evaluate on the first N test blocks (0: all)")
     parser.add_argument("--points", type=int, default=11)
     parser.add_argument("--out", help="write the results JSON here")
+    parser.add_argument("--aligned", action="append", default=[], metavar="NAME=DIR",
+                        help="also evaluate the plain path from A to this endpoint already aligned to A")
+    parser.add_argument("--glmc-learned-steps", type=int, default=0, help="GLMC's learned matching steps (0: skip)")
+    parser.add_argument("--glmc-batch-size", type=int, default=64)
+    parser.add_argument("--glmc-lr", type=float, default=3e-4, help="AdamW learning rate (GLMC's default 3e-4)")
+    parser.add_argument("--glmc-proxy-examples", type=int, default=307)
+    parser.add_argument("--glmc-rows", default="permutation,orthogonal",
+                        help="GLMC weight-matching rows to run (comma-separated; empty: none)")
     args = parser.parse_args(argv)
+    for item in args.aligned:
+        name, sep, path = item.partition("=")
+        if not (name and sep and (Path(path) / "config.json").is_file()):
+            raise SystemExit(f"glmc_compare: --aligned {item!r}: expected NAME=DIR with DIR/config.json")
     torch.set_num_threads(1)
     a, b = load_checkpoint(args.a), load_checkpoint(args.b)
     _, splits = pair_data(args.text, args.tokenizer or args.a, a.config.n_positions)
@@ -126,11 +146,23 @@ def main(argv=None) -> dict:
         aligned[variant] = a.adapter.from_standard(match.state)
         if not args.glmc_only:
             record(f"fedbasin {variant}", curve(aligned[variant]), match.seconds, iterations=match.iterations)
+    for item in args.aligned:
+        name, _, path = item.partition("=")
+        endpoint = load_checkpoint(path)
+        end_b = loss(endpoint.state)  # the aligned endpoint's own loss (B's function up to rounding)
+        record(f"aligned {name}", curve(endpoint.state), path=path)
     if args.glmc_path:
         with tempfile.TemporaryDirectory() as tmp:
             blocks = Path(tmp) / "blocks.pt"
-            torch.save({"inputs": test.inputs, "targets": test.targets, "train_ids": train_ids}, blocks)
-            runs = [("GLMC permutation", True, None, None), ("GLMC orthogonal", False, None, None)]
+            train = splits["train"]
+            proxy = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:args.glmc_proxy_examples]
+            torch.save({"inputs": test.inputs, "targets": test.targets, "train_ids": train_ids,
+                        "proxy_inputs": train.inputs[proxy], "proxy_targets": train.targets[proxy]}, blocks)
+            wanted = set(filter(None, args.glmc_rows.split(",")))
+            runs = [(f"GLMC {kind}", kind == "permutation", None, None) for kind in ("permutation", "orthogonal")
+                    if kind in wanted]
+            if args.glmc_learned_steps:
+                runs.append(("GLMC learned (orthogonal)", False, None, None))
             if args.circuit_variant:
                 from fedbasin.checkpoint import save_checkpoint
 
@@ -141,9 +173,12 @@ def main(argv=None) -> dict:
                 save_checkpoint(path, "gpt2", a.config, state, kind="hf")
                 runs.append((f"fedbasin {args.circuit_variant} on GLMC's merged architecture", False, str(path), 0))
             for name, perm, model1, iterations in runs:
-                out = run_glmc(args, blocks, perm, model1, iterations)
+                steps = args.glmc_learned_steps if name.startswith("GLMC learned") else 0
+                out = run_glmc(args, blocks, perm, model1, iterations, train_steps=steps)
                 results["rows"][name] = {k: out[k] for k in ("barrier", "argmax", "losses", "wall_seconds",
-                                                             "match_seconds")}
+                                                             "match_seconds", "train_steps", "train_batch_size",
+                                                             "proxy_examples", "train_seconds", "train_losses")
+                                         if k in out}
                 print(f"{name:40s} barrier {out['barrier']:.4f}", file=sys.stderr, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

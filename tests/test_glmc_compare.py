@@ -1,0 +1,26 @@
+"""`glmc_compare --aligned NAME=DIR`: the plain path from A to an endpoint already in A's basis is
+evaluated with the same loss code as every other row (GLMC itself is not needed here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_tokenizer_data import SHAKESPEARE, TOKENIZER, _gpt2
+
+pytestmark = pytest.mark.skipif(not TOKENIZER.is_dir() or not SHAKESPEARE.is_file(),
+                                reason="needs ../shared/data (gpt2_tokenizer, tinyshakespeare)")
+
+
+def test_aligned_endpoint_rows(tmp_path):
+    from fedbasin.simulations.glmc_compare import main
+
+    text = tmp_path / "excerpt.txt"
+    text.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
+    a, b = _gpt2(tmp_path / "a", 0), _gpt2(tmp_path / "b", 1)
+    rows = main([str(a), str(b), "--text", str(text), "--max-blocks", "4", "--points", "3", "--variants", "",
+                 "--circuit-variant", "", "--aligned", f"b={b}", "--aligned", f"a={a}"])["rows"]
+    assert rows["aligned b"]["losses"] == rows["vanilla"]["losses"]  # B itself: the vanilla curve
+    end_a = rows["vanilla"]["losses"][-1]
+    # A as the endpoint: its own loss at λ = 0 (not B's), a flat path, no barrier
+    assert rows["aligned a"]["losses"] == pytest.approx([end_a] * 3, abs=1e-6)
+    assert rows["aligned a"]["barrier"] == pytest.approx(0.0, abs=1e-6)
