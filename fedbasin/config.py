@@ -59,6 +59,7 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "refine-steps": 0,  # >0: learned refinement on the server's proxy split (needs proxy-size >= 10)
     "refine-lr": 0.01,
     "refine-permutations": "ste",  # ste (straight-through Hungarian) | sinkhorn
+    "refine-group": "orthogonal",  # orthogonal | invertible (per-head QK/OV maps, ReLU neuron scalings)
     "distill-steps": 0,  # >0: distil the clients' logit ensemble into the merge on the proxy split
     "distill-lr": 0.002,
     "distill-temperature": 3.0,
@@ -85,6 +86,7 @@ CHOICES = {
     "init": ("server", "client"),
     "symmetry": ("orthogonal", "permutation"),
     "refine-permutations": ("ste", "sinkhorn"),
+    "refine-group": ("orthogonal", "invertible"),
     "aggregator": ("mean", "trimmed-mean", "median"),
 }
 

@@ -91,10 +91,11 @@ def test_three_model_refinement_improves_the_centroid_on_the_evaluation_split(in
     assert result.evaluation_loss < result.evaluation_initial_loss - 0.5
 
 
-def test_server_side_refinement_improves_the_round_model_on_the_test_split():
+@pytest.mark.parametrize("group", ["orthogonal", "invertible"])
+def test_server_side_refinement_improves_the_round_model_on_the_test_split(group):
     """AlignedFedAvg(refine=learned_refine on proxy data): the round's model (clients aligned to the
     previous global model, refined on the proxy, averaged by num-examples) has a lower test loss
-    than the weight-matched round model."""
+    than the weight-matched round model, with either refinement group (run-config refine-group)."""
     spec = spec_of("vit", DIGITS_VIT)
     previous = trained_digits_vit(1)
     clients = [trained_digits_vit(s) for s in (2, 3, 4)]
@@ -102,7 +103,7 @@ def test_server_side_refinement_improves_the_round_model_on_the_test_split():
     data = streams()
     refine = functools.partial(learned_refine, spec, build_model("vit", DIGITS_VIT), loss_fn=cross_entropy,
                                batches=data.batches, selection=data.selection, evaluation=data.evaluation,
-                               steps=30, lr=0.05, eval_every=5)
+                               steps=30, lr=0.05, eval_every=5, group=group)
     arrays, metrics = strategy_for(spec, previous, refine=refine).aggregate_train(2, replies)
     plain, _ = strategy_for(spec, previous).aggregate_train(2, replies)
     refined_loss, plain_loss = digits_loss(arrays.to_torch_state_dict()), digits_loss(plain.to_torch_state_dict())
@@ -130,3 +131,16 @@ def test_bad_refinement_arguments_raise_clear_errors(options, message):
     arguments.update(options)
     with pytest.raises(ValueError, match=message):
         learned_refine(spec, build_model("vit", VIT).double(), ref, loss_fn=cross_entropy, **arguments)
+
+
+def test_run_config_refine_group_reaches_the_servers_refiner_and_bad_groups_are_refused():
+    """run-config refine-group is what the ServerApp's learned refinement uses; other values are refused."""
+    from fedbasin.config import resolve_run_config, task_from_config
+    from fedbasin.server.server_app import make_refiner
+
+    config = resolve_run_config({"refine-group": "invertible", "refine-steps": 5, "proxy-size": 50})
+    task = task_from_config(config)
+    refiner = make_refiner(spec_of("vit", DIGITS_VIT), build_model("vit", DIGITS_VIT), task, config)
+    assert refiner.keywords["group"] == "invertible"
+    with pytest.raises(ValueError, match="refine-group"):
+        resolve_run_config({"refine-group": "general-linear"})

@@ -54,7 +54,8 @@ def make_refiner(spec, model, task, config: dict, to_module_state=None):
         to_module_state=to_module_state,
         evaluation=data.evaluation,
         steps=config["refine-steps"], lr=config["refine-lr"], mode=config["symmetry"],
-        permutations=config["refine-permutations"], match_iterations=config["align-iterations"],
+        permutations=config["refine-permutations"], group=config["refine-group"],
+        match_iterations=config["align-iterations"],
     )
 
 
