@@ -13,7 +13,7 @@ from fedbasin.config import resolve_run_config
 from fedbasin.data import load_task
 from fedbasin.models import build_model
 from fedbasin.server.distill import LogitEnsemble, ensemble_distill
-from fedbasin.server.server_app import DistillingAlignedFedAvg, make_distiller
+from fedbasin.server.server_app import make_distiller
 from fedbasin.strategies import AlignedFedAvg
 from fedbasin.training import cross_entropy, evaluate
 from tests.helpers import DIGITS_VIT, cli_error, trained_digits_vit
@@ -111,7 +111,7 @@ def test_server_option_distils_the_round_merge(serverapp_identity):
     options = {"independent_init": True, "min_train_nodes": 3, "min_available_nodes": 3}
     plain, _ = one_shot_round(AlignedFedAvg(spec, **options), states)
     distilled, metrics = one_shot_round(
-        DistillingAlignedFedAvg(spec, distill=make_distiller(model, task, config), **options), states)
+        AlignedFedAvg(spec, distill=make_distiller(model, task, config), **options), states)
     selection = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"]).selection
     merged_loss = selection_loss(plain.to_torch_state_dict(), selection)
     assert metrics["distill_selection_loss_start"] == pytest.approx(merged_loss, rel=1e-4)

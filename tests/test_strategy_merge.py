@@ -99,6 +99,7 @@ def test_server_side_refinement_output_is_what_gets_averaged():
     (dict(tol=-1e-3), "tol must be a finite number >= 0, got -0.001"),
     (dict(tol=math.nan), "tol must be a finite number >= 0, got nan"),
     (dict(refine="learned"), "refine must be callable"),
+    (dict(distill="feddf"), "distill must be callable"),
     (dict(refine=lambda *a, **k: None, alignment=False), "refine needs alignment"),
 ])
 def test_bad_strategy_arguments_raise_clear_errors(options, message):

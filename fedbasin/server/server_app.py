@@ -82,25 +82,6 @@ def make_distiller(model, task, config: dict, adapter=None):
     return distill
 
 
-class DistillingAlignedFedAvg(AlignedFedAvg):
-    """``AlignedFedAvg`` whose merged model is then distilled from the ensemble of the round's
-    clients (those the cohort screening kept) by ``distill(merged, clients)``."""
-
-    def __init__(self, *args, distill, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.distill = distill
-
-    def _merge(self, server_round, previous, nodes, states, weights):
-        clients = list(zip(nodes, states))  # the teachers: the merge empties ``states`` as it aligns
-        merged, metrics = super()._merge(server_round, previous, nodes, states, weights)
-        excluded = self._cohort_excluded(server_round)
-        result = self.distill(merged, [state for node, state in clients if node not in excluded])
-        log(INFO, "round %d: ensemble distillation, selection proxy loss %.4f -> %.4f (step %d)",
-            server_round, result.initial_loss, result.best_loss, result.best_step)
-        return result.state, {**metrics, "distill_selection_loss_start": result.initial_loss,
-                              "distill_selection_loss": result.best_loss, "distill_best_step": result.best_step}
-
-
 def robust_options(config: dict) -> dict:
     """``AlignedFedAvg`` screening/aggregation keyword arguments from the run config."""
     keys = ("max-abs-weight", "max-num-examples", "max-examples-ratio", "outlier-threshold",
@@ -165,7 +146,7 @@ def run_server(grid: Grid, config: dict) -> dict:
 
     spec = adapter.spec
     distill = {"distill": make_distiller(model, task, config, adapter)} if config["distill-steps"] > 0 else {}
-    strategy = (DistillingAlignedFedAvg if distill else AlignedFedAvg)(
+    strategy = AlignedFedAvg(
         spec,
         alignment=config["alignment"],
         mode=config["symmetry"],

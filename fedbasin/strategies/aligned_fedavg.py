@@ -67,6 +67,11 @@ class AlignedFedAvg(FedAvg):
         :class:`~fedbasin.alignment.RefineResult` (the ServerApp binds the model and its proxy
         split into it, e.g. ``functools.partial(learned_refine, spec, model, ...)``). The
         refined, canonical client models are averaged instead of the weight-matched ones.
+    distill : callable, optional
+        Run after every merge: ``distill(merged_state, client_states)`` with the clients the
+        cohort screening kept, returning a result with ``state`` (the new global model),
+        ``initial_loss``, ``best_loss`` and ``best_step`` (the ServerApp binds the model and its
+        proxy split into it: ensemble distillation, ``fedbasin.server.distill``).
     max_abs_weight : float
         A reply holding any value with ``|x|`` above this is excluded before any arithmetic
         (no overflow downstream).
@@ -117,6 +122,7 @@ class AlignedFedAvg(FedAvg):
         independent_init: bool = False,
         universe_iterations: int = 1,
         refine=None,
+        distill=None,
         max_abs_weight: float = 1e6,
         max_num_examples: float = 1_000_000,
         max_examples_ratio: float = 10.0,
@@ -144,6 +150,8 @@ class AlignedFedAvg(FedAvg):
             raise ValueError(f"refine must be callable (e.g. a partial of learned_refine), got {refine!r}")
         if refine is not None and not alignment:
             raise ValueError("refine needs alignment: plain FedAvg (alignment=False) would ignore it")
+        if distill is not None and not callable(distill):
+            raise ValueError(f"distill must be callable, got {distill!r}")
         if aggregator not in AGGREGATORS:
             raise ValueError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
         if not 0 <= trim_fraction < 0.5:
@@ -164,6 +172,7 @@ class AlignedFedAvg(FedAvg):
         self.independent_init = independent_init
         self.universe_iterations = universe_iterations
         self.refine = refine
+        self.distill = distill
         self.max_abs_weight = max_abs_weight
         self.max_num_examples = max_num_examples
         self.max_examples_ratio = max_examples_ratio
@@ -357,6 +366,21 @@ class AlignedFedAvg(FedAvg):
         return metrics
 
     def _merge(
+        self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list
+    ) -> tuple[dict, dict]:
+        """The aligned merge, then ``distill`` (when given) from the clients the screening kept."""
+        teachers = list(zip(nodes, states)) if self.distill is not None else []  # the merge empties states
+        merged, metrics = self._aligned_merge(server_round, previous, nodes, states, weights)
+        if self.distill is None:
+            return merged, metrics
+        excluded = self._cohort_excluded(server_round)
+        result = self.distill(merged, [state for node, state in teachers if node not in excluded])
+        log(INFO, "round %d: ensemble distillation, selection proxy loss %.4f -> %.4f (step %d)",
+            server_round, result.initial_loss, result.best_loss, result.best_step)
+        return result.state, {**metrics, "distill_selection_loss_start": result.initial_loss,
+                              "distill_selection_loss": result.best_loss, "distill_best_step": result.best_step}
+
+    def _aligned_merge(
         self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list
     ) -> tuple[dict, dict]:
         """Merged state (cohort screened and aggregated in the aligned basis) and metrics.
