@@ -63,20 +63,21 @@ def make_distiller(model, task, config: dict, adapter=None):
     """``distill(merged, clients)``: ensemble distillation of the clients' mean logits into the
     merged model on the proxy split (the same training / selection / evaluation parts as
     :func:`make_refiner`; keep-best on the selection split). States come and go in the spec's
-    standard layout; ``adapter`` translates them to the model's own keys and back."""
+    standard layout; ``adapter`` (default: the model's, :func:`~fedbasin.config.model_adapter`)
+    translates them to the model's own keys and back."""
     if task.proxy is None:
         raise ValueError(f"run-config distill-steps={config['distill-steps']} needs proxy data: "
                          f"{task.name} has no proxy split (set proxy-size >= 10)")
-    to_module = adapter.from_standard if adapter is not None else (lambda state: state)
-    to_standard = adapter.to_standard if adapter is not None else (lambda state: state)
+    adapter = adapter or model_adapter(task, model)[1]
 
     def distill(merged: dict, clients: list[dict]):
         data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
-        result = ensemble_distill(model, to_module(merged), [to_module(c) for c in clients], task.loss_fn,
+        result = ensemble_distill(model, adapter.from_standard(merged),
+                                  [adapter.from_standard(c) for c in clients], task.loss_fn,
                                   data.batches, data.selection, data.evaluation,
                                   steps=config["distill-steps"], lr=config["distill-lr"],
                                   temperature=config["distill-temperature"])
-        result.state = to_standard(result.state)
+        result.state = adapter.to_standard(result.state)
         return result
 
     return distill
