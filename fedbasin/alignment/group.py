@@ -189,45 +189,62 @@ def _mlp_width(m: MLPSpec, state: dict | None) -> int:
     return state[m.up.weight].shape[0]
 
 
+def group_head_perm(groups: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
+    """Query-head permutation (H,) from a key/value-group permutation ``groups`` (G,) and the
+    within-group orders ``within`` (G, r) of the groups' new slots: query head j of new group g is
+    query head ``within[g, j]`` of old group ``groups[g]``."""
+    r = within.shape[1]
+    return (groups[:, None] * r + within).reshape(-1)
+
+
+def per_query_head(maps: torch.Tensor | None, a: AttentionSpec) -> torch.Tensor | None:
+    """Per-group maps (G, ...) repeated for the r query heads (or output blocks) of each group."""
+    return maps if maps is None or a.group_size == 1 else maps.repeat_interleave(a.group_size, 0)
+
+
 def random_head_perm(a: AttentionSpec, generator) -> torch.Tensor:
     """Random group-consistent query-head permutation: groups permute, heads permute within a group."""
     G, r = a.kv_heads, a.group_size
     groups = torch.randperm(G, generator=generator)
-    within = torch.stack([torch.randperm(r, generator=generator) for _ in range(G)])
-    return (groups[:, None] * r + within).reshape(-1)
+    return group_head_perm(groups, torch.stack([torch.randperm(r, generator=generator) for _ in range(G)]))
 
 
 def _random_head_map(a: AttentionSpec, generator, mode: str, dtype, scales: bool) -> HeadMap:
+    """One random map per key/value group (G of them): query heads share their group's maps."""
     G, dh = a.kv_heads, a.head_dim
     perm = random_head_perm(a, generator)
     if mode == "permutation":
         ov = torch.stack([random_permutation_matrix(dh, generator, dtype) for _ in range(G)])
         qk = None if a.rotary else torch.stack([random_permutation_matrix(dh, generator, dtype) for _ in range(G)])
         return HeadMap(perm, qk, ov)
-    if mode == "invertible":
-        ov = torch.stack([random_invertible(dh, generator) for _ in range(G)])
-        ov_dual = torch.linalg.inv(ov).transpose(1, 2)
-        if not a.rotary:
-            qk = torch.stack([random_invertible(dh, generator) for _ in range(G)])
-            return HeadMap(perm, qk.to(dtype), ov.to(dtype), torch.linalg.inv(qk).transpose(1, 2).to(dtype),
-                           ov_dual.to(dtype))
-        rotary = _random_head_map(a, generator, "orthogonal", dtype, scales=True)
-        return HeadMap(perm, rotary.qk, ov.to(dtype), rotary.qk_dual, ov_dual.to(dtype))
-    ov = torch.stack([random_orthogonal(dh, generator, dtype) for _ in range(G)])
+    invertible = mode == "invertible"
+    ov = torch.stack([(random_invertible if invertible else random_orthogonal)(dh, generator) for _ in range(G)])
+    ov_dual = torch.linalg.inv(ov).transpose(1, 2).to(dtype) if invertible else None
     if not a.rotary:
-        qk = torch.stack([random_orthogonal(dh, generator, dtype) for _ in range(G)])
-        return HeadMap(perm, qk, ov)
-    rd = a.rotated
+        qk = torch.stack([(random_invertible if invertible else random_orthogonal)(dh, generator) for _ in range(G)])
+        qk_dual = torch.linalg.inv(qk).transpose(1, 2).to(dtype) if invertible else None
+        return HeadMap(perm, qk.to(dtype), ov.to(dtype), qk_dual, ov_dual)
+    qk, qk_dual = _random_rotary_maps(a, generator, scales or invertible, invertible)
+    return HeadMap(perm, qk.to(dtype), ov.to(dtype), None if qk_dual is None else qk_dual.to(dtype), ov_dual)
+
+
+def _random_rotary_maps(a: AttentionSpec, generator, scales: bool, invertible: bool):
+    """(A, A⁻ᵀ or None if orthogonal), each (G, d_h, d_h), commuting with the position rotations:
+    random (scaled) rotations of the rotary planes and, with partial rotary, a random orthogonal
+    (``invertible``: invertible) block on the position-free dims."""
+    G, dh, rd = a.kv_heads, a.head_dim, a.rotated
     angles = (torch.rand(G, rd // 2, generator=generator, dtype=torch.float64) * 2 - 1) * torch.pi
     plane_scales = torch.exp(0.5 * torch.randn(G, rd // 2, generator=generator, dtype=torch.float64)) if scales else None
-    passthrough = None
+    passthrough = passthrough_dual = None
     if rd < dh:
-        passthrough = torch.stack([random_orthogonal(dh - rd, generator) for _ in range(G)])
-    qk = plane_rotations(angles, dh, a.rotary, plane_scales, passthrough).to(dtype)
-    dual = None
-    if scales:
-        dual = plane_rotations(angles, dh, a.rotary, 1.0 / plane_scales, passthrough).to(dtype)
-    return HeadMap(perm, qk, ov, qk_dual=dual)
+        make = random_invertible if invertible else random_orthogonal
+        passthrough = torch.stack([make(dh - rd, generator) for _ in range(G)])
+        passthrough_dual = torch.linalg.inv(passthrough).transpose(1, 2) if invertible else passthrough
+    qk = plane_rotations(angles, dh, a.rotary, plane_scales, passthrough)
+    if not (scales or invertible):
+        return qk, None
+    dual_scales = None if plane_scales is None else 1.0 / plane_scales
+    return qk, plane_rotations(angles, dh, a.rotary, dual_scales, passthrough_dual)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,13 +275,12 @@ def apply_head_map(a: AttentionSpec, state: dict, hm: HeadMap) -> None:
     key/value heads follow with :func:`kv_perm`. The maps (G, d_h, d_h) belong to key/value
     groups: query head h and output block h use the map of group h // r.
     """
-    H, G, dh, r = a.num_heads, a.kv_heads, a.head_dim, a.group_size
+    H, G, dh = a.num_heads, a.kv_heads, a.head_dim
     check_group_perm(a, hm.perm)
     perm = hm.perm.to(state[a.q.weight].device)
     kv = kv_perm(perm, G)
-    per_query = lambda m: None if m is None or r == 1 else m.repeat_interleave(r, 0)  # noqa: E731
-    qk_q = hm.qk if r == 1 else per_query(hm.qk)
-    for lin, heads, p, m in ((a.q, H, perm, qk_q), (a.k, G, kv, _dual(hm.qk, hm.qk_dual)), (a.v, G, kv, hm.ov)):
+    for lin, heads, p, m in ((a.q, H, perm, per_query_head(hm.qk, a)), (a.k, G, kv, _dual(hm.qk, hm.qk_dual)),
+                             (a.v, G, kv, hm.ov)):
         w = state[lin.weight]
         w = w.reshape(heads, dh, -1)[p]
         if m is not None:  # torch layout of W_h m is mᵀ W_hᵀ... rows: new[h] = m_hᵀ @ w[h]
@@ -277,9 +293,8 @@ def apply_head_map(a: AttentionSpec, state: dict, hm: HeadMap) -> None:
             state[lin.bias] = b.reshape(heads * dh)
     w = state[a.o.weight]
     w = w.reshape(w.shape[0], H, dh)[:, perm]
-    dual = _dual(hm.ov, hm.ov_dual)
+    dual = per_query_head(_dual(hm.ov, hm.ov_dual), a)
     if dual is not None:  # W_O,h ← B⁻¹ W_O,h, i.e. torch columns: o[:, h] @ B⁻ᵀ
-        dual = dual if r == 1 else per_query(dual)
         w = torch.einsum("dhi,hij->dhj", w, dual.to(w))
     state[a.o.weight] = w.reshape(w.shape[0], H * dh)
 

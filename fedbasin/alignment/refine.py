@@ -33,7 +33,17 @@ import torch
 from torch import nn
 
 from .canonical import canonicalize, to_gauge
-from .group import GroupElement, HeadMap, NeuronMap, apply_group, compose, ones_complement, plane_rotations
+from .group import (
+    GroupElement,
+    HeadMap,
+    NeuronMap,
+    apply_group,
+    compose,
+    group_head_perm,
+    ones_complement,
+    per_query_head,
+    plane_rotations,
+)
 from .matching import MODES, hungarian, progress_bar, weight_match
 from .merge import average_states, merge
 from .spec import SymmetrySpec, check_compatible
@@ -85,13 +95,18 @@ class _Delta(nn.Module):
     commuting with every position rotation, ``A⁻ᵀ = e^−ρ·R(φ)``), ``B = exp(Y)``, ``B⁻ᵀ = exp(−Yᵀ)``
     for OV, and positive neuron scalings ``s = exp(σ)`` for ReLU MLPs (other activations are not
     positively homogeneous: no scaling). ``permutations="fixed"`` keeps the start's permutations.
+
+    Grouped-query attention (G key/value heads, r = H/G query heads each): the QK and OV maps
+    belong to the G groups (``q_i ← q_i A_g``, ``k_g ← k_g A_g⁻ᵀ``, ``v_g ← v_g B_g``, output block
+    of every query head i of group g ``← B_g⁻¹ o_i``), and the head permutation is
+    ``P = (P_G ⊗ I_r)·blockdiag(T_0 … T_{G−1})``: T_g reorders the query heads inside group g, P_G
+    moves whole groups (and the key/value heads). Partial rotary (r_d < d_h rotating dims): the
+    rotary planes get (scaled) rotations as above and the d_h − r_d position-free dims one free
+    block, Cayley (orthogonal group) or ``exp(X)`` with dual ``exp(−Xᵀ)`` (invertible group).
     """
 
     def __init__(self, spec: SymmetrySpec, state: dict, permutations: str, init_scale: float,
                  group: str = "orthogonal"):
-        if not all(a.is_plain for a in spec.attention):
-            raise ValueError(f"{spec.name}: learned refinement does not support grouped-query attention "
-                             "or partial rotary yet (weight matching and merging do)")
         if group not in GROUPS:
             raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
         super().__init__()
@@ -102,19 +117,24 @@ class _Delta(nn.Module):
         inner = d - 1 if self.fix_ones else d
         self.residual = nn.Parameter(torch.zeros(inner, inner, dtype=dtype))
         learn_perms = permutations != "fixed"
-        self.head_scores = nn.ParameterList()
-        self.qk = nn.ParameterList()
+        self.head_scores = nn.ParameterList()  # (G, G): key/value groups (= heads without GQA)
+        self.within_scores = nn.ParameterDict()  # layer → (G, r, r): query heads inside a group (GQA)
+        self.qk = nn.ParameterList()  # (G, d_h, d_h), or under RoPE one angle per plane (G, r_d/2)
         self.qk_log_scale = nn.ParameterList()  # RoPE planes, invertible group only
+        self.qk_passthrough = nn.ParameterDict()  # layer → (G, d_h−r_d, d_h−r_d): partial rotary
         self.ov = nn.ParameterList()
-        for a in spec.attention:
-            H, dh = a.num_heads, a.head_dim
+        for i, a in enumerate(spec.attention):
+            G, r, dh, rd = a.kv_heads, a.group_size, a.head_dim, a.rotated
             if learn_perms:
-                self.head_scores.append(nn.Parameter(torch.eye(H, dtype=dtype) * init_scale))
-            qk_shape = (H, dh // 2) if a.rotary else (H, dh, dh)
-            self.qk.append(nn.Parameter(torch.zeros(qk_shape, dtype=dtype)))
+                self.head_scores.append(nn.Parameter(torch.eye(G, dtype=dtype) * init_scale))
+                if r > 1:
+                    self.within_scores[str(i)] = nn.Parameter(torch.eye(r, dtype=dtype).repeat(G, 1, 1) * init_scale)
+            self.qk.append(nn.Parameter(torch.zeros((G, rd // 2) if a.rotary else (G, dh, dh), dtype=dtype)))
             if self.invertible and a.rotary:
-                self.qk_log_scale.append(nn.Parameter(torch.zeros(H, dh // 2, dtype=dtype)))
-            self.ov.append(nn.Parameter(torch.zeros(H, dh, dh, dtype=dtype)))
+                self.qk_log_scale.append(nn.Parameter(torch.zeros(G, rd // 2, dtype=dtype)))
+            if a.rotary and rd < dh:
+                self.qk_passthrough[str(i)] = nn.Parameter(torch.zeros(G, dh - rd, dh - rd, dtype=dtype))
+            self.ov.append(nn.Parameter(torch.zeros(G, dh, dh, dtype=dtype)))
         self.neuron_scores = nn.ParameterList(
             nn.Parameter(torch.eye(state[m.up.weight].shape[0], dtype=dtype) * init_scale)
             for m in (spec.mlp if learn_perms else ())
@@ -132,20 +152,54 @@ class _Delta(nn.Module):
         q = ones_complement(d, o.dtype).to(o.device)
         return torch.full((d, d), 1.0 / d, dtype=o.dtype, device=o.device) + q @ o @ q.T
 
-    def within_head(self, i: int):
-        """(A, A⁻ᵀ, B, B⁻ᵀ) of layer i, each (H, d_h, d_h)."""
-        a = self.spec.attention[i]
+    def _free_map(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(M, M⁻ᵀ) of the group from free square matrices: Cayley (M⁻ᵀ = M) or ``exp``."""
         if not self.invertible:
-            qk = plane_rotations(self.qk[i], a.head_dim, a.rotary) if a.rotary else cayley(self.qk[i])
-            ov = cayley(self.ov[i])
-            return qk, qk, ov, ov
-        if a.rotary:
-            scale = self.qk_log_scale[sum(1 for b in self.spec.attention[:i] if b.rotary)].exp()
-            qk = plane_rotations(self.qk[i], a.head_dim, a.rotary, scale)
-            qk_dual = plane_rotations(self.qk[i], a.head_dim, a.rotary, 1.0 / scale)
-        else:
-            qk, qk_dual = torch.linalg.matrix_exp(self.qk[i]), torch.linalg.matrix_exp(-self.qk[i].transpose(1, 2))
-        return qk, qk_dual, torch.linalg.matrix_exp(self.ov[i]), torch.linalg.matrix_exp(-self.ov[i].transpose(1, 2))
+            m = cayley(x)
+            return m, m
+        return torch.linalg.matrix_exp(x), torch.linalg.matrix_exp(-x.transpose(-1, -2))
+
+    def within_head(self, i: int):
+        """(A, A⁻ᵀ, B, B⁻ᵀ) of layer i, each (G, d_h, d_h): one map per key/value group."""
+        a = self.spec.attention[i]
+        ov, ov_dual = self._free_map(self.ov[i])
+        if not a.rotary:
+            return (*self._free_map(self.qk[i]), ov, ov_dual)
+        passthrough = passthrough_dual = None
+        if str(i) in self.qk_passthrough:
+            passthrough, passthrough_dual = self._free_map(self.qk_passthrough[str(i)])
+        if not self.invertible:
+            qk = plane_rotations(self.qk[i], a.head_dim, a.rotary, passthrough=passthrough)
+            return qk, qk, ov, ov_dual
+        scale = self.qk_log_scale[sum(1 for b in self.spec.attention[:i] if b.rotary)].exp()
+        qk = plane_rotations(self.qk[i], a.head_dim, a.rotary, scale, passthrough)
+        qk_dual = plane_rotations(self.qk[i], a.head_dim, a.rotary, 1.0 / scale, passthrough_dual)
+        return qk, qk_dual, ov, ov_dual
+
+    def head_permutations(self, i: int, tau: float, hard: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P over the H query heads, P_G over the G key/value heads) of layer i as matrices,
+        ``P = (P_G ⊗ I_r)·blockdiag(T_g)`` (= P_G without grouped-query attention)."""
+        a = self.spec.attention[i]
+        G, r = a.kv_heads, a.group_size
+        p_kv = self._perm(self.head_scores, i, G, tau, hard)
+        if r == 1:
+            return p_kv, p_kv
+        if self.permutations == "fixed":
+            return torch.eye(a.num_heads, dtype=p_kv.dtype, device=p_kv.device), p_kv
+        within = [project_permutation(z, self.permutations, tau, hard) for z in self.within_scores[str(i)]]
+        eye = torch.eye(r, dtype=p_kv.dtype, device=p_kv.device)
+        return torch.kron(p_kv, eye) @ torch.block_diag(*within), p_kv
+
+    def hard_head_perm(self, i: int) -> torch.Tensor:
+        """The query-head permutation (H,) that :meth:`head_permutations` projects to."""
+        a = self.spec.attention[i]
+        if self.permutations == "fixed":
+            return torch.arange(a.num_heads)
+        groups = hungarian(self.head_scores[i])
+        if a.group_size == 1:
+            return groups
+        within = torch.stack([hungarian(z) for z in self.within_scores[str(i)]])
+        return group_head_perm(groups, within[groups])  # T acts before P_G: slot g holds old group groups[g]
 
     def _perm(self, scores: nn.ParameterList, i: int, n: int, tau: float, hard: bool):
         if self.permutations == "fixed":
@@ -161,8 +215,7 @@ class _Delta(nn.Module):
             heads, neurons = [], []
             for i, a in enumerate(self.spec.attention):
                 qk, qk_dual, ov, ov_dual = (m.clone() for m in self.within_head(i))
-                perm = torch.arange(a.num_heads) if self.permutations == "fixed" else hungarian(self.head_scores[i])
-                heads.append(HeadMap(perm, qk, ov, qk_dual if self.invertible else None,
+                heads.append(HeadMap(self.hard_head_perm(i), qk, ov, qk_dual if self.invertible else None,
                                      ov_dual if self.invertible else None))
             for i, m in enumerate(self.spec.mlp):
                 scale = self.neuron_scale(i)
@@ -180,18 +233,19 @@ class _Delta(nn.Module):
         """Differentiable ``g_Δ · state`` (permutations as matrices so gradients reach the scores)."""
         out = dict(state)
         for i, a in enumerate(self.spec.attention):
-            H, dh = a.num_heads, a.head_dim
-            p = self._perm(self.head_scores, i, H, tau, hard)
+            H, G, dh = a.num_heads, a.kv_heads, a.head_dim
+            p, p_kv = self.head_permutations(i, tau, hard)
             qk, qk_dual, ov, ov_dual = self.within_head(i)
-            for lin, m in ((a.q, qk), (a.k, qk_dual), (a.v, ov)):
-                w = torch.einsum("hg,gjd->hjd", p, out[lin.weight].reshape(H, dh, -1))
-                out[lin.weight] = torch.einsum("hji,hjd->hid", m, w).reshape(H * dh, -1)
+            for lin, heads, perm, m in ((a.q, H, p, per_query_head(qk, a)), (a.k, G, p_kv, qk_dual),
+                                        (a.v, G, p_kv, ov)):
+                w = torch.einsum("hg,gjd->hjd", perm, out[lin.weight].reshape(heads, dh, -1))
+                out[lin.weight] = torch.einsum("hji,hjd->hid", m, w).reshape(heads * dh, -1)
                 if lin.bias:
-                    b = p @ out[lin.bias].reshape(H, dh)
-                    out[lin.bias] = torch.einsum("hj,hji->hi", b, m).reshape(H * dh)
+                    b = perm @ out[lin.bias].reshape(heads, dh)
+                    out[lin.bias] = torch.einsum("hj,hji->hi", b, m).reshape(heads * dh)
             w = out[a.o.weight].reshape(-1, H, dh)
             w = torch.einsum("hg,dgj->dhj", p, w)
-            out[a.o.weight] = torch.einsum("dhj,hji->dhi", w, ov_dual).reshape(w.shape[0], H * dh)
+            out[a.o.weight] = torch.einsum("dhj,hji->dhi", w, per_query_head(ov_dual, a)).reshape(w.shape[0], H * dh)
         for i, m in enumerate(self.spec.mlp):
             p = self._perm(self.neuron_scores, i, out[m.up.weight].shape[0], tau, hard)
             scale = self.neuron_scale(i)
