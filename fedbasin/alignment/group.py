@@ -353,11 +353,16 @@ def apply_group(spec: SymmetrySpec, state: dict, g: GroupElement) -> dict:
 # composition
 
 
+def permuted_maps(maps: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """Per-group maps (G, ...) reordered by a query-head permutation (H,): ``maps[kv_perm(perm)]``."""
+    return maps[perm if maps.shape[0] == perm.numel() else kv_perm(perm, maps.shape[0])]
+
+
 def _compose_maps(m1, m2, perm2):
     """Map of ``first m1 then m2`` on group g: ``m1[kv(perm2)[g]] @ m2[g]`` (None = identity)."""
     if m1 is None:
         return m2
-    m1 = m1[perm2 if m1.shape[0] == perm2.numel() else kv_perm(perm2, m1.shape[0])]
+    m1 = permuted_maps(m1, perm2)
     return m1 if m2 is None else m1 @ m2.to(m1)
 
 

@@ -18,7 +18,11 @@ from its canonical form (unit norm gains, ``canonical.py``):
   error of about ``eps (1 − c²) / (2 c² var)`` per norm (exact again if the wide eps were c²·eps).
   Build models with ``norm_eps=0`` (a ``ViTConfig``/``GPTConfig`` field) where exactness matters.
 * **heads**: heads H_s..H_b−1 are zero (Q/K/V rows and biases, O columns): they add exactly 0.
-  The attention scale 1/sqrt(d_h) is unchanged because d_h is.
+  The attention scale 1/sqrt(d_h) is unchanged because d_h is. Grouped-query attention (G
+  key/value heads, r = H/G query heads each): narrow group g, its key/value head and its r_s
+  query heads, fills the first r_s query slots of wide group g, so every query head keeps its
+  key/value head; this needs ``G_s ≤ G_b`` and ``r_s ≤ r_b`` (a narrow group is never split
+  over several wide ones: refused). Partial rotary: equal rotating dims r_d (heads embed whole).
 * **MLP**: units n_s..n_b−1 are zero (up/gate rows and biases, down columns): exactly 0 for any
   activation (``down`` columns are 0; also act(0)·0 = 0 for SwiGLU).
 
@@ -54,10 +58,11 @@ from .group import (
     apply_group,
     apply_residual_map,
     ones_complement,
+    permuted_maps,
 )
 from .matching import MatchResult, weight_match
 from .merge import MergeResult, merge
-from .spec import SymmetrySpec
+from .spec import AttentionSpec, SymmetrySpec
 
 __all__ = [
     "Embedded", "Member", "WidthMerge", "check_embeddable", "default_residual_map", "embed",
@@ -107,8 +112,9 @@ def _check_residual_map(o: torch.Tensor, spec_small: SymmetrySpec, spec_big: Sym
 def check_embeddable(spec_small: SymmetrySpec, spec_big: SymmetrySpec) -> None:
     """Raise ``ValueError`` unless the narrow spec can be embedded into the wide one.
 
-    Same keys, norm kinds, depth, head width, rotary layout and MLP kind; ``d_s ≤ d_b``,
-    ``H_s ≤ H_b`` and ``n_s ≤ n_b`` (when the specs record n). Shapes that do not involve the
+    Same keys, norm kinds, depth, head width, rotary layout and rotating dims, and MLP kind;
+    ``d_s ≤ d_b``, ``H_s ≤ H_b``, ``G_s ≤ G_b`` and ``r_s ≤ r_b`` (key/value heads and query heads
+    per key/value head) and ``n_s ≤ n_b`` (when the specs record n). Shapes that do not involve the
     width (vocabulary, classes, patches) are checked by :func:`embed` against the wide shapes.
     """
     if spec_small.width > spec_big.width:
@@ -124,17 +130,23 @@ def check_embeddable(spec_small: SymmetrySpec, spec_big: SymmetrySpec) -> None:
         diff = sorted(spec_small.keys() ^ spec_big.keys())
         raise ValueError(f"different architectures: the specs name different tensors {diff[:6]}")
     for a_s, a_b in zip(spec_small.attention, spec_big.attention):
-        if not (a_s.is_plain and a_b.is_plain):
-            raise ValueError(f"{a_s.q.weight}: width embedding does not support grouped-query attention "
-                             "or partial rotary yet")
         if a_s.head_dim != a_b.head_dim:
             raise ValueError(
                 f"{a_s.q.weight}: head width {a_s.head_dim} vs {a_b.head_dim}; heads embed only at equal head width"
             )
         if a_s.num_heads > a_b.num_heads:
             raise ValueError(f"{a_s.q.weight}: the narrow model has more heads ({a_s.num_heads} > {a_b.num_heads})")
-        if a_s.rotary != a_b.rotary:
-            raise ValueError(f"{a_s.q.weight}: position kind {a_s.rotary} vs {a_b.rotary}")
+        if a_s.kv_heads > a_b.kv_heads:
+            raise ValueError(f"{a_s.q.weight}: the narrow model has more key/value heads "
+                             f"({a_s.kv_heads} > {a_b.kv_heads})")
+        if a_s.group_size > a_b.group_size:
+            raise ValueError(
+                f"{a_s.q.weight}: the narrow model has more query heads per key/value head ({a_s.group_size} > "
+                f"{a_b.group_size}); a key/value group embeds only into a group at least as large"
+            )
+        if a_s.rotary != a_b.rotary or a_s.rotated != a_b.rotated:
+            raise ValueError(f"{a_s.q.weight}: position kind {a_s.rotary} with {a_s.rotated} rotating dims vs "
+                             f"{a_b.rotary} with {a_b.rotated}")
     for m_s, m_b in zip(spec_small.mlp, spec_big.mlp):
         if m_s.activation != m_b.activation or (m_s.gate is None) != (m_b.gate is None):
             raise ValueError(f"{m_s.up.weight}: MLP kind {m_s.activation} vs {m_b.activation}")
@@ -156,15 +168,27 @@ def _fit(x: torch.Tensor, axis: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], axis)
 
 
-def _fit_blocks(spec_to: SymmetrySpec, state: dict, mlp_widths: list[int]) -> None:
-    """In place: heads to ``spec_to``'s H·d_h and MLP hidden axes to ``mlp_widths`` (pad or cut)."""
-    for a in spec_to.attention:
-        inner = a.num_heads * a.head_dim
-        for lin in (a.q, a.k, a.v):
-            state[lin.weight] = _fit(state[lin.weight], 0, inner)
+def _fit_heads(x: torch.Tensor, axis: int, a_from: AttentionSpec, a_to: AttentionSpec, query: bool) -> torch.Tensor:
+    """Pad or cut the head axis of ``x``: key/value heads (G·d_h) to ``a_to``'s G; query heads
+    (G·r·d_h) per group, so query head i of group g keeps slot (g, i) and belongs to the same
+    key/value head (a narrow group sits in the first r_s slots of a wide group)."""
+    if not query:
+        return _fit(x, axis, a_to.kv_heads * a_to.head_dim)
+    shape = x.shape
+    x = x.reshape(*shape[:axis], a_from.kv_heads, a_from.group_size, a_from.head_dim, *shape[axis + 1:])
+    x = _fit(_fit(x, axis, a_to.kv_heads), axis + 1, a_to.group_size)
+    return x.reshape(*shape[:axis], a_to.num_heads * a_to.head_dim, *shape[axis + 1:])
+
+
+def _fit_blocks(spec_from: SymmetrySpec, spec_to: SymmetrySpec, state: dict, mlp_widths: list[int]) -> None:
+    """In place: heads from ``spec_from``'s to ``spec_to``'s (key/value groups, query heads per
+    group) and MLP hidden axes to ``mlp_widths`` (pad or cut)."""
+    for a_from, a in zip(spec_from.attention, spec_to.attention):
+        for lin, query in ((a.q, True), (a.k, False), (a.v, False)):
+            state[lin.weight] = _fit_heads(state[lin.weight], 0, a_from, a, query)
             if lin.bias:
-                state[lin.bias] = _fit(state[lin.bias], 0, inner)
-        state[a.o.weight] = _fit(state[a.o.weight], 1, inner)
+                state[lin.bias] = _fit_heads(state[lin.bias], 0, a_from, a, query)
+        state[a.o.weight] = _fit_heads(state[a.o.weight], 1, a_from, a, True)
     for m, n in zip(spec_to.mlp, mlp_widths):
         for lin in (m.up, m.gate):
             if lin is not None:
@@ -230,7 +254,7 @@ def embed(
     if d_s != d_b or residual_map is not None:
         apply_residual_map(spec_small, state, o)
         _scale_norm_outputs(spec_small, state, width_factor(d_s, d_b))
-    _fit_blocks(spec_big, state, widths_b)
+    _fit_blocks(spec_small, spec_big, state, widths_b)
     if big is not None:
         for key in sorted(set(big) | set(state)):
             if key not in state or key not in big:
@@ -274,7 +298,7 @@ def restrict(
     if d_s != d_b or residual_map is not None:
         apply_residual_map(spec_big, state, o.T)
         _scale_norm_outputs(spec_big, state, 1.0 / width_factor(d_s, d_b))
-    _fit_blocks(spec_small, state, _mlp_widths(spec_small, small, "narrow"))
+    _fit_blocks(spec_big, spec_small, state, _mlp_widths(spec_small, small, "narrow"))
     for key in sorted(set(small or ()) & set(state)):
         if tuple(state[key].shape) != _shape(small[key]):
             raise ValueError(f"{key}: the restriction has shape {tuple(state[key].shape)} but the narrow model "
@@ -286,11 +310,12 @@ def inverse(g: GroupElement) -> GroupElement:
     """``g⁻¹`` for an element with orthogonal residual map (``compose(g, inverse(g))`` = identity).
 
     Head h of ``g·θ`` is ``M_h`` applied to head ``perm[h]``, so ``g⁻¹`` has ``perm⁻¹`` and maps
-    ``M⁻¹[perm⁻¹]`` with ``M⁻¹ = (dual)ᵀ`` and dual ``Mᵀ``; neurons ``perm⁻¹`` and scales
+    ``M⁻¹[perm⁻¹]`` with ``M⁻¹ = (dual)ᵀ`` and dual ``Mᵀ`` (grouped-query attention: maps per
+    key/value group, reordered by the groups' permutation); neurons ``perm⁻¹`` and scales
     ``1 / s[perm⁻¹]``; residual ``Rᵀ``.
     """
-    def moved(m: torch.Tensor | None, ip: torch.Tensor) -> torch.Tensor | None:  # m[ip]ᵀ per head
-        return None if m is None else m[ip].transpose(-1, -2)
+    def moved(m: torch.Tensor | None, ip: torch.Tensor) -> torch.Tensor | None:  # m[ip]ᵀ per head (group)
+        return None if m is None else permuted_maps(m, ip).transpose(-1, -2)
 
     heads = []
     for hm in g.heads:
