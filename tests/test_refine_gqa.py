@@ -128,3 +128,55 @@ def test_learned_refinement_keeps_function_and_never_raises_the_selection_loss(n
     for hm in result.transforms[0].heads:  # the returned transform is an exact grouped element
         a0 = adapter.spec.attention[0]
         assert hm.qk.shape[0] == a0.kv_heads
+
+
+def _rope_attention(a, state: dict, x: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one sequence x (T, d) with grouped-query heads and rotate-half RoPE on the
+    first r_d dims of every head (GPT-NeoX's layout); no registered HF family has both."""
+    T, H, G, dh, rd = x.shape[0], a.num_heads, a.kv_heads, a.head_dim, a.rotated
+    proj = lambda lin, n: (x @ state[lin.weight].T + state[lin.bias]).reshape(T, n, dh)  # noqa: E731
+    q, k, v = proj(a.q, H), proj(a.k, G), proj(a.v, G)
+    angle = torch.arange(T, dtype=x.dtype)[:, None] * 10000.0 ** (-torch.arange(rd // 2, dtype=x.dtype) / (rd // 2))
+    cos, sin = torch.cos(angle).repeat(1, 2)[:, None], torch.sin(angle).repeat(1, 2)[:, None]
+
+    def rope(t):
+        rot, rest = t[..., :rd], t[..., rd:]
+        half = torch.cat([-rot[..., rd // 2:], rot[..., :rd // 2]], -1)
+        return torch.cat([rot * cos + half * sin, rest], -1)
+
+    q, k = rope(q), rope(k).repeat_interleave(a.group_size, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) / dh**0.5
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("hts,shd->thd", scores.softmax(-1), v.repeat_interleave(a.group_size, 1))
+    return out.reshape(T, H * dh) @ state[a.o.weight].T
+
+
+@pytest.mark.parametrize("group", ["orthogonal", "invertible"])
+def test_grouped_query_attention_with_partial_rotary_is_exact(group):
+    """Both at once (6 query heads in 2 key/value groups, 4 of 8 head dims rotating), on a reference
+    attention: random refinement parameters keep the attention output (moved by the residual map)."""
+    from fedbasin.alignment.spec import AttentionSpec, Linear, SymmetrySpec
+
+    d = 12
+    a = AttentionSpec(*(Linear(f"{n}.weight", f"{n}.bias") for n in "qkvo"), num_heads=6, head_dim=8,
+                      rotary="half", num_kv_heads=2, rotary_dims=4)
+    spec = SymmetrySpec(d, (("q.weight", 1), ("k.weight", 1), ("v.weight", 1), ("o.weight", 0), ("o.bias", 0)),
+                        (), (a,))
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"q": (48, d), "k": (16, d), "v": (16, d), "o": (d, 48)}
+    state = {f"{n}.{p}": torch.randn(s if p == "weight" else s[:1], generator=generator, dtype=torch.float64)
+             for n, s in shapes.items() for p in ("weight", "bias")}
+    delta = _Delta(spec, state, "ste", init_scale=1.0, group=group)
+    with torch.no_grad():
+        for p in delta.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+        delta.head_scores[0].add_(4 * torch.eye(2, dtype=torch.float64).flip(0))
+        delta.within_scores["0"][1].add_(4 * torch.eye(3, dtype=torch.float64).flip(0))
+        moved = delta.transform(state, tau=0.1, hard=True)
+    g = delta.hard_element()
+    assert g.heads[0].perm.tolist() == [5, 4, 3, 0, 1, 2]  # groups swapped; old group 1 reversed inside
+    exact = apply_group(spec, state, g)
+    assert max(float((moved[k] - exact[k]).abs().max()) for k in exact) < 1e-10
+    x = torch.randn(7, d, generator=generator, dtype=torch.float64)
+    want = _rope_attention(a, state, x) @ g.residual
+    assert rel_err(_rope_attention(a, moved, x @ g.residual), want) < 1e-10
