@@ -8,12 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .causal_lm import float64_rmsnorm, hf_model, load_state, logits, rel_err  # noqa: F401  (autouse fixture)
-from fedbasin.alignment import apply_group, canonicalize, learned_refine, random_group_element, to_gauge
+from fedbasin.alignment import (
+    apply_group,
+    canonicalize,
+    learned_refine,
+    random_group_element,
+    to_gauge,
+)
 from fedbasin.alignment.hf import hf_adapter
 from fedbasin.alignment.refine import _Delta, proxy_streams
 from fedbasin.data.task import Split
 from fedbasin.training import cross_entropy
+
+from .causal_lm import float64_rmsnorm, hf_model, load_state, logits, rel_err  # noqa: F401  (autouse fixture)
 
 VARIANTS = {
     "llama-gqa2": ("llama", {"num_key_value_heads": 2}),  # 2 query heads per key/value head
@@ -134,7 +141,7 @@ def _rope_attention(a, state: dict, x: torch.Tensor) -> torch.Tensor:
     """Causal attention of one sequence x (T, d) with grouped-query heads and rotate-half RoPE on the
     first r_d dims of every head (GPT-NeoX's layout); no registered HF family has both."""
     T, H, G, dh, rd = x.shape[0], a.num_heads, a.kv_heads, a.head_dim, a.rotated
-    proj = lambda lin, n: (x @ state[lin.weight].T + state[lin.bias]).reshape(T, n, dh)  # noqa: E731
+    proj = lambda lin, n: (x @ state[lin.weight].T + state[lin.bias]).reshape(T, n, dh)
     q, k, v = proj(a.q, H), proj(a.k, G), proj(a.v, G)
     angle = torch.arange(T, dtype=x.dtype)[:, None] * 10000.0 ** (-torch.arange(rd // 2, dtype=x.dtype) / (rd // 2))
     cos, sin = torch.cos(angle).repeat(1, 2)[:, None], torch.sin(angle).repeat(1, 2)[:, None]

@@ -7,13 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .causal_lm import float64_rmsnorm, hf_model, load_state, logits, rel_err  # noqa: F401  (autouse fixture)
 from fedbasin.alignment import apply_group, canonicalize, random_group_element
 from fedbasin.alignment.hf import hf_adapter
-from fedbasin.alignment.width import check_embeddable, embed, embed_and_align, merge_heterogeneous, restrict
+from fedbasin.alignment.width import (
+    check_embeddable,
+    embed,
+    embed_and_align,
+    merge_heterogeneous,
+    restrict,
+)
 
-LLAMA = dict(head_dim=8, rms_norm_eps=0.0)  # eps = 0: the norms embed exactly (width.py)
-NEOX = dict(layer_norm_eps=0.0)
+from .causal_lm import float64_rmsnorm, hf_model, load_state, logits, rel_err  # noqa: F401  (autouse fixture)
+
+LLAMA = {"head_dim": 8, "rms_norm_eps": 0.0}  # eps = 0: the norms embed exactly (width.py)
+NEOX = {"layer_norm_eps": 0.0}
 
 PAIRS = {
     # width 32 → 48; key/value groups 2 → 3, 2 query heads per group in both
