@@ -15,6 +15,7 @@ from fedbasin.alignment import (
     random_group_element,
     to_gauge,
 )
+from fedbasin.alignment.group import check_group_perm
 from fedbasin.alignment.hf import hf_adapter
 from fedbasin.alignment.refine import _Delta, proxy_streams
 from fedbasin.data.task import Split
@@ -112,9 +113,12 @@ def _proxy(model_type, overrides, n=96, seq=12):
     return proxy_streams(Split(ids, targets), 16, seed=0)
 
 
-@pytest.mark.parametrize("group", ["orthogonal", "invertible"])
-@pytest.mark.parametrize("name", ["llama-gqa2", "neox-rotary-half"])
-def test_learned_refinement_keeps_function_and_never_raises_the_selection_loss(name, group):
+@pytest.mark.parametrize("name, group, permutations", [
+    ("llama-gqa2", "orthogonal", "ste"), ("llama-gqa2", "invertible", "ste"),
+    ("neox-rotary-half", "orthogonal", "ste"), ("neox-rotary-half", "invertible", "ste"),
+    ("llama-mqa-bias", "orthogonal", "sinkhorn"), ("qwen2-gqa2", "invertible", "fixed"),
+])
+def test_learned_refinement_keeps_function_and_never_raises_the_selection_loss(name, group, permutations):
     """On a float32 pair: the refined candidate computes its input's function (relative error
     < 1e-5), the returned selection loss is the history's minimum and not above the start, and
     the refinement found something better than its start (its gradients reach the maps)."""
@@ -125,16 +129,16 @@ def test_learned_refinement_keeps_function_and_never_raises_the_selection_loss(n
     data = _proxy(model_type, overrides)
     result = learned_refine(adapter.spec, a, adapter.to_standard(a.state_dict()),
                             [adapter.to_standard(b.state_dict())], cross_entropy, data.batches, data.selection,
-                            data.evaluation, steps=20, lr=0.05, eval_every=5, group=group,
+                            data.evaluation, steps=20, lr=0.05, eval_every=5, group=group, permutations=permutations,
                             to_module_state=adapter.from_standard)
     assert result.best_loss <= result.initial_loss
     assert result.best_loss == min(loss for _, loss in result.history)
     assert result.best_step > 0
     refined = load_state(model_type, b.config, adapter.from_standard(result.states[0])).float()
     assert rel_err(logits(refined), logits(b)) < 1e-5
-    for hm in result.transforms[0].heads:  # the returned transform is an exact grouped element
-        a0 = adapter.spec.attention[0]
-        assert hm.qk.shape[0] == a0.kv_heads
+    for attention, hm in zip(adapter.spec.attention, result.transforms[0].heads):  # start ∘ refinement
+        assert hm.qk.shape[0] == hm.ov.shape[0] == attention.kv_heads  # one map per key/value group
+        check_group_perm(attention, hm.perm)
 
 
 def _rope_attention(a, state: dict, x: torch.Tensor) -> torch.Tensor:
