@@ -132,6 +132,9 @@ def _matching_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seen-tokens", metavar="SPEC",
                    help="match token-embedding and output-head rows only for the tokens in this text's training "
                    "split (text:FILE, tokenised like the proxy data); the other rows are untrained noise")
+    g.add_argument("--token-weighting", choices=("seen", "sqrt", "count"), default="sqrt",
+                   help="with --seen-tokens, weight token row t by √n_t (default), n_t or 1 (n_t: its count "
+                   "in the training split)")
 
 
 def _refine_options(p: argparse.ArgumentParser) -> None:
@@ -486,13 +489,16 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
 
 
 def _seen_tokens(args, checkpoint, command: str):
-    """Token ids of ``--seen-tokens``' training split (None without the option)."""
+    """Per-token weights from ``--seen-tokens``' training split (None without the option)."""
     if not args.seen_tokens:
         return None
     if not args.seen_tokens.startswith("text:"):
         raise UsageError(f"--seen-tokens needs text data (text:FILE), got {args.seen_tokens}")
     task = _task_for(checkpoint, args.seen_tokens, args.tokenizer, str(checkpoint.path), command, "--seen-tokens")
-    return torch.unique(torch.cat([task.train.inputs.reshape(-1), task.train.targets.reshape(-1)]))
+    from fedbasin.alignment.matching import token_weights
+
+    ids = torch.cat([task.train.inputs.reshape(-1), task.train.targets[:, -1]])  # each training token once
+    return token_weights(ids, int(checkpoint.config.vocab_size), args.token_weighting)
 
 
 def _context_length(checkpoint) -> int | None:

@@ -118,11 +118,26 @@ def test_align_matches_on_the_tokens_seen_in_training(tmp_path, text_file, capsy
                  "--iterations", "3"]) == 0
     a, b = load_checkpoint(ref), load_checkpoint(cand)
     seen = load_task(f"text:{text_file}", tokenizer=str(ref), block_size=32).train
-    rows = torch.unique(torch.cat([seen.inputs.reshape(-1), seen.targets.reshape(-1)]))
-    expected = weight_match(a.spec, a.adapter.to_standard(a.state), b.adapter.to_standard(b.state), iterations=3,
-                            token_rows=rows).state
-    got = load_checkpoint(out)
-    got = got.adapter.to_standard(got.state)
-    assert max(float((got[k] - expected[k]).abs().max()) for k in expected) < 1e-6
+    ids = torch.cat([seen.inputs.reshape(-1), seen.targets[:, -1]])
+    counts = torch.bincount(ids, minlength=a.config.vocab_size).double()
+    sqrt_weights = counts.sqrt() / counts[counts > 0].sqrt().mean()  # the default: row t counts √n_t times
+
+    def expected(token_rows):
+        return weight_match(a.spec, a.adapter.to_standard(a.state), b.adapter.to_standard(b.state), iterations=3,
+                            token_rows=token_rows).state
+
+    def written(path):
+        got = load_checkpoint(path)
+        return got.adapter.to_standard(got.state)
+
+    def distance(x, y):
+        return max(float((x[k] - y[k]).abs().max()) for k in y)
+
+    weighted, masked = expected(sqrt_weights), expected(torch.unique(ids))
+    assert distance(written(out), weighted) < 1e-6
+    assert main(["align", str(ref), str(cand), "--out", str(tmp_path / "seen"), "--seen-tokens", f"text:{text_file}",
+                 "--token-weighting", "seen", "--iterations", "3"]) == 0
+    assert distance(written(tmp_path / "seen"), masked) < 1e-6
+    assert distance(weighted, masked) > 1e-4  # the weighting changed the result
     plain = weight_match(a.spec, a.adapter.to_standard(a.state), b.adapter.to_standard(b.state), iterations=3).state
-    assert max(float((got[k] - plain[k]).abs().max()) for k in plain) > 1e-4  # the option changed the result
+    assert distance(written(out), plain) > 1e-4  # the option changed the result

@@ -50,6 +50,7 @@ from .spec import AttentionSpec, MLPSpec, SymmetrySpec, check_compatible
 
 MODES = ("orthogonal", "permutation")
 WEIGHTINGS = ("cosine", "rms", "uniform")
+TOKEN_WEIGHTINGS = ("seen", "sqrt", "count")
 
 
 @dataclass
@@ -495,7 +496,10 @@ def weight_match(
     ``token_rows``: token ids whose rows count in the objective (e.g. the tokens seen in
     training); the other rows of token-indexed tensors (:func:`token_indexed_keys`) are left out
     of the matching — they are untrained noise — but transformed like the rest. The objective
-    record then refers to the kept rows.
+    record then refers to the kept rows. A floating tensor of one weight per token (length
+    vocabulary, e.g. :func:`token_weights` of the training tokens) instead weights row t's terms
+    by ``w_t`` (rows with ``w_t = 0`` left out): the embedding term becomes an expectation over
+    the training tokens rather than a sum over the vocabulary.
     """
     if token_rows is not None:
         return _match_on_token_rows(spec, reference, candidate, token_rows, mode=mode, iterations=iterations,
@@ -644,19 +648,42 @@ def token_indexed_keys(spec: SymmetrySpec, state: dict) -> set[str]:
     return set(spec.embedding_keys) | readers
 
 
+def token_weights(token_ids: torch.Tensor, vocab: int, weighting: str = "sqrt") -> torch.Tensor:
+    """Per-token weights (vocab,) for :func:`weight_match`'s ``token_rows`` from the training
+    tokens' counts ``n_t``: ``"seen"`` 1[n_t > 0], ``"sqrt"`` √n_t, ``"count"`` n_t (each scaled to
+    mean 1 over the seen tokens)."""
+    if weighting not in TOKEN_WEIGHTINGS:
+        raise ValueError(f"token weighting must be one of {TOKEN_WEIGHTINGS}, got {weighting!r}")
+    counts = torch.bincount(torch.as_tensor(token_ids).reshape(-1).long(), minlength=vocab)[:vocab].double()
+    w = {"seen": (counts > 0).double(), "sqrt": counts.sqrt(), "count": counts}[weighting]
+    seen = counts > 0
+    return w / w[seen].mean() if bool(seen.any()) else w
+
+
 def _match_on_token_rows(spec, reference, candidate, token_rows, **options) -> MatchResult:
     """Match on the kept token rows only, then apply the group element found to the full candidate."""
     t0 = time.perf_counter()
     keys = token_indexed_keys(spec, reference)
     if not keys:
         raise ValueError("token_rows given but the model has no token embedding")
-    rows = torch.as_tensor(token_rows, dtype=torch.long)
     vocab = reference[spec.embedding_keys[0]].shape[0]
+    token_rows = torch.as_tensor(token_rows)
+    scale = None
+    if token_rows.is_floating_point():  # one weight per token: keep the weighted rows, scaled by √w
+        w = token_rows.double()
+        if w.shape != (vocab,) or not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+            raise ValueError(f"token weights must be {vocab} finite values >= 0, got shape {tuple(w.shape)}")
+        token_rows = w.nonzero().flatten()
+        scale = w[token_rows].sqrt()
+    rows = token_rows.long()
     if rows.numel() == 0 or int(rows.min()) < 0 or int(rows.max()) >= vocab:
         raise ValueError(f"token_rows must be non-empty ids in [0, {vocab})")
 
     def kept(state):
-        return {k: v.index_select(0, rows.to(v.device)) if k in keys else v for k, v in state.items()}
+        out = {k: v.index_select(0, rows.to(v.device)) if k in keys else v for k, v in state.items()}
+        if scale is not None:  # both models' rows scaled by √w_t: each row's term counts w_t times
+            out.update({k: out[k] * scale.to(out[k])[:, None] for k in keys})
+        return out
 
     small = weight_match(spec, kept(reference), kept(candidate), **options)
     dtypes = {k: v.dtype for k, v in candidate.items()}

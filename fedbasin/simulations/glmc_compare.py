@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from fedbasin.alignment import Curve, interpolate, lambda_grid, loss_barrier, weight_match
+from fedbasin.alignment.matching import token_weights
 from fedbasin.checkpoint import build_torch_model, load_checkpoint
 from fedbasin.simulations.gpt2_pair import DEFAULT_TEXT, mean_loss, pair_data
 
@@ -82,8 +83,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--iterations", type=int, default=30, help="fedbasin's weight-matching iterations")
     parser.add_argument("--tol", type=float, default=1e-6)
     parser.add_argument("--variants", default="permutation/rms/all,permutation/rms/seen,orthogonal/rms/all,"
-                        "orthogonal/rms/seen,orthogonal/cosine/all,orthogonal/cosine/seen,orthogonal/uniform/seen",
-                        help="fedbasin rows as MODE/WEIGHTING/all|seen (seen: match on tokens seen in training)")
+                        "orthogonal/rms/seen,permutation/rms/sqrt,orthogonal/rms/sqrt,orthogonal/cosine/seen,orthogonal/uniform/seen",
+                        help="fedbasin rows as MODE/WEIGHTING/ROWS, ROWS: all, or the tokens seen in training "
+                        "weighted by seen (1), sqrt (√count) or count")
     parser.add_argument("--circuit-variant", default="orthogonal/rms/seen",
                         help="the fedbasin alignment also evaluated on GLMC's merged architecture ('' to skip)")
     parser.add_argument("--skip-vanilla", action="store_true", help="leave out the vanilla curve")
@@ -141,8 +143,9 @@ def main(argv=None) -> dict:
     aligned = {}
     for variant in filter(None, args.variants.split(",")):
         mode, weighting, rows = variant.split("/")
+        token_rows = None if rows == "all" else token_weights(train_ids, a.config.vocab_size, rows)
         match = weight_match(a.spec, standard_a, standard_b, mode=mode, iterations=args.iterations, tol=args.tol,
-                             weighting=weighting, token_rows=seen if rows == "seen" else None)
+                             weighting=weighting, token_rows=token_rows)
         aligned[variant] = a.adapter.from_standard(match.state)
         if not args.glmc_only:
             record(f"fedbasin {variant}", curve(aligned[variant]), match.seconds, iterations=match.iterations)
