@@ -1,6 +1,6 @@
 """The ServerApp's own entry point: a run config that cannot run is refused before round 1 with one
-log line per problem, no traceback and nothing in ``out-dir`` touched; the learned-refinement keys
-reach ``learned_refine``."""
+log line per problem, no traceback and nothing in ``out-dir`` removed or overwritten; the
+learned-refinement keys reach ``learned_refine``."""
 
 from __future__ import annotations
 
@@ -183,3 +183,14 @@ def test_a_bare_flwr_run_with_bad_keys_logs_one_line_each_and_touches_nothing(tm
     assert "run config refused (2 problems above): the run ends before round 1" in output
     assert "Traceback" not in output and "round 1" not in output.replace("before round 1", "")
     assert fingerprint(out) == before
+
+
+def test_simulate_prints_one_line_per_bad_key(tmp_path, capsys):
+    from tests.test_simulation import cli
+
+    assert cli("--run-config", "lr=-1.0 refine-schedule='linear'", "--out", str(tmp_path / "run")) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "fedbasin simulate: run-config refine-schedule='linear'; expected one of ('constant', 'cosine')",
+        "fedbasin simulate: run-config lr=-1.0 must be at least 0",
+    ]
+    assert not (tmp_path / "run").exists()

@@ -8,8 +8,9 @@ weights or test loss) raises :class:`UnusableModelError` after recording it in `
 
 A run config that cannot run (bad keys, data or a model that cannot be built, an ``out-dir`` the
 run may not use) is refused before round 1: one log line per problem, no traceback, nothing in
-``out-dir`` touched (the checks of ``fedbasin simulate``: :func:`~fedbasin.config.resolve_run_config`,
-then the same data/model construction and ``out-dir`` rules).
+``out-dir`` removed or overwritten (the checks of ``fedbasin simulate``:
+:func:`~fedbasin.config.resolve_run_config`, then the same data/model construction and ``out-dir``
+rules).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def main(grid: Grid, context: Context) -> None:
         for problem in refused.problems:
             log(ERROR, "%s", problem)
         log(ERROR, "run config refused (%d problem%s above): the run ends before round 1; nothing in "
-            "out-dir was touched", len(refused.problems), "s" * (len(refused.problems) > 1))
+            "out-dir was removed or overwritten", len(refused.problems), "s" * (len(refused.problems) > 1))
 
 
 @contextlib.contextmanager
