@@ -61,7 +61,7 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "refine-lr": 0.01,
     "refine-permutations": "ste",  # ste (straight-through Hungarian) | sinkhorn | fixed (the matching's)
     "refine-group": "orthogonal",  # orthogonal | invertible (per-head QK/OV maps, ReLU neuron scalings)
-    "refine-start": "symmetry",  # symmetry: weight matching in `symmetry`'s mode | best: both modes, the better
+    "refine-start": "symmetry",  # symmetry (`symmetry`'s mode) | permutation | orthogonal | best (both, the better)
     "refine-lambda": "0.4,0.6",  # LO,HI: two models train at λ ~ U(LO, HI) on their path
     "refine-schedule": "constant",  # constant | cosine (learning rate decays to 0 over refine-steps)
     "distill-steps": 0,  # >0: distil the clients' logit ensemble into the merge on the proxy split
@@ -91,7 +91,7 @@ CHOICES = {
     "symmetry": ("orthogonal", "permutation"),
     "refine-permutations": ("ste", "sinkhorn", "fixed"),
     "refine-group": ("orthogonal", "invertible"),
-    "refine-start": ("symmetry", "best"),
+    "refine-start": ("symmetry", "permutation", "orthogonal", "best"),
     "refine-schedule": ("constant", "cosine"),
     "aggregator": ("mean", "trimmed-mean", "median"),
 }

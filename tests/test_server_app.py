@@ -68,7 +68,7 @@ def test_bad_keys_end_the_run_before_round_1_with_one_line_each(tmp_path, server
     named = {line.removeprefix("run-config ").split("=")[0]: line for line in lines[:-1]}
     assert sorted(named) == sorted(bad) and not any("\n" in line for line in lines)
     assert named["symmetry"].endswith("expected one of ('orthogonal', 'permutation')")
-    assert named["refine-start"].endswith("expected one of ('symmetry', 'best')")
+    assert named["refine-start"].endswith("expected one of ('symmetry', 'permutation', 'orthogonal', 'best')")
     assert named["num-server-rounds"].endswith("has type str; expected int")
     assert named["lr"].endswith("must be at least 0")
     assert "must be 'LO,HI' with 0 <= LO <= HI <= 1" in named["refine-lambda"]
@@ -127,6 +127,7 @@ def test_every_bad_key_is_reported_with_what_is_allowed():
     ({}, "mode", "orthogonal"),
     ({"symmetry": "permutation"}, "mode", "permutation"),
     ({"refine-start": "best"}, "mode", "best"),
+    ({"refine-start": "permutation"}, "mode", "permutation"),
     ({}, "lambda_range", (0.4, 0.6)),
     ({"refine-lambda": "0.1,0.9"}, "lambda_range", (0.1, 0.9)),
     ({}, "schedule", "constant"),

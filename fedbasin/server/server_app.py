@@ -84,7 +84,7 @@ def make_refiner(spec, model, task, config: dict, to_module_state=None):
         to_module_state=to_module_state,
         evaluation=data.evaluation,
         steps=config["refine-steps"], lr=config["refine-lr"],
-        mode="best" if config["refine-start"] == "best" else config["symmetry"],
+        mode=config["symmetry"] if config["refine-start"] == "symmetry" else config["refine-start"],
         permutations=config["refine-permutations"], group=config["refine-group"],
         lambda_range=refine_lambda(config), schedule=config["refine-schedule"],
         match_iterations=config["align-iterations"], universe_iterations=config["universe-iterations"],
