@@ -8,6 +8,7 @@ equal to the pyproject table.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import fields
@@ -58,8 +59,11 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "universe-iterations": 1,  # >1: re-align every client to the running average (universe matching)
     "refine-steps": 0,  # >0: learned refinement on the server's proxy split (needs proxy-size >= 10)
     "refine-lr": 0.01,
-    "refine-permutations": "ste",  # ste (straight-through Hungarian) | sinkhorn
+    "refine-permutations": "ste",  # ste (straight-through Hungarian) | sinkhorn | fixed (the matching's)
     "refine-group": "orthogonal",  # orthogonal | invertible (per-head QK/OV maps, ReLU neuron scalings)
+    "refine-start": "symmetry",  # symmetry (`symmetry`'s mode) | permutation | orthogonal | best (both, the better)
+    "refine-lambda": "0.4,0.6",  # LO,HI: two models train at λ ~ U(LO, HI) on their path
+    "refine-schedule": "constant",  # constant | cosine (learning rate decays to 0 over refine-steps)
     "distill-steps": 0,  # >0: distil the clients' logit ensemble into the merge on the proxy split
     "distill-lr": 0.002,
     "distill-temperature": 3.0,
@@ -85,8 +89,10 @@ CHOICES = {
     "partitioner": ("iid", "dirichlet"),
     "init": ("server", "client"),
     "symmetry": ("orthogonal", "permutation"),
-    "refine-permutations": ("ste", "sinkhorn"),
+    "refine-permutations": ("ste", "sinkhorn", "fixed"),
     "refine-group": ("orthogonal", "invertible"),
+    "refine-start": ("symmetry", "permutation", "orthogonal", "best"),
+    "refine-schedule": ("constant", "cosine"),
     "aggregator": ("mean", "trimmed-mean", "median"),
 }
 
@@ -103,44 +109,84 @@ RANGES = (
 UPPER = {"fraction-train": 1.0, "fraction-evaluate": 1.0, "trim-fraction": 0.5}
 
 
+class RunConfigError(ValueError):
+    """A refused run config: ``problems`` holds one line per key at fault (the message joins them)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
 def resolve_run_config(run_config: Mapping[str, object] | None = None) -> dict:
-    """``DEFAULT_RUN_CONFIG`` updated by ``run_config``; unknown keys, wrong types and bad choices
-    raise ``ValueError`` naming the key. Ints are accepted where floats are expected."""
-    config = dict(DEFAULT_RUN_CONFIG)
+    """``DEFAULT_RUN_CONFIG`` updated by ``run_config``. Every bad key (unknown, wrong type, bad
+    choice, out of range, contradicting another key) is reported, one line per key, in one
+    :class:`RunConfigError` (a ``ValueError``). Ints are accepted where floats are expected."""
+    config, problems = dict(DEFAULT_RUN_CONFIG), []
     for key, value in (run_config or {}).items():
         if key not in DEFAULT_RUN_CONFIG:
-            raise ValueError(f"unknown run-config key {key!r}; known: {sorted(DEFAULT_RUN_CONFIG)}")
+            close = difflib.get_close_matches(key, DEFAULT_RUN_CONFIG, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"unknown run-config key {key!r}{hint}; known: {sorted(DEFAULT_RUN_CONFIG)}")
+            continue
         expected = type(DEFAULT_RUN_CONFIG[key])
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if type(value) is not expected:
-            raise ValueError(
-                f"run-config {key}={value!r} has type {type(value).__name__}; "
-                f"expected {expected.__name__}"
-            )
+            problems.append(f"run-config {key}={value!r} has type {type(value).__name__}; "
+                            f"expected {expected.__name__}")
+            continue
         config[key] = value
+    problems += _value_problems(config)
+    if problems:
+        raise RunConfigError(problems)
+    return config
+
+
+def _value_problems(config: dict) -> list[str]:
+    """One line per key of a well-typed config whose value is refused."""
+    problems = []
     for key, allowed in CHOICES.items():
         if config[key] not in allowed:
-            raise ValueError(f"run-config {key}={config[key]!r}; expected one of {allowed}")
+            problems.append(f"run-config {key}={config[key]!r}; expected one of {allowed}")
     for key, verb in (("refine-steps", "refines"), ("distill-steps", "distils")):
         if config[key] > 0 and config["proxy-size"] < 10:
-            raise ValueError(f"run-config {key}={config[key]} needs proxy-size >= 10 "
-                             f"(got {config['proxy-size']}): the server {verb} on its proxy split")
+            problems.append(f"run-config {key}={config[key]} needs proxy-size >= 10 "
+                            f"(got {config['proxy-size']}): the server {verb} on its proxy split")
     for keys, low, inclusive in RANGES:
         for key in keys:
             value = config[key]
             if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"run-config {key}={value!r} must be finite")
-            if value < low or (value == low and not inclusive):
+                problems.append(f"run-config {key}={value!r} must be finite")
+            elif value < low or (value == low and not inclusive):
                 bound = f"at least {low}" if inclusive else f"greater than {low}"
-                raise ValueError(f"run-config {key}={value!r} must be {bound}")
+                problems.append(f"run-config {key}={value!r} must be {bound}")
     for key, high in UPPER.items():
         if config[key] > high or (key == "trim-fraction" and config[key] == high):
-            raise ValueError(f"run-config {key}={config[key]!r} must be "
-                             f"{'below' if key == 'trim-fraction' else 'at most'} {high}")
+            problems.append(f"run-config {key}={config[key]!r} must be "
+                            f"{'below' if key == 'trim-fraction' else 'at most'} {high}")
+    try:
+        refine_lambda(config)
+    except ValueError as error:
+        problems.append(str(error))
+    if config["refine-steps"] > 0 and not config["alignment"]:
+        problems.append(f"run-config refine-steps={config['refine-steps']} refines the alignment: "
+                        "it needs alignment=true")
     if config["resume"] and config["overwrite"]:
-        raise ValueError("run-config resume=true and overwrite=true contradict each other")
-    return config
+        problems.append("run-config resume=true and overwrite=true contradict each other")
+    return problems
+
+
+def refine_lambda(config: Mapping[str, object]) -> tuple[float, float]:
+    """``refine-lambda = "LO,HI"`` as ``(lo, hi)``; ``ValueError`` unless ``0 <= LO <= HI <= 1``."""
+    text = config["refine-lambda"]
+    try:
+        lo, hi = (float(part) for part in text.split(","))
+    except ValueError:
+        lo = hi = math.nan
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise ValueError(f"run-config refine-lambda={text!r} must be 'LO,HI' with 0 <= LO <= HI <= 1 "
+                         "(two models train at λ ~ U(LO, HI) on their path), e.g. '0.4,0.6'")
+    return lo, hi
 
 
 def model_config(

@@ -126,6 +126,43 @@ def federate(tmp_path: Path, text_file: str, **overrides) -> dict:
     return run_in_process(config, 2, client_app)
 
 
+def check_saved_model(saved: Path, model_type: str, text_file: str, overrides: dict, test_loss: float):
+    """``saved`` is a from_pretrained directory (untied) with the run's tokenizer beside it, whose
+    model has the recorded test loss; returns the run's task."""
+    cls = getattr(transformers, {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[model_type])
+    model = cls.from_pretrained(saved).eval()
+    assert not model.config.tie_word_embeddings
+    tokenizer = transformers.AutoTokenizer.from_pretrained(saved)
+    task = task_from_config(run_config(text_file, **{"hf-config": model_type, **overrides}))
+    assert tokenizer("O Romeo")["input_ids"] == task.tokenizer.tokenizer("O Romeo")["input_ids"]
+    ids, targets = task.test.inputs, task.test.targets
+    with torch.no_grad():
+        logits = model(ids).logits
+    loss = float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+    assert loss == pytest.approx(test_loss, rel=1e-4)
+    return task
+
+
+@pytest.mark.slow
+def test_server_distillation_of_a_causal_lm_lowers_its_proxy_loss_and_is_what_gets_saved(tmp_path, text_file):
+    """2 rounds of a tiny GPT-2 with distill-steps > 0: after each aligned merge the server distils the
+    clients' logit ensemble into it on its proxy split; keep-best never returns a student worse than
+    the merge on the selection split, round 1's student is better than its merge there, and the
+    distilled model is the round's saved global model (from_pretrained reproduces its test loss)."""
+    overrides = {"hf-config": "gpt2", "proxy-size": 48, "distill-steps": 20, "distill-lr": 0.003}
+    results = federate(tmp_path, text_file, **overrides)
+    rounds = results["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2] and results["final"]["usable"]
+    for r in rounds[1:]:
+        assert r["num_excluded"] == 0 and r["round_failed"] == 0
+        assert r["distill_selection_loss"] <= r["distill_selection_loss_start"]
+    first = rounds[1]
+    assert first["distill_best_step"] > 0, first
+    assert first["distill_selection_loss"] < first["distill_selection_loss_start"] - 0.01, first
+    assert rounds[2]["test_loss"] < rounds[0]["test_loss"] - 1.0
+    check_saved_model(tmp_path / "run" / "round-0002", "gpt2", text_file, overrides, rounds[2]["test_loss"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type, overrides", [
     ("gpt2", {}),
@@ -141,19 +178,7 @@ def test_two_rounds_federate_a_causal_lm_and_save_it_loadable(tmp_path, text_fil
         assert r["num_excluded"] == 0 and r["round_failed"] == 0 and r["universe_passes"] == 1
         assert r["align_gain"] >= 0.0  # the clients were aligned to the previous global model
     assert results["final"]["usable"] and results["model"]["family"] == model_type
-    # round 2's checkpoint is a from_pretrained directory with the run's tokenizer beside it
-    saved = tmp_path / "run" / "round-0002"
-    cls = getattr(transformers, {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[model_type])
-    model = cls.from_pretrained(saved).eval()
-    assert not model.config.tie_word_embeddings
-    tokenizer = transformers.AutoTokenizer.from_pretrained(saved)
-    task = task_from_config(run_config(text_file, **{"hf-config": model_type, **overrides}))
-    assert tokenizer("O Romeo")["input_ids"] == task.tokenizer.tokenizer("O Romeo")["input_ids"]
-    ids, targets = task.test.inputs, task.test.targets
-    with torch.no_grad():
-        logits = model(ids).logits
-    loss = float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
-    assert loss == pytest.approx(rounds[2]["test_loss"], rel=1e-4)
+    task = check_saved_model(tmp_path / "run" / "round-0002", model_type, text_file, overrides, rounds[2]["test_loss"])
     # the run resumes from its last checkpoint; a run that builds another model is refused
     from fedbasin.server.outputs import RunOutputs
 

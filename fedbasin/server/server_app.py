@@ -5,14 +5,21 @@ metrics are added to ``results.json`` and ``curves.png`` in ``out-dir`` (see ``o
 ``resume = true`` continues from the newest usable checkpoint in ``out-dir``; a fresh run refuses a
 non-empty ``out-dir`` unless ``overwrite = true``. A run whose final model is unusable (non-finite
 weights or test loss) raises :class:`UnusableModelError` after recording it in ``results.json``.
+
+A run config that cannot run (bad keys, data or a model that cannot be built, an ``out-dir`` the
+run may not use) is refused before round 1: one log line per problem, no traceback, nothing in
+``out-dir`` removed or overwritten (the checks of ``fedbasin simulate``:
+:func:`~fedbasin.config.resolve_run_config`, then the same data/model construction and ``out-dir``
+rules).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
@@ -23,9 +30,11 @@ from fedbasin import causal_lm, heap
 from fedbasin.alignment import learned_refine, proxy_streams
 from fedbasin.checkpoint import load_checkpoint
 from fedbasin.config import (
+    RunConfigError,
     eval_batch_size,
     model_adapter,
     model_from_config,
+    refine_lambda,
     resolve_run_config,
     task_from_config,
 )
@@ -39,9 +48,30 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Entry point for ``flwr run``: the run config is ``[tool.flwr.app.config]`` + overrides."""
+    """Entry point for ``flwr run``: the run config is ``[tool.flwr.app.config]`` + overrides. A
+    refused run config logs one line per problem and ends the run before round 1 (Flower then
+    reports the run finished: it ran nothing, and raising would only add a traceback)."""
     heap.fix_mmap_threshold()  # freed model-sized tensors go back to the kernel at once (fedbasin.heap)
-    run_server(grid, resolve_run_config(context.run_config))
+    try:
+        run_server(grid, resolve_run_config(context.run_config))
+    except RunConfigError as refused:
+        for problem in refused.problems:
+            log(ERROR, "%s", problem)
+        log(ERROR, "run config refused (%d problem%s above): the run ends before round 1; nothing in "
+            "out-dir was removed or overwritten", len(refused.problems), "s" * (len(refused.problems) > 1))
+
+
+@contextlib.contextmanager
+def refused_as_run_config():
+    """While the run is set up, a ``ValueError``, ``OSError`` or ``RuntimeError`` (data or model
+    that cannot be built, an ``out-dir`` the run may not use: what ``fedbasin simulate`` reports
+    as a one-line error) becomes a :class:`~fedbasin.config.RunConfigError` with one line."""
+    try:
+        yield
+    except RunConfigError:
+        raise
+    except (ValueError, OSError, RuntimeError) as error:
+        raise RunConfigError([" ".join(str(error).split("\n"))]) from None
 
 
 def make_refiner(spec, model, task, config: dict, to_module_state=None):
@@ -53,9 +83,11 @@ def make_refiner(spec, model, task, config: dict, to_module_state=None):
         learned_refine, spec, model, loss_fn=task.loss_fn, batches=data.batches, selection=data.selection,
         to_module_state=to_module_state,
         evaluation=data.evaluation,
-        steps=config["refine-steps"], lr=config["refine-lr"], mode=config["symmetry"],
+        steps=config["refine-steps"], lr=config["refine-lr"],
+        mode=config["symmetry"] if config["refine-start"] == "symmetry" else config["refine-start"],
         permutations=config["refine-permutations"], group=config["refine-group"],
-        match_iterations=config["align-iterations"],
+        lambda_range=refine_lambda(config), schedule=config["refine-schedule"],
+        match_iterations=config["align-iterations"], universe_iterations=config["universe-iterations"],
     )
 
 
@@ -111,17 +143,41 @@ def time_exchanges(grid: Grid) -> dict:
 
 
 def run_server(grid: Grid, config: dict) -> dict:
-    """Run ``num-server-rounds`` rounds with a resolved run config; returns the results dict."""
-    task = task_from_config(config)
-    model = model_from_config(task, config, seed=config["seed"])
-    family, adapter = model_adapter(task, model)
-    outputs = RunOutputs(config["out-dir"], family, model.config, config,
-                         extra_files=causal_lm.save_tokenizer(task))
+    """Run ``num-server-rounds`` rounds with a resolved run config; returns the results dict.
+    Whatever refuses the run while it is set up raises :class:`~fedbasin.config.RunConfigError`
+    (see :func:`refused_as_run_config`) before anything in ``out-dir`` changes."""
+    with refused_as_run_config():
+        task = task_from_config(config)
+        model = model_from_config(task, config, seed=config["seed"])
+        family, adapter = model_adapter(task, model)
+        outputs = RunOutputs(config["out-dir"], family, model.config, config,
+                             extra_files=causal_lm.save_tokenizer(task))
+        spec = adapter.spec
+        distill = ({"distill": make_distiller(model, task, config, adapter)}
+                   if config["distill-steps"] > 0 else {})
+        strategy = AlignedFedAvg(
+            spec,
+            alignment=config["alignment"],
+            mode=config["symmetry"],
+            iterations=config["align-iterations"],
+            independent_init=config["init"] == "client",
+            universe_iterations=config["universe-iterations"],
+            refine=(make_refiner(spec, model, task, config, adapter.from_standard)
+                    if config["refine-steps"] > 0 else None),
+            fraction_train=config["fraction-train"],
+            fraction_evaluate=config["fraction-evaluate"],
+            min_train_nodes=config["min-nodes"],
+            min_evaluate_nodes=config["min-nodes"],
+            min_available_nodes=config["min-nodes"],
+            **robust_options(config),
+            **distill,
+        )
+        resumed = outputs.resume(config["rebuild-results"]) if config["resume"] else None
+        removed = None if config["resume"] else outputs.prepare_fresh(config["overwrite"])
     eval_batch = eval_batch_size(task, model)
     num_rounds = config["num-server-rounds"]
     device = resolve_device(config["device"])
     first_round = 1
-    resumed = outputs.resume(config["rebuild-results"]) if config["resume"] else None
     if resumed is not None:
         last, state = resumed
         for server_round in outputs.unrecorded_rounds(last):
@@ -142,28 +198,9 @@ def run_server(grid: Grid, config: dict) -> dict:
         if last >= num_rounds:
             log(INFO, "all %d rounds are already done", num_rounds)
             return outputs.results
-    elif removed := outputs.prepare_fresh(config["overwrite"]):
+    elif removed:
         log(INFO, "fresh run (overwrite=true): removed %s from %s", removed, outputs.dir)
 
-    spec = adapter.spec
-    distill = {"distill": make_distiller(model, task, config, adapter)} if config["distill-steps"] > 0 else {}
-    strategy = AlignedFedAvg(
-        spec,
-        alignment=config["alignment"],
-        mode=config["symmetry"],
-        iterations=config["align-iterations"],
-        independent_init=config["init"] == "client",
-        universe_iterations=config["universe-iterations"],
-        refine=(make_refiner(spec, model, task, config, adapter.from_standard)
-                if config["refine-steps"] > 0 else None),
-        fraction_train=config["fraction-train"],
-        fraction_evaluate=config["fraction-evaluate"],
-        min_train_nodes=config["min-nodes"],
-        min_evaluate_nodes=config["min-nodes"],
-        min_available_nodes=config["min-nodes"],
-        **robust_options(config),
-        **distill,
-    )
     exchanges = time_exchanges(grid)
     round_started = time.perf_counter()
 

@@ -373,7 +373,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedbasin simulate: {error}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError, RuntimeError) as error:
-        print(f"fedbasin simulate: {error}", file=sys.stderr)
+        for line in str(error).splitlines():  # a refused run config: one line per key at fault
+            print(f"fedbasin simulate: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stopped:
         name, code = (("SIGTERM", EXIT_TERMINATED) if isinstance(stopped, Terminated)
