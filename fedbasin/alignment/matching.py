@@ -548,37 +548,39 @@ def weight_match(
     def layer_steps(step, layers):
         return per_layer(step, layers, device) if disjoint else [step(x) for x in layers]
 
-    def apply_each(point: _Point, factor: str, maps: list) -> _Point:
+    # ``point`` (the current state, set below) is advanced in place by the closures, so that no
+    # frame holds an earlier state: a replaced layer's tensors go as soon as its step is taken
+    def apply_each(factor: str, maps: list) -> None:
         """Apply layer i's map of ``factor`` (``heads`` or ``neurons``) in turn, each kept only if J
         does not fall."""
+        nonlocal point
         with matcher.clock("heads.apply" if factor == "heads" else "mlp.apply"), one_thread(device):
             for i, layer_map in enumerate(maps):
                 step = GroupElement.identity(spec)
                 getattr(step, factor)[i] = layer_map
                 point = point.try_step(inner, J, step, free)
-        return point
 
     def layer_maps(step, layers, state: dict) -> list:
         """``step(layer, state)`` for every layer (``state`` is not kept once the maps exist)."""
         return layer_steps(lambda x: step(x, state), layers)
 
-    def iterate(point: _Point) -> _Point:
+    def iterate() -> None:
+        nonlocal point
         clock = time.perf_counter()
         cpu_clock[0] = time.process_time()
         # each layer's step reads only its own tensors: all layers from the same state, in parallel
         # when the layers share no tensor (identical to the sequential loop), then applied in turn
         # (applying one layer's step is small, memory-bound work: single-threaded); the state the
         # maps were computed from is not held while they are applied (its replaced layers go)
-        point = apply_each(point, "heads", layer_maps(matcher.head_step, spec.attention, point.state))
+        apply_each("heads", layer_maps(matcher.head_step, spec.attention, point.state))
         clock = timed("heads", clock)
-        point = apply_each(point, "neurons", layer_maps(matcher.neuron_step, spec.mlp, point.state))
+        apply_each("neurons", layer_maps(matcher.neuron_step, spec.mlp, point.state))
         clock = timed("mlp", clock)
         step = GroupElement.identity(spec)
         step.residual = matcher.residual_step(point.state, free=free, residual=point.g.residual)
         with matcher.clock("residual.apply"):
             point = point.try_step(inner, J, step, free)
         timed("residual", clock)
-        return point
 
     # two starts: identity (right for models fine-tuned from a common parent) and the residual map
     # fitted on the tensors without head/neuron axes (independent inits); keep the higher J
@@ -607,7 +609,7 @@ def weight_match(
     done = 0
     while done < iterations:
         before = point.value
-        point = iterate(point)
+        iterate()
         objective.append(point.value)
         elapsed.append(time.perf_counter() - t0)
         done += 1
