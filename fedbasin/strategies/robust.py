@@ -30,7 +30,7 @@ MIN_COHORT = 3  # the median of fewer models cannot tell an outlier from an hone
 MAD_SCALE = 1.4826  # MAD of a normal sample × this = its standard deviation
 RELATIVE_FLOOR = 0.15  # never flag a model within (1 + 0.15 t) × the median
 NEGLIGIBLE = 0.01  # nor one whose statistic is below this × the norm of the median model
-CHUNK = 2**20  # coordinates per step of cohort_outliers (K × 8 MiB of float64)
+CHUNK = 2**18  # float64 values per block of the cohort (all K models together: 2 MiB per copy)
 
 
 def float_keys(state: dict) -> list[str]:
@@ -41,8 +41,9 @@ def _sorted_reduce(states: list[dict], reduce, release: bool = False) -> dict:
     """``reduce(sorted values, K)`` per coordinate of the floating entries (values sorted along
     dim 0, in float64); other entries come from the first state.
 
-    Computed over blocks of about :data:`CHUNK` coordinates (whole rows of the first dimension),
-    so the float64 working set is K × CHUNK values, not K copies of a tensor; ``release=True``
+    Computed over blocks of whole rows of the first dimension, about ``CHUNK // K``
+    coordinates each, so a float64 working copy holds about :data:`CHUNK` values, not K
+    copies of a tensor; ``release=True``
     (the caller hands the dicts over): each key leaves every input dict once reduced."""
     out = {}
     for key in list(states[0]):
@@ -52,7 +53,7 @@ def _sorted_reduce(states: list[dict], reduce, release: bool = False) -> dict:
                 first.dtype)
         else:
             result = torch.empty(first.shape, dtype=first.dtype, device=first.device)
-            step = max(1, CHUNK // max(1, first[0].numel()))  # rows per block
+            step = max(1, CHUNK // len(states) // max(1, first[0].numel()))  # rows per block
             for start in range(0, first.shape[0], step):
                 result[start:start + step] = _sorted_block(states, key, slice(start, start + step), reduce)
             out[key] = result
@@ -99,23 +100,25 @@ def cohort_outliers(states: list[dict], center: dict | None, threshold: float) -
     for fewer than ``MIN_COHORT`` models.
 
     The medians are coordinate-wise, so every squared norm is a sum over coordinates: the
-    statistics are accumulated over chunks of :data:`CHUNK` coordinates (float64), holding
-    K × CHUNK values at a time instead of the whole cohort a second time."""
+    statistics are accumulated over blocks of ``CHUNK // K`` coordinates (float64), holding
+    about :data:`CHUNK` values per working copy instead of the whole cohort a second time."""
     if len(states) < MIN_COHORT:
         return {}
     count = len(states)
+    width = max(1, CHUNK // count)
     median_sq, to_others_sq, update_sq = 0.0, torch.zeros(count, dtype=torch.float64), torch.zeros(
         count, dtype=torch.float64)
     for key in float_keys(states[0]):
         flat = [s[key].detach().reshape(-1) for s in states]
-        for start in range(0, flat[0].numel(), CHUNK):
-            chunk = torch.stack([f[start:start + CHUNK].double() for f in flat])  # (K, ≤ CHUNK)
+        center_flat = None if center is None else center[key].detach().reshape(-1)
+        for start in range(0, flat[0].numel(), width):
+            chunk = torch.stack([f[start:start + width].double() for f in flat])  # (K, ≤ width)
             median_sq += float(_median_rows(chunk).pow(2).sum())
             for k in range(count):
                 others = _median_rows(torch.cat([chunk[:k], chunk[k + 1:]]))
                 to_others_sq[k] += float((chunk[k] - others).pow(2).sum())
             if center is not None:
-                c = center[key].detach().reshape(-1)[start:start + CHUNK].double()
+                c = center_flat[start:start + width].double()
                 update_sq += (chunk - c).pow(2).sum(dim=1)
     negligible = NEGLIGIBLE * math.sqrt(median_sq)
     checks = [("distance to the others' median", to_others_sq.sqrt().tolist())]
