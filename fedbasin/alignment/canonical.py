@@ -53,11 +53,12 @@ def canonicalize(spec: SymmetrySpec, state: dict, what: str = "model", validate:
         if norm.bias is not None and bool((zero & (state[norm.bias] != 0)).any()):
             idx = torch.nonzero(zero).flatten()[:5].tolist()
             raise ValueError(f"{what}: {norm.weight} has zero gain at {idx} with a non-zero bias; cannot fold")
-        for key, axis in norm.readers:
-            out[key] = scale_axis(out[key], axis, gain)
-        if norm.bias is not None:
-            safe = torch.where(zero, torch.ones_like(gain), gain)
-            out[norm.bias] = out[norm.bias] / safe
+        if not bool((gain == 1).all()):  # folding a unit gain changes nothing: no copy
+            for key, axis in norm.readers:
+                out[key] = scale_axis(out[key], axis, gain)
+            if norm.bias is not None:
+                safe = torch.where(zero, torch.ones_like(gain), gain)
+                out[norm.bias] = out[norm.bias] / safe
         out[norm.weight] = torch.ones_like(gain)
     return Canonical(out, gains, untied)
 

@@ -483,6 +483,7 @@ def weight_match(
     init: GroupElement | None = None,
     progress: bool = False,
     token_rows: torch.Tensor | None = None,
+    release: bool = False,
 ) -> MatchResult:
     """Align ``candidate`` to ``reference`` (raw state dicts of the same architecture).
 
@@ -500,18 +501,30 @@ def weight_match(
     vocabulary, e.g. :func:`token_weights` of the training tokens) instead weights row t's terms
     by ``w_t`` (rows with ``w_t = 0`` left out): the embedding term becomes an expectation over
     the training tokens rather than a sum over the vocabulary.
+
+    Memory: besides its inputs, the match holds the candidate's current state and, while a
+    residual step is tried, its successor (each about the size of the tensors that carry heads
+    and neurons); the canonical copy of the candidate goes once the start point is chosen.
+    ``release=True`` (the caller hands ``candidate`` over): the ``candidate`` dict is emptied
+    once canonicalised, so its tensors go as soon as the match no longer needs them, and only
+    ``canonical`` is returned (``state`` is an empty dict). Results are the same either way.
     """
     if token_rows is not None:
         return _match_on_token_rows(spec, reference, candidate, token_rows, mode=mode, iterations=iterations,
-                                    tol=tol, weighting=weighting, init=init, progress=progress)
+                                    tol=tol, weighting=weighting, init=init, progress=progress,
+                                    release=release)
     if mode not in MODES:
         raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
     t0, cpu_t0 = time.perf_counter(), time.process_time()
     check_compatible(spec, reference, candidate)
     dtypes = {k: v.dtype for k, v in candidate.items()}
+    given = candidate
     reference, candidate = _at_least_float32(reference), _at_least_float32(candidate)
-    ref_c = canonicalize(spec, reference, "reference", validate=False)
+    ref_c = canonicalize(spec, reference, "reference", validate=False)  # no copy if already canonical
     cand_c = canonicalize(spec, candidate, "candidate", validate=False)
+    del reference, candidate
+    if release:
+        given.clear()
     device = next(iter(cand_c.state.values())).device
     ref_state = {k: v.to(device) for k, v in ref_c.state.items()}
     J = _Objective(spec, ref_state, cand_c.state, weighting)
@@ -539,34 +552,39 @@ def weight_match(
     def layer_steps(step, layers):
         return per_layer(step, layers, device) if disjoint else [step(x) for x in layers]
 
-    def apply_each(point: _Point, factor: str, maps: list) -> _Point:
+    # ``point`` (the current state, set below) is advanced in place by the closures, so that no
+    # frame holds an earlier state: a replaced layer's tensors go as soon as its step is taken
+    def apply_each(factor: str, maps: list) -> None:
         """Apply layer i's map of ``factor`` (``heads`` or ``neurons``) in turn, each kept only if J
         does not fall."""
+        nonlocal point
         with matcher.clock("heads.apply" if factor == "heads" else "mlp.apply"), one_thread(device):
             for i, layer_map in enumerate(maps):
                 step = GroupElement.identity(spec)
                 getattr(step, factor)[i] = layer_map
                 point = point.try_step(inner, J, step, free)
-        return point
 
-    def iterate(point: _Point) -> _Point:
+    def layer_maps(step, layers, state: dict) -> list:
+        """``step(layer, state)`` for every layer (``state`` is not kept once the maps exist)."""
+        return layer_steps(lambda x: step(x, state), layers)
+
+    def iterate() -> None:
+        nonlocal point
         clock = time.perf_counter()
         cpu_clock[0] = time.process_time()
         # each layer's step reads only its own tensors: all layers from the same state, in parallel
         # when the layers share no tensor (identical to the sequential loop), then applied in turn
-        # (applying one layer's step is small, memory-bound work: single-threaded)
-        state = point.state
-        point = apply_each(point, "heads", layer_steps(lambda a: matcher.head_step(a, state), spec.attention))
+        # (applying one layer's step is small, memory-bound work: single-threaded); the state the
+        # maps were computed from is not held while they are applied (its replaced layers go)
+        apply_each("heads", layer_maps(matcher.head_step, spec.attention, point.state))
         clock = timed("heads", clock)
-        state = point.state
-        point = apply_each(point, "neurons", layer_steps(lambda m: matcher.neuron_step(m, state), spec.mlp))
+        apply_each("neurons", layer_maps(matcher.neuron_step, spec.mlp, point.state))
         clock = timed("mlp", clock)
         step = GroupElement.identity(spec)
         step.residual = matcher.residual_step(point.state, free=free, residual=point.g.residual)
         with matcher.clock("residual.apply"):
             point = point.try_step(inner, J, step, free)
         timed("residual", clock)
-        return point
 
     # two starts: identity (right for models fine-tuned from a common parent) and the residual map
     # fitted on the tensors without head/neuron axes (independent inits); keep the higher J
@@ -578,11 +596,15 @@ def weight_match(
         starts.append(("free-residual", g0))
     if init is not None:
         starts.append(("given", init))
-    points = []
-    for name, g0 in starts:
+    start_name, point = None, None
+    for name, g0 in starts:  # one start state at a time; the first of equal ones wins
         state0 = apply_group(inner, cand_inner, g0)
-        points.append((name, _Point(state0, g0, *J(state0, residual=g0.residual, free=free))))
-    start_name, point = max(points, key=lambda p: p[1].value)
+        tried = _Point(state0, g0, *J(state0, residual=g0.residual, free=free))
+        if point is None or tried.value > point.value:
+            start_name, point = name, tried
+        del state0, tried
+    order = list(cand_c.state)  # the candidate's key order
+    del cand_c, cand_inner  # the canonical candidate: what the start point does not use goes
     objective = [point.value]
     elapsed = [time.perf_counter() - t0]
     timed("setup", t0)
@@ -591,7 +613,7 @@ def weight_match(
     done = 0
     while done < iterations:
         before = point.value
-        point = iterate(point)
+        iterate()
         objective.append(point.value)
         elapsed.append(time.perf_counter() - t0)
         done += 1
@@ -603,12 +625,16 @@ def weight_match(
     cpu_clock[0] = time.process_time()
     g = point.g
     state = dict(point.state)
+    del point
     for key, axis in spec.residual:
         if key in lazy:
-            state[key] = lazy[key] if g.residual is None else contract_axis(lazy[key], axis, g.residual.to(lazy[key]))
-    state = {k: state[k] for k in cand_c.state}  # the candidate's key order
-    aligned = {k: v.to(dtypes[k]) for k, v in to_gauge(spec, state, ref_c.gains).items()}
+            moved = lazy.pop(key)  # the unrotated tensor goes once rotated
+            state[key] = moved if g.residual is None else contract_axis(moved, axis, g.residual.to(moved))
+            del moved
+    state = {k: state[k] for k in order}
+    aligned = {} if release else {k: v.to(dtypes[k]) for k, v in to_gauge(spec, state, ref_c.gains).items()}
     canonical = {k: v.to(dtypes[k]) for k, v in state.items()}
+    del state
     timed("finish", clock)
     return MatchResult(
         state=aligned,
@@ -685,12 +711,16 @@ def _match_on_token_rows(spec, reference, candidate, token_rows, **options) -> M
             out.update({k: out[k] * scale.to(out[k])[:, None] for k in keys})
         return out
 
+    release = options.pop("release", False)
     small = weight_match(spec, kept(reference), kept(candidate), **options)
     dtypes = {k: v.dtype for k, v in candidate.items()}
     gains = canonicalize(spec, _at_least_float32(reference), "reference", validate=False).gains
     cand_c = canonicalize(spec, _at_least_float32(candidate), "candidate", validate=False)
+    if release:
+        candidate.clear()
     state = apply_group(spec, cand_c.state, small.transform)
-    small.state = {k: v.to(dtypes[k]) for k, v in to_gauge(spec, state, gains).items()}
+    del cand_c
+    small.state = {} if release else {k: v.to(dtypes[k]) for k, v in to_gauge(spec, state, gains).items()}
     small.canonical = {k: v.to(dtypes[k]) for k, v in state.items()}
     small.seconds = time.perf_counter() - t0
     return small

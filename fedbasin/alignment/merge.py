@@ -8,6 +8,7 @@ first alignment target (e.g. the previous global model in federated rounds).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -38,21 +39,31 @@ class MergeResult:
     untied: bool = False
 
 
-def average_states(states: list[dict], weights: list[float]) -> dict:
-    """``Σ_k w_k θ_k / Σ_k w_k`` for floating tensors; other entries come from the first state."""
+def average_states(states: list[dict], weights: list[float], release: bool = False) -> dict:
+    """``Σ_k w_k θ_k / Σ_k w_k`` for floating tensors; other entries come from the first state.
+
+    ``release=True`` (the caller hands the dicts over): each key leaves every input dict once it
+    is summed, so the inputs shrink while the output grows (one model's worth at most in flight).
+    """
     total = float(sum(weights))
     if not math.isfinite(total) or total <= 0:
         raise ValueError(f"merge weights must be finite with a positive sum, got {weights}")
     out = {}
-    for key, first in states[0].items():
+    for key in list(states[0]):
+        first = states[0][key]
         if not first.is_floating_point():
             out[key] = first
-            continue
-        acc = torch.zeros_like(first, dtype=torch.float64 if first.dtype == torch.float64 else torch.float32)
-        for s, w in zip(states, weights):
-            if w:
-                acc += s[key].to(acc) * (w / total)
-        out[key] = acc.to(first.dtype)
+        else:
+            acc = torch.zeros_like(first, dtype=torch.float64 if first.dtype == torch.float64 else torch.float32)
+            for s, w in zip(states, weights):
+                if w:
+                    acc += s[key].to(acc) * (w / total)
+            out[key] = acc.to(first.dtype)
+            del acc
+        if release:
+            for s in states:
+                s.pop(key, None)
+        del first
     return out
 
 
@@ -92,14 +103,17 @@ def merge(
     returned in the reference's gauge and keeps the architecture (tied tensors come back untied).
     ``token_rows``: match token-indexed rows of these ids only (see :func:`weight_match`).
     ``combine(aligned_canonical_states, weights)`` replaces the weighted mean (e.g. a robust
-    aggregator that screens the aligned models first).
+    aggregator that screens the aligned models first); the dicts it gets are the merge's own.
 
     Memory: with one universe pass each model is canonicalised only while it is aligned (inside
     :func:`weight_match`), so the merge holds the aligned models plus one model in flight.
-    ``release=True`` (the caller hands ``states`` over) also sets ``states[k] = None`` once
-    model ``k`` is aligned (its memory goes as soon as nothing else refers to it), keeps no
-    gauged copy of the aligned models and drops them after ``combine``. Universe matching (``universe_iterations > 1``)
-    re-aligns the original models in every pass, so it holds all of them in canonical form.
+    ``release=True`` (the caller hands ``states`` over, the dicts included): model ``k``'s dict
+    is emptied and ``states[k]`` set to None as soon as it has been read (the reference once
+    canonicalised, the others by :func:`weight_match`), so its tensors go once nothing else
+    refers to them; no gauged copy of the aligned models is made, ``combine`` may empty the
+    dicts it gets (the default mean does, key by key) and the aligned models go after it.
+    Universe matching (``universe_iterations > 1``) re-aligns the original models in every
+    pass, so it holds all of them in canonical form.
     """
     t0 = time.perf_counter()
     if len(states) < 2:
@@ -124,6 +138,13 @@ def merge(
         canon = None
         for i in range(len(states)):  # bad gains fail here, before any alignment starts
             canonicalize(spec, states[i], names[i], validate=False)
+    if release:  # what is left of the raw models is read from their canonical forms
+        for i in range(len(states)):
+            if i == reference or canon is not None:
+                states[i].clear()
+                states[i] = None
+        if combine is average_states:
+            combine = functools.partial(average_states, release=True)
     universe = ref_c.state
     result = MergeResult({}, {}, [], untied=ref_c.untied)
     bar = progress_bar(len(states) * passes, progress, "aligning", "model")
@@ -133,14 +154,13 @@ def merge(
             if (t == 0 and k == reference) or (t > 0 and weights[k] == 0):
                 # the reference itself, or a weight-0 model (alignment target only)
                 matches.append(None)
-                aligned.append(ref_c.state if canon is None else canon[k])
+                aligned.append(dict(ref_c.state if canon is None else canon[k]))  # combine may empty it
             else:
                 match = weight_match(spec, universe, states[k] if canon is None else canon[k], mode=mode,
-                                     iterations=iterations, tol=tol, weighting=weighting, token_rows=token_rows)
-                if release:
-                    match.state = {}  # the gauged copy: the merge needs the canonical one only
-                    if k != reference:
-                        states[k] = None
+                                     iterations=iterations, tol=tol, weighting=weighting, token_rows=token_rows,
+                                     release=release and canon is None)
+                if release and canon is None:
+                    states[k] = None  # weight_match emptied the dict
                 matches.append(match)
                 aligned.append(match.canonical)
             bar.update(1)

@@ -3,9 +3,11 @@
     python -m fedbasin.simulations.bench_server_memory [--clients 2 4 8] [--iterations 2]
 
 Model: a fedbasin GPT, GPT-2-like in shape but smaller (width 384, 6 layers, 6 heads, MLP 1536,
-vocabulary 8192, 256 positions, untied, float32: 16.8 M parameters, S = 67 MB). Each K runs
-in a fresh process: it builds the broadcast ``ArrayRecord`` and K reply messages (the broadcast
-weights plus independent Gaussian noise, std 0.01, seed k; serialised as Flower sends them),
+vocabulary 8192, 256 positions, untied, float32: 17.0 M parameters, S = 65 MiB). Each K runs
+in a fresh process: it builds the broadcast ``ArrayRecord`` (the initialisation, seed 0, plus
+Gaussian noise of std 0.01, seed 0, so that its norm gains are not 1, as after training) and K
+reply messages (the broadcast weights plus independent Gaussian noise, std 0.01, seed k;
+serialised as Flower sends them),
 frees everything else, then measures one ``aggregate_train`` call of the default strategy
 (orthogonal alignment, ``--iterations`` weight-matching iterations, mean aggregator, outlier
 screening on) with ``consume_replies`` on, as inside ``AlignedFedAvg.start`` (each reply's bytes
@@ -15,9 +17,12 @@ through ``/proc/self/clear_refs``; where that is not allowed, ``ru_maxrss`` (the
 the process, an upper bound) is reported instead and flagged.
 
 Reported per K, in units of S: ``held`` — RSS before the call above the process's baseline
-(interpreter and imports, measured before any model exists): the K replies and the broadcast
-model that the server holds anyway; ``peak`` — peak RSS during the call above the baseline;
-``target`` — K + 3 (issue 9). Prints one JSON line per K and a Markdown table. The children
+(interpreter, imports and a warm-up alignment of a tiny model, measured before any model
+exists): the K replies and the broadcast model that the server holds anyway; ``peak`` — peak
+RSS during the call above the baseline; ``target`` — K + 3 (issue 9). The warm-up loads what
+a running server has loaded after its first round (BLAS/LAPACK buffers and library pages,
+about 30 MiB, independent of the model); ``warmup_mib`` is that growth, so the peak above the
+cold process is ``peak + warmup_mib / S``. Prints one JSON line per K and a Markdown table. The children
 fix glibc's mmap threshold at 64 KiB first, as the ServerApp does (``fedbasin.heap``: freed
 model-sized blocks go back to the kernel at once); ``--dynamic-mmap`` measures glibc's default.
 """
@@ -64,6 +69,21 @@ def _release() -> None:
     heap.trim()
 
 
+def _warm_up() -> None:
+    """Align and average two tiny models once: loads the linear-algebra libraries' buffers and
+    code pages that any server holds after its first round (not part of a round's cost)."""
+    import torch
+
+    from fedbasin.alignment import fedbasin_adapter, merge
+    from fedbasin.models import build_model
+
+    tiny = {"vocab_size": 64, "block_size": 8, "dim": 32, "depth": 2, "heads": 2, "mlp_dim": 1536}
+    models = [build_model("gpt", tiny, seed=seed) for seed in (0, 1)]
+    states = [{k: v.detach() for k, v in m.state_dict().items()} for m in models]
+    merge(fedbasin_adapter("gpt", models[0].config).spec, states, iterations=1)
+    torch.linalg.svd(torch.randn(SHAPE["dim"], SHAPE["dim"], dtype=torch.float64))
+
+
 def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: bool = True) -> dict:
     """One ``aggregate_train`` with ``clients`` replies, in this process (see the module docstring);
     ``fixed_mmap``: glibc's mmap threshold fixed first, as the ServerApp does (``heap.fix_mmap_threshold``)."""
@@ -77,12 +97,16 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
     from fedbasin.strategies import AlignedFedAvg
 
     _release()
+    cold = _status("VmRSS")
+    _warm_up()
+    _release()
     baseline = _status("VmRSS")
     for name, value in (("_run_id", 1), ("_task_id", 1), ("_node_id", 0)):
         setattr(TaskIdentity, name, value)  # what a ServerApp process sets before sending
     model = build_model("gpt", SHAPE, seed=0)
     spec = fedbasin_adapter("gpt", model.config).spec
-    state = {k: v.detach() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    state = {k: v.detach() + 0.01 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
     size = sum(v.numel() * v.element_size() for v in state.values())
     broadcast = ArrayRecord(state)
     nodes = list(range(1, clients + 1))
@@ -108,16 +132,17 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
     _release()
     held = _status("VmRSS")
     exact = _reset_peak()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     merged, metrics = strategy.aggregate_train(1, replies)
-    seconds = time.perf_counter() - started
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     peak = _status("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if merged is None or metrics["num_excluded"]:
         raise RuntimeError(f"the benchmark round did not aggregate every reply: {dict(metrics)}")
     return {
         "clients": clients, "params": size // 4, "model_bytes": size, "baseline_bytes": baseline,
         "held": round((held - baseline) / size, 2), "peak": round((peak - baseline) / size, 2),
-        "target": clients + 3, "seconds": round(seconds, 1), "peak_is_exact": exact,
+        "target": clients + 3, "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
+        "warmup_mib": round((baseline - cold) / 2**20, 1), "peak_is_exact": exact,
         "consume_replies": consume, "mmap_threshold_fixed": fixed_mmap,
     }
 
@@ -152,11 +177,12 @@ def main(argv=None) -> int:
     r = rows[0]
     print(f"\nS = {r['model_bytes'] / 2**20:.0f} MiB ({r['params'] / 1e6:.1f} M float32 parameters); "
           f"baseline RSS {r['baseline_bytes'] / 2**20:.0f} MiB\n")
-    print("| K | held before (× S) | peak during aggregate_train (× S) | target K + 3 | seconds |")
-    print("|---|---|---|---|---|")
+    print("| K | held before (× S) | peak during aggregate_train (× S) | target K + 3 | wall s | CPU s | warm-up MiB |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         flag = "" if r["peak_is_exact"] else " (ru_maxrss)"
-        print(f"| {r['clients']} | {r['held']} | {r['peak']}{flag} | {r['target']} | {r['seconds']} |")
+        print(f"| {r['clients']} | {r['held']} | {r['peak']}{flag} | {r['target']} | {r['seconds']} | "
+              f"{r['cpu_seconds']} | {r['warmup_mib']} |")
     return 0
 
 

@@ -369,7 +369,8 @@ class AlignedFedAvg(FedAvg):
         self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list
     ) -> tuple[dict, dict]:
         """The aligned merge, then ``distill`` (when given) from the clients the screening kept."""
-        teachers = list(zip(nodes, states)) if self.distill is not None else []  # the merge empties states
+        # the merge empties states and their dicts: the teachers keep their own dicts of the tensors
+        teachers = [(n, dict(s)) for n, s in zip(nodes, states)] if self.distill is not None else []
         merged, metrics = self._aligned_merge(server_round, previous, nodes, states, weights)
         if self.distill is None:
             return merged, metrics
@@ -394,7 +395,7 @@ class AlignedFedAvg(FedAvg):
             models, weights = [_tensor_views(previous), *models], [0.0, *weights]
             owners = [None, *owners]
         states = models
-        combine = self._combiner(server_round, owners)
+        combine = self._combiner(server_round, owners, release=self.refine is None)
         if not self.alignment:
             return combine(states, weights), {"align_gain": 0.0, **combine.metrics}
         if len(states) == 1:
@@ -413,11 +414,12 @@ class AlignedFedAvg(FedAvg):
         return result.state, {"align_gain": float(sum(gains) / len(gains)) if gains else 0.0,
                               "universe_passes": len(result.universe_change), **combine.metrics}
 
-    def _combiner(self, server_round: int, owners: list):
+    def _combiner(self, server_round: int, owners: list, release: bool):
         """``combine(states, weights)`` for :func:`~fedbasin.alignment.merge`, called on aligned
         models: the weight-0 entry (previous global model) is only the centre; the first call
         excludes cohort outliers (kept for later universe passes), then updates are clipped and
-        the rest aggregated. ``combine.metrics`` holds ``screen_seconds`` and ``num_clipped``."""
+        the rest aggregated (``release``: emptying the client models' dicts key by key, which
+        the merge hands over). ``combine.metrics`` holds ``screen_seconds`` and ``num_clipped``."""
         kept: list[int] | None = None
 
         def combine(states: list, weights: list) -> dict:
@@ -442,7 +444,7 @@ class AlignedFedAvg(FedAvg):
                 combine.metrics["num_clipped"] = len(clipped)
             combine.metrics["screen_seconds"] += time.perf_counter() - t0
             return aggregate(group, group_weights, self.aggregator, self.trim_fraction,
-                             average_states)
+                             average_states, release=release)
 
         combine.metrics = {"screen_seconds": 0.0}
         return combine

@@ -30,29 +30,49 @@ MIN_COHORT = 3  # the median of fewer models cannot tell an outlier from an hone
 MAD_SCALE = 1.4826  # MAD of a normal sample × this = its standard deviation
 RELATIVE_FLOOR = 0.15  # never flag a model within (1 + 0.15 t) × the median
 NEGLIGIBLE = 0.01  # nor one whose statistic is below this × the norm of the median model
-CHUNK = 2**20  # coordinates per step of cohort_outliers (K × 8 MiB of float64)
+CHUNK = 2**18  # float64 values per block of the cohort (all K models together: 2 MiB per copy)
 
 
 def float_keys(state: dict) -> list[str]:
     return [k for k, v in state.items() if v.is_floating_point()]
 
 
-def _sorted_reduce(states: list[dict], reduce) -> dict:
+def _sorted_reduce(states: list[dict], reduce, release: bool = False) -> dict:
     """``reduce(sorted values, K)`` per coordinate of the floating entries (values sorted along
-    dim 0, in float64); other entries come from the first state."""
+    dim 0, in float64); other entries come from the first state.
+
+    Computed over blocks of whole rows of the first dimension, about ``CHUNK // K``
+    coordinates each, so a float64 working copy holds about :data:`CHUNK` values, not K
+    copies of a tensor; ``release=True``
+    (the caller hands the dicts over): each key leaves every input dict once reduced."""
     out = {}
-    for key, first in states[0].items():
-        if not first.is_floating_point():
-            out[key] = first
-            continue
-        stacked = torch.stack([s[key].double() for s in states]).sort(dim=0).values
-        out[key] = reduce(stacked, len(states)).to(first.dtype)
+    for key in list(states[0]):
+        first = states[0][key]
+        if not first.is_floating_point() or first.dim() == 0:
+            out[key] = first if not first.is_floating_point() else _sorted_block(states, key, None, reduce).to(
+                first.dtype)
+        else:
+            result = torch.empty(first.shape, dtype=first.dtype, device=first.device)
+            step = max(1, CHUNK // len(states) // max(1, first[0].numel()))  # rows per block
+            for start in range(0, first.shape[0], step):
+                result[start:start + step] = _sorted_block(states, key, slice(start, start + step), reduce)
+            out[key] = result
+        if release:
+            for s in states:
+                s.pop(key, None)
+        del first
     return out
 
 
-def coordinate_median(states: list[dict]) -> dict:
+def _sorted_block(states: list[dict], key: str, rows: slice | None, reduce) -> torch.Tensor:
+    """``reduce`` of the sorted float64 values of ``states[k][key][rows]`` (all rows for None)."""
+    block = [s[key] if rows is None else s[key][rows] for s in states]
+    return reduce(torch.stack([b.double() for b in block]).sort(dim=0).values, len(states))
+
+
+def coordinate_median(states: list[dict], release: bool = False) -> dict:
     """Coordinate-wise median (mean of the two middle values when the count is even)."""
-    return _sorted_reduce(states, lambda v, k: _median_rows(v))
+    return _sorted_reduce(states, lambda v, k: _median_rows(v), release)
 
 
 def _median_rows(x: torch.Tensor) -> torch.Tensor:
@@ -80,23 +100,25 @@ def cohort_outliers(states: list[dict], center: dict | None, threshold: float) -
     for fewer than ``MIN_COHORT`` models.
 
     The medians are coordinate-wise, so every squared norm is a sum over coordinates: the
-    statistics are accumulated over chunks of :data:`CHUNK` coordinates (float64), holding
-    K × CHUNK values at a time instead of the whole cohort a second time."""
+    statistics are accumulated over blocks of ``CHUNK // K`` coordinates (float64), holding
+    about :data:`CHUNK` values per working copy instead of the whole cohort a second time."""
     if len(states) < MIN_COHORT:
         return {}
     count = len(states)
+    width = max(1, CHUNK // count)
     median_sq, to_others_sq, update_sq = 0.0, torch.zeros(count, dtype=torch.float64), torch.zeros(
         count, dtype=torch.float64)
     for key in float_keys(states[0]):
         flat = [s[key].detach().reshape(-1) for s in states]
-        for start in range(0, flat[0].numel(), CHUNK):
-            chunk = torch.stack([f[start:start + CHUNK].double() for f in flat])  # (K, ≤ CHUNK)
+        center_flat = None if center is None else center[key].detach().reshape(-1)
+        for start in range(0, flat[0].numel(), width):
+            chunk = torch.stack([f[start:start + width].double() for f in flat])  # (K, ≤ width)
             median_sq += float(_median_rows(chunk).pow(2).sum())
             for k in range(count):
                 others = _median_rows(torch.cat([chunk[:k], chunk[k + 1:]]))
                 to_others_sq[k] += float((chunk[k] - others).pow(2).sum())
             if center is not None:
-                c = center[key].detach().reshape(-1)[start:start + CHUNK].double()
+                c = center_flat[start:start + width].double()
                 update_sq += (chunk - c).pow(2).sum(dim=1)
     negligible = NEGLIGIBLE * math.sqrt(median_sq)
     checks = [("distance to the others' median", to_others_sq.sqrt().tolist())]
@@ -128,18 +150,21 @@ def clip_updates(states: list[dict], center: dict, ratio: float) -> tuple[list[d
     return out, clipped
 
 
-def trimmed_mean(states: list[dict], fraction: float) -> dict:
+def trimmed_mean(states: list[dict], fraction: float, release: bool = False) -> dict:
     """Coordinate-wise mean after dropping the ``⌊fraction·K⌋`` largest and smallest values."""
     cut = min(int(fraction * len(states)), (len(states) - 1) // 2)
-    return _sorted_reduce(states, lambda v, k: v[cut : k - cut].mean(dim=0))
+    return _sorted_reduce(states, lambda v, k: v[cut : k - cut].mean(dim=0), release)
 
 
-def aggregate(states: list[dict], weights: list[float], how: str, trim_fraction: float, mean) -> dict:
-    """One of :data:`AGGREGATORS`; ``mean(states, weights)`` is the weighted mean."""
+def aggregate(states: list[dict], weights: list[float], how: str, trim_fraction: float, mean,
+              release: bool = False) -> dict:
+    """One of :data:`AGGREGATORS`; ``mean(states, weights, release=)`` is the weighted mean
+    (e.g. ``average_states``). ``release=True``: the caller hands the input dicts over; they are
+    emptied key by key as the result grows."""
     if how == "mean":
-        return mean(states, weights)
+        return mean(states, weights, release=release)
     if how == "trimmed-mean":
-        return trimmed_mean(states, trim_fraction)
+        return trimmed_mean(states, trim_fraction, release)
     if how == "median":
-        return coordinate_median(states)
+        return coordinate_median(states, release)
     raise ValueError(f"aggregator must be one of {AGGREGATORS}, got {how!r}")
