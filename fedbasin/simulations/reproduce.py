@@ -188,7 +188,7 @@ def main(argv=None) -> dict:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "oneshot-cifar10"),
                         help="comma-separated; times on 2 idle cores: barriers 2 min per digits pair (cifar10 "
-                        "~12 min, shakespeare ~25 min), barrier-seeds 4 min, width 2 min; at load average 6-11 (upper bounds): many "
+                        "~12 min, shakespeare ~25 min), barrier-seeds 4 min plus ~1 CPU min of refinement per pair, width 2 min; at load average 6-11 (upper bounds): many "
                         "15 min, many4 5 min plus training, oneshot 24 min, oneshot-seeds 25 min; not by default: "
                         "oneshot-cifar10 (~50 min at that load)")
     parser.add_argument("--tasks", default="digits", help="barriers section: tasks (digits, cifar10, shakespeare)")
