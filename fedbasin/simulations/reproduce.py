@@ -69,26 +69,32 @@ def section_barrier_seeds(args, out: Path) -> str:
         rows = []
         for seeds in SEED_PAIRS:
             checkpoints, _ = barriers.trained_pair("digits", spec, task, out, False, seeds=seeds)
-            row = barriers.evaluate_pair(checkpoints, task, task.test)
+            options = barriers.refine_settings("digits")  # learned refinement with the barrier table's settings
+            steps, proxy = options.pop("steps"), options.pop("proxy_examples")
+            row = barriers.evaluate_pair(checkpoints, task, task.test, refine_steps=steps, proxy_examples=proxy,
+                                         refine_options=options)
             rows.append({"seeds": list(seeds), "accuracy": [row["accuracy_a"], row["accuracy_b"]],
-                         "barrier": row["barrier"]})
+                         "barrier": row["barrier"], "learned_cpu_seconds": row["learned_cpu_seconds"],
+                         "learned_seconds": row["learned_seconds"]})
         (out / "results.json").write_text(json.dumps({"pairs": rows}, indent=1))
 
     out.mkdir(parents=True, exist_ok=True)
     pairs = _cached(out / "results.json", args.rerun, compute)["pairs"]
-    lines = ["| seeds | acc A / B | vanilla | permutation | orthogonal | kept: perm / orth |", "|---|---|---|---|---|---|"]
+    lines = ["| seeds | acc A / B | vanilla | permutation | orthogonal | learned | kept: perm / orth "
+             "| learned s (wall / CPU) |", "|---|---|---|---|---|---|---|---|"]
     for p in pairs:
         b = p["barrier"]
         lines.append(f"| {p['seeds'][0]}, {p['seeds'][1]} | {p['accuracy'][0]:.3f} / {p['accuracy'][1]:.3f} "
-                     f"| {b['vanilla']:.3f} | {b['permutation']:.3f} | {b['orthogonal']:.3f} "
-                     f"| {b['permutation'] / b['vanilla']:.0%} / {b['orthogonal'] / b['vanilla']:.0%} |")
+                     f"| {b['vanilla']:.3f} | {b['permutation']:.3f} | {b['orthogonal']:.3f} | {b['learned']:.3f} "
+                     f"| {b['permutation'] / b['vanilla']:.0%} / {b['orthogonal'] / b['vanilla']:.0%} "
+                     f"| {p['learned_seconds']} / {p['learned_cpu_seconds']} |")
 
     def mean_sd(key):
         values = [p["barrier"][key] for p in pairs]
         return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
 
     lines.append(f"| mean ± sd ({len(pairs)} pairs) | | {mean_sd('vanilla')} | {mean_sd('permutation')} "
-                 f"| {mean_sd('orthogonal')} | |")
+                 f"| {mean_sd('orthogonal')} | {mean_sd('learned')} | | |")
     return "\n".join(lines)
 
 
@@ -182,7 +188,7 @@ def main(argv=None) -> dict:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "oneshot-cifar10"),
                         help="comma-separated; times on 2 idle cores: barriers 2 min per digits pair (cifar10 "
-                        "~12 min, shakespeare ~25 min), barrier-seeds 4 min, width 2 min; at load average 6-11 (upper bounds): many "
+                        "~12 min, shakespeare ~25 min), barrier-seeds 4 min plus ~1 CPU min of refinement per pair, width 2 min; at load average 6-11 (upper bounds): many "
                         "15 min, many4 5 min plus training, oneshot 24 min, oneshot-seeds 25 min; not by default: "
                         "oneshot-cifar10 (~50 min at that load)")
     parser.add_argument("--tasks", default="digits", help="barriers section: tasks (digits, cifar10, shakespeare)")
