@@ -15,7 +15,7 @@ from fedbasin.config import resolve_run_config
 from fedbasin.data import Split, load_task
 from fedbasin.models import build_model
 from fedbasin.server.distill import ensemble_distill, random_crop_flip
-from fedbasin.server.server_app import distill_augment
+from fedbasin.server.server_app import distill_augment, make_distiller
 from fedbasin.training import cross_entropy
 from tests.helpers import DIGITS_VIT, trained_digits_vit
 
@@ -105,6 +105,10 @@ def test_augmented_distillation_trains_on_views_and_the_run_config_refuses_non_i
     digits = load_task("digits", seed=0, proxy_size=50)
     assert distill_augment(digits, config) is not None
     assert distill_augment(digits, {**config, "distill-augment": "none"}) is None
+    # the ServerApp's distiller honours the run config: augmented views change the student
+    students = [make_distiller(build_model("vit", DIGITS_VIT), digits, {**config, "distill-augment": augment})(
+        start, teachers).state["head.weight"] for augment in ("none", "crop", "none")]
+    assert torch.equal(students[0], students[2]) and not torch.equal(students[0], students[1])
     text = types.SimpleNamespace(name="text", train=Split(torch.zeros(4, 64, dtype=torch.long), torch.zeros(4, 64)))
     with pytest.raises(ValueError, match=r"distill-augment='crop-flip' needs image data .* shape \(64,\)"):
         distill_augment(text, config)
