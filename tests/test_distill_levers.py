@@ -18,14 +18,7 @@ from fedbasin.server.distill import ensemble_distill, random_crop_flip
 from fedbasin.server.server_app import distill_augment, make_distiller
 from fedbasin.training import cross_entropy
 from tests.helpers import DIGITS_VIT, trained_digits_vit
-
-
-def mean_loss(state: dict, batches: list) -> float:
-    model = build_model("vit", DIGITS_VIT)
-    model.load_state_dict(state)
-    model.eval()
-    with torch.no_grad():
-        return sum(float(cross_entropy(model(x), y)) * len(y) for x, y in batches) / sum(len(y) for _, y in batches)
+from tests.test_distill import selection_loss as mean_loss
 
 
 def distill(start, teachers, transfer, **options):
@@ -133,3 +126,8 @@ def test_one_shot_reuses_cached_clients_only_when_every_client_setting_matches(t
     assert not other["clients_from_cache"] and len(list(tmp_path.glob("clients-*.pt"))) == 2
     fresh = oneshot.one_shot(resolve_run_config(base), 2, progress=False)  # no cache: trained again, identically
     assert fresh["client_accuracy"] == first["client_accuracy"]
+    for path in tmp_path.glob("clients-*.pt"):
+        path.write_bytes(b"damaged")  # an unreadable cache is retrained and replaced, never trusted
+    damaged = oneshot.one_shot(resolve_run_config(base), 2, progress=False, cache=tmp_path)
+    assert not damaged["clients_from_cache"] and damaged["client_accuracy"] == first["client_accuracy"]
+    assert oneshot.one_shot(resolve_run_config(base), 2, progress=False, cache=tmp_path)["clients_from_cache"]

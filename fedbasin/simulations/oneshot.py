@@ -29,15 +29,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import pickle
 import time
 from pathlib import Path
 
 import torch
 
 from fedbasin.alignment import average_states, fedbasin_adapter, merge, refined_merge
+from fedbasin.atomic import atomic_write
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
 from fedbasin.server.distill import LogitEnsemble
-from fedbasin.atomic import atomic_write
 from fedbasin.server.outputs import write_json_atomic
 from fedbasin.server.server_app import distill_augment, make_distiller, make_refiner
 from fedbasin.simulations.simulate import parse_run_config
@@ -115,7 +116,7 @@ def cached_clients(cache: str | Path | None, task, config: dict, num_clients: in
             return stored["states"], stored["weights"], stored["seconds"], True
     except FileNotFoundError:
         pass
-    except Exception as error:  # a damaged or foreign file: retrained and replaced, never trusted
+    except (pickle.UnpicklingError, EOFError, RuntimeError, KeyError, TypeError) as error:  # damaged: retrain
         print(f"[oneshot] clients cache {path} unreadable ({type(error).__name__}); training the clients again")
     states, weights, seconds = train_clients(task, config, num_clients, None, config["local-epochs"],
                                              config["seed"] + 1000, device, progress)
