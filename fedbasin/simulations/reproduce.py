@@ -30,7 +30,6 @@ ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config
     ("kl", "KL, 500 steps", "distill-steps=500"),
     ("label", "KL + labels (w 0.5)", "distill-steps=500 distill-label-weight=0.5"),
     ("labelaug", "KL + labels (w 0.5) + crop/flip", "distill-steps=500 distill-label-weight=0.5 distill-augment=crop-flip"),
-    ("aug2k", "KL + crop/flip, 2000 steps", "distill-steps=2000 distill-augment=crop-flip"),
 )
 ONESHOT_PROXY = "proxy-size=300 refine-steps=200 distill-steps=500"  # the server's proxy levers, §4
 ONESHOT_SEEDS = (0, 1, 2)
@@ -204,7 +203,8 @@ def main(argv=None) -> dict:
                         help="comma-separated; times on 2 idle cores: barriers 2 min per digits pair (cifar10 "
                         "~12 min, shakespeare ~25 min), barrier-seeds 4 min, width 2 min; at load average 6-11 (upper bounds): many "
                         "15 min, many4 5 min plus training, oneshot 24 min, oneshot-seeds 25 min; not by default: "
-                        "oneshot-cifar10 (~50 min at that load)")
+                        "oneshot-cifar10 (per row ~3 min CPU: 4 clients, merges, 500 distillation steps; each "
+                        "further variant 1.5-5 min CPU; 10-30 min wall per variant at load 12)")
     parser.add_argument("--tasks", default="digits", help="barriers section: tasks (digits, cifar10, shakespeare)")
     parser.add_argument("--cifar", default="../shared/data/cifar10", help="CIFAR-10 parquet directory")
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt", help="Tiny Shakespeare file")
