@@ -30,6 +30,7 @@ ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config
     ("kl", "KL, 500 steps", "distill-steps=500"),
     ("label", "KL + labels (w 0.5)", "distill-steps=500 distill-label-weight=0.5"),
     ("labelaug", "KL + labels (w 0.5) + crop/flip", "distill-steps=500 distill-label-weight=0.5 distill-augment=crop-flip"),
+    ("label02aug", "KL + labels (w 0.2) + crop/flip", "distill-steps=500 distill-label-weight=0.2 distill-augment=crop-flip"),
 )
 ONESHOT_PROXY = "proxy-size=300 refine-steps=200 distill-steps=500"  # the server's proxy levers, §4
 ONESHOT_SEEDS = (0, 1, 2)
