@@ -131,3 +131,25 @@ def test_one_shot_reuses_cached_clients_only_when_every_client_setting_matches(t
     damaged = oneshot.one_shot(resolve_run_config(base), 2, progress=False, cache=tmp_path)
     assert not damaged["clients_from_cache"] and damaged["client_accuracy"] == first["client_accuracy"]
     assert oneshot.one_shot(resolve_run_config(base), 2, progress=False, cache=tmp_path)["clients_from_cache"]
+
+
+def test_reproduce_cifar10_section_tables_every_distillation_variant_per_partition(tmp_path):
+    """The section reads one results file per variant (computed only when missing) and lays
+    the rows out partition by partition, variant by variant."""
+    import argparse
+    import json
+
+    from fedbasin.simulations import reproduce
+
+    for i, (name, _, _) in enumerate(reproduce.ONESHOT_CIFAR10_VARIANTS):
+        rows = [{"partitioner": p, "best_client": 0.3, "fedavg": 0.1, "aligned_orthogonal": 0.2,
+                 "aligned_distilled": f"{0.31 + i / 100:.4f}", "fedavg_distilled": "0.3000", "ensemble": 0.33,
+                 "aligned_distilled_summary": {"seconds": 60.0 + i}} for p in ("iid", "dirichlet(0.5)")]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
+    table = reproduce.section_oneshot_cifar10(argparse.Namespace(cifar="unused", rerun=False), tmp_path)
+    lines = table.splitlines()[2:]
+    variants = len(reproduce.ONESHOT_CIFAR10_VARIANTS)
+    assert len(lines) == 2 * variants
+    assert all(line.startswith("| iid |") for line in lines[:variants])
+    assert lines[variants].startswith("| dirichlet(0.5) | KL, 500 steps | 0.3000 | 0.1000 | 0.2000 | 0.3100 |")
+    assert lines[-1].endswith(f"| {0.31 + (variants - 1) / 100:.4f} | 0.3000 | 0.3300 | {59 + variants} |")
