@@ -67,6 +67,8 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "distill-steps": 0,  # >0: distil the clients' logit ensemble into the merge on the proxy split
     "distill-lr": 0.002,
     "distill-temperature": 3.0,
+    "distill-label-weight": 0.0,  # w in [0, 1]: (1 - w) KL to the ensemble + w CE on the proxy labels
+    "distill-augment": "none",  # none | crop | crop-flip: random views of the transfer images (image data)
     "fraction-train": 1.0,
     "fraction-evaluate": 1.0,
     "min-nodes": 2,
@@ -94,6 +96,7 @@ CHOICES = {
     "refine-start": ("symmetry", "permutation", "orthogonal", "best"),
     "refine-schedule": ("constant", "cosine"),
     "aggregator": ("mean", "trimmed-mean", "median"),
+    "distill-augment": ("none", "crop", "crop-flip"),
 }
 
 # (keys, lower bound, lower bound included): numeric keys outside their range are refused
@@ -103,10 +106,10 @@ RANGES = (
     (("seed", "proxy-size", "max-train-examples", "refine-steps", "distill-steps", "max-num-examples",
       "model.dim", "model.depth", "model.heads", "model.mlp-dim", "model.patch-size", "model.kv-heads",
       "weight-decay", "max-examples-ratio", "outlier-threshold", "clip-ratio", "trim-fraction",
-      "lr", "fraction-train", "fraction-evaluate"), 0, True),
+      "lr", "fraction-train", "fraction-evaluate", "distill-label-weight"), 0, True),
     (("refine-lr", "distill-lr", "distill-temperature", "dirichlet-alpha", "max-abs-weight"), 0, False),
 )
-UPPER = {"fraction-train": 1.0, "fraction-evaluate": 1.0, "trim-fraction": 0.5}
+UPPER = {"fraction-train": 1.0, "fraction-evaluate": 1.0, "trim-fraction": 0.5, "distill-label-weight": 1.0}
 
 
 class RunConfigError(ValueError):

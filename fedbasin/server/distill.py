@@ -2,8 +2,14 @@
 
 The teacher is the clients' ensemble, ``t(x) = (1/K) Σ_k f_k(x)`` (mean logits, the
 "logit ensemble" of docs/benchmarks.md §4); the student starts from the merged model θ₀ and
-minimises ``T² · KL(softmax(t(x)/T) ‖ softmax(f_θ(x)/T))`` on the server's proxy inputs (labels
-unused) with Adam and a cosine learning-rate schedule. Keep-best on a disjoint *selection*
+minimises, on the server's proxy batches (x, y),
+
+    (1 − w) · T² · KL(softmax(t(x)/T) ‖ softmax(f_θ(x)/T)) + w · CE(f_θ(x), y)
+
+with Adam and a cosine learning-rate schedule. ``w`` (``label_weight``, default 0: labels unused)
+mixes in the task's loss on the proxy labels the server holds. ``augment`` (e.g.
+:func:`random_crop_flip`) replaces every transfer batch by a random view of it, seen by teacher
+and student alike, so the transfer set is larger than the proxy images. Keep-best on a disjoint *selection*
 split: the student is scored every ``eval_every`` steps by ``loss_fn`` against the true labels
 and the best state seen (θ₀ included) is returned, so distillation never returns something worse
 than its start on that split; an optional *evaluation* split is only reported.
@@ -77,6 +83,27 @@ def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature:
     return kl * temperature**2
 
 
+def random_crop_flip(pad: int = 4, flip: bool = True) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+    """``augment(x, generator)`` for image batches ``(N, C, H, W)``: every image is zero-padded by
+    ``pad`` pixels, cropped back to ``H × W`` at a random offset and, with ``flip``, mirrored left
+    to right with probability 1/2 (labels unchanged)."""
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+        raise ValueError(f"pad must be an integer >= 0, got {pad!r}")
+
+    def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        if x.ndim != 4:
+            raise ValueError(f"random_crop_flip needs image batches (N, C, H, W), got shape {tuple(x.shape)}")
+        n, _, h, w = x.shape
+        padded = F.pad(x, (pad, pad, pad, pad))
+        dy = torch.randint(0, 2 * pad + 1, (n,), generator=generator).tolist()
+        dx = torch.randint(0, 2 * pad + 1, (n,), generator=generator).tolist()
+        mirror = (torch.rand(n, generator=generator) < 0.5).tolist() if flip else [False] * n
+        views = [padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)]
+        return torch.stack([v.flip(-1) if m else v for v, m in zip(views, mirror)])
+
+    return augment
+
+
 def ensemble_distill(
     model: nn.Module,
     student: dict,
@@ -90,12 +117,16 @@ def ensemble_distill(
     temperature: float = 1.0,
     eval_every: int = 10,
     progress: bool = False,
+    label_weight: float = 0.0,
+    augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
+    seed: int = 0,
 ) -> DistillResult:
     """Distil the mean-logit ensemble of ``teachers`` into ``student`` (see the module doc).
 
     model: any module of the architecture (copied; its own weights are not used or changed);
     batches: an endless (or long enough) iterable of proxy ``(inputs, targets)`` training batches
-    (targets unused); selection / evaluation: lists of batches disjoint from them.
+    (targets used only when ``label_weight > 0``); selection / evaluation: lists of batches
+    disjoint from them; ``seed`` seeds ``augment``'s random views.
     """
     if not teachers:
         raise ValueError("ensemble distillation needs at least one teacher")
@@ -107,6 +138,8 @@ def ensemble_distill(
     for name, value in (("lr", lr), ("temperature", temperature)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if not (isinstance(label_weight, (int, float)) and 0 <= label_weight <= 1):
+        raise ValueError(f"label_weight must be a number in [0, 1], got {label_weight!r}")
     started = time.perf_counter()
     device = next(iter(model.parameters())).device
     members = []
@@ -135,14 +168,20 @@ def ensemble_distill(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimiser, lambda t: 0.5 * (1 + math.cos(math.pi * t / max(steps, 1))))
     iterator = iter(batches)
+    views = torch.Generator().manual_seed(seed)
     with tqdm(total=steps, desc="ensemble distillation", unit="step", disable=not progress, leave=False) as bar:
         for step in range(1, steps + 1):
-            x, _ = next(iterator)
+            x, y = next(iterator)
+            if augment is not None:
+                x = augment(x, views)
             x = x.to(device)
             with torch.no_grad():
                 teacher = ensemble(x)
             net.train()
-            loss = distillation_loss(_logits(net, x), teacher, temperature)
+            logits = _logits(net, x)
+            loss = (1 - label_weight) * distillation_loss(logits, teacher, temperature)
+            if label_weight > 0:
+                loss = loss + label_weight * loss_fn(logits, y.to(device))
             optimiser.zero_grad(set_to_none=True)
             loss.backward()
             optimiser.step()
@@ -154,7 +193,7 @@ def ensemble_distill(
                 if value < best:
                     best, result.state, result.best_step = value, snapshot(), step
                 if progress:
-                    bar.set_postfix(kl=f"{loss.item():.4f}", best=f"{best:.4f}")
+                    bar.set_postfix(loss=f"{loss.item():.4f}", best=f"{best:.4f}")
     result.best_loss = best
     if evaluation is not None:
         if result.improved:

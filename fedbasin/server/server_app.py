@@ -38,7 +38,7 @@ from fedbasin.config import (
     resolve_run_config,
     task_from_config,
 )
-from fedbasin.server.distill import ensemble_distill
+from fedbasin.server.distill import ensemble_distill, random_crop_flip
 from fedbasin.server.outputs import RunOutputs
 from fedbasin.strategies import AlignedFedAvg
 from fedbasin.training import resolve_device
@@ -101,6 +101,7 @@ def make_distiller(model, task, config: dict, adapter=None):
         raise ValueError(f"run-config distill-steps={config['distill-steps']} needs proxy data: "
                          f"{task.name} has no proxy split (set proxy-size >= 10)")
     adapter = adapter or model_adapter(task, model)[1]
+    augment = distill_augment(task, config)
 
     def distill(merged: dict, clients: list[dict]):
         data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
@@ -108,11 +109,26 @@ def make_distiller(model, task, config: dict, adapter=None):
                                   [adapter.from_standard(c) for c in clients], task.loss_fn,
                                   data.batches, data.selection, data.evaluation,
                                   steps=config["distill-steps"], lr=config["distill-lr"],
-                                  temperature=config["distill-temperature"])
+                                  temperature=config["distill-temperature"],
+                                  label_weight=config["distill-label-weight"], augment=augment,
+                                  seed=config["seed"])
         result.state = adapter.to_standard(result.state)
         return result
 
     return distill
+
+
+def distill_augment(task, config: dict):
+    """The run config's ``distill-augment`` as an ``augment`` for :func:`ensemble_distill`: None,
+    or random crops (zero padding of H // 8 pixels) with (``crop-flip``) or without left-right
+    flips; refused for data that are not images."""
+    if config["distill-augment"] == "none":
+        return None
+    shape = tuple(task.train.inputs.shape[1:])
+    if len(shape) != 3 or shape[-1] < 8:
+        raise ValueError(f"run-config distill-augment={config['distill-augment']!r} needs image data "
+                         f"(C, H, W) at least 8 pixels wide; {task.name} examples have shape {shape}")
+    return random_crop_flip(pad=shape[-2] // 8, flip=config["distill-augment"] == "crop-flip")
 
 
 def robust_options(config: dict) -> dict:

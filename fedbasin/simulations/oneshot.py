@@ -27,16 +27,20 @@ epochs. Writes markdown tables to stdout and JSON to ``--out``::
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import pickle
 import time
 from pathlib import Path
 
 import torch
 
 from fedbasin.alignment import average_states, fedbasin_adapter, merge, refined_merge
+from fedbasin.atomic import atomic_write
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
 from fedbasin.server.distill import LogitEnsemble
 from fedbasin.server.outputs import write_json_atomic
-from fedbasin.server.server_app import make_distiller, make_refiner
+from fedbasin.server.server_app import distill_augment, make_distiller, make_refiner
 from fedbasin.simulations.simulate import parse_run_config
 from fedbasin.training import evaluate, resolve_device, train
 
@@ -80,6 +84,47 @@ def train_clients(task, config: dict, num_clients: int, starts: list[dict] | Non
     return states, weights, seconds
 
 
+SERVER_ONLY_KEYS = ("num-server-rounds", "alignment", "symmetry", "align-iterations", "universe-iterations",
+                    "fraction-train", "fraction-evaluate", "min-nodes", "max-abs-weight", "max-num-examples",
+                    "max-examples-ratio", "outlier-threshold", "clip-ratio", "aggregator", "trim-fraction",
+                    "out-dir", "resume", "overwrite", "rebuild-results")
+
+
+def client_cache_key(config: dict, num_clients: int) -> dict:
+    """Everything that decides the trained clients: the run config without the server's keys
+    (``refine-*``, ``distill-*`` and :data:`SERVER_ONLY_KEYS`), K and the torch version."""
+    key = {k: v for k, v in config.items()
+           if k not in SERVER_ONLY_KEYS and not k.startswith(("refine-", "distill-"))}
+    return {**key, "clients": num_clients, "torch": str(torch.__version__)}
+
+
+def cached_clients(cache: str | Path | None, task, config: dict, num_clients: int, device,
+                   progress: bool) -> tuple[list[dict], list[float], list[float], bool]:
+    """:func:`train_clients` for round 1, or its earlier result from ``cache`` (a directory; one
+    file per :func:`client_cache_key`, written atomically; a file whose stored key differs is
+    retrained, never trusted; an unreadable one is retrained and replaced). Returns states, example counts, training seconds, and whether
+    they came from the cache. Server-side options can so be compared on the same clients."""
+    if cache is None:
+        return (*train_clients(task, config, num_clients, None, config["local-epochs"],
+                               config["seed"] + 1000, device, progress), False)
+    key = client_cache_key(config, num_clients)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache) / f"clients-{digest}.pt"
+    try:
+        stored = torch.load(path, weights_only=True)
+        if stored["key"] == key:
+            return stored["states"], stored["weights"], stored["seconds"], True
+    except FileNotFoundError:
+        pass
+    except (pickle.UnpicklingError, EOFError, RuntimeError, KeyError, TypeError) as error:  # damaged: retrain
+        print(f"[oneshot] clients cache {path} unreadable ({type(error).__name__}); training the clients again")
+    states, weights, seconds = train_clients(task, config, num_clients, None, config["local-epochs"],
+                                             config["seed"] + 1000, device, progress)
+    record = {"key": key, "states": states, "weights": weights, "seconds": seconds}
+    atomic_write(path, lambda tmp: torch.save(record, tmp))
+    return states, weights, seconds, False
+
+
 def shared_init_epochs(local_epochs: int, rounds: int, epochs: int) -> int:
     """Local epochs per round of FedAvg from a shared init over ``rounds + 1`` rounds with the
     same total as one-shot + further rounds: ``(local_epochs + rounds · epochs) / (rounds + 1)``."""
@@ -113,13 +158,13 @@ def further_rounds(task, config: dict, num_clients: int, starts: dict[str, dict]
 
 
 def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int = 0,
-             further_epochs: int = 10) -> dict:
-    """Train ``num_clients`` independent clients on one run config and compare the merges
-    (and, with ``rounds > 0``, continue from them; see :func:`further_rounds`)."""
+             further_epochs: int = 10, cache: str | Path | None = None) -> dict:
+    """Train ``num_clients`` independent clients on one run config (or take them from ``cache``,
+    see :func:`cached_clients`) and compare the merges (and, with ``rounds > 0``, continue from
+    them; see :func:`further_rounds`)."""
     task = task_from_config(config)
     device = resolve_device(config["device"])
-    states, weights, seconds = train_clients(task, config, num_clients, None, config["local-epochs"],
-                                             config["seed"] + 1000, device, progress)
+    states, weights, seconds, from_cache = cached_clients(cache, task, config, num_clients, device, progress)
     model = model_from_config(task, config, seed=0)
 
     def accuracy(state: dict) -> float:
@@ -141,6 +186,7 @@ def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int 
         "best_client": max(singles),
         "fedavg": accuracy(fedavg),
         "train_seconds": seconds,
+        "clients_from_cache": from_cache,
     }
     merges = {"FedAvg": fedavg}
     for mode in MODES:
@@ -217,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", action="append", help="data source (repeatable; default: digits)")
     p.add_argument("--clients", type=int, default=4, help="K clients (default 4)")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default 0.5)")
+    p.add_argument("--partitioners", default="iid,dirichlet",
+                   help="comma-separated, from iid and dirichlet (default: both, one row each)")
     p.add_argument(
         "--run-config",
         default="",
@@ -227,23 +275,33 @@ def main(argv: list[str] | None = None) -> int:
                    "shared initialisation with the same total local epochs (default 0: none)")
     p.add_argument("--further-epochs", type=int, default=10, help="local epochs per further round (default 10)")
     p.add_argument("--out", default="runs/oneshot/results.json", help="JSON output")
+    p.add_argument("--clients-cache", metavar="DIR",
+                   help="keep the trained round-1 clients here and reuse them when every client-side "
+                   "setting matches (compare server-side options on the same clients)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # small models: one thread is fastest on a shared machine
     try:  # bad input is refused before any training
         overrides = {**ONESHOT_DEFAULTS, **parse_run_config(args.run_config)}
         resolve_run_config(overrides)
+        partitioners = args.partitioners.split(",")
+        if not partitioners or not set(partitioners) <= {"iid", "dirichlet"}:
+            raise ValueError(f"--partitioners {args.partitioners!r}: expected iid, dirichlet or both, comma-separated")
         if args.clients < 1 or args.further_rounds < 0 or args.further_epochs < 1:
             raise ValueError("--clients and --further-epochs must be >= 1, --further-rounds >= 0")
         if args.further_rounds:
             shared_init_epochs(resolve_run_config(overrides)["local-epochs"], args.further_rounds,
                                args.further_epochs)
         for data in args.data or ["digits"]:  # loads (and caches) every data source up front
-            task_from_config(resolve_run_config({**overrides, "data": data}))
+            config = resolve_run_config({**overrides, "data": data})
+            if config["distill-steps"] > 0:
+                distill_augment(task_from_config(config), config)
+            else:
+                task_from_config(config)
     except (ValueError, FileNotFoundError) as error:
         p.error(str(error))
     rows = []
     for data in args.data or ["digits"]:
-        for partitioner in ("iid", "dirichlet"):
+        for partitioner in partitioners:
             config = resolve_run_config(
                 {
                     **overrides,
@@ -253,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             started = time.perf_counter()
-            row = one_shot(config, args.clients, rounds=args.further_rounds, further_epochs=args.further_epochs)
+            row = one_shot(config, args.clients, rounds=args.further_rounds, further_epochs=args.further_epochs,
+                           cache=args.clients_cache)
             row["seconds"] = time.perf_counter() - started
             rows.append(row)
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)

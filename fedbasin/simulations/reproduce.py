@@ -25,7 +25,13 @@ from fedbasin.data import load_task
 from fedbasin.simulations import barriers
 
 SECTIONS = ("barriers", "barrier-seeds", "many", "many4", "width", "oneshot", "oneshot-seeds", "oneshot-cifar10")
-ONESHOT_CIFAR10 = "max-train-examples=12000 proxy-size=500 local-epochs=10 refine-steps=200 distill-steps=500"
+ONESHOT_CIFAR10 = "max-train-examples=12000 proxy-size=500 local-epochs=10"  # the clients; the server's options:
+ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config), every one on the same cached clients
+    ("kl", "KL, 500 steps", "distill-steps=500"),
+    ("label", "KL + labels (w 0.5)", "distill-steps=500 distill-label-weight=0.5"),
+    ("labelaug", "KL + labels (w 0.5) + crop/flip", "distill-steps=500 distill-label-weight=0.5 distill-augment=crop-flip"),
+    ("label02aug", "KL + labels (w 0.2) + crop/flip", "distill-steps=500 distill-label-weight=0.2 distill-augment=crop-flip"),
+)
 ONESHOT_PROXY = "proxy-size=300 refine-steps=200 distill-steps=500"  # the server's proxy levers, §4
 ONESHOT_SEEDS = (0, 1, 2)
 SEED_PAIRS = ((0, 1), (2, 3), (4, 5))
@@ -34,7 +40,7 @@ SEED_PAIRS = ((0, 1), (2, 3), (4, 5))
 def replace_block(text: str, section: str, body: str) -> str:
     """``text`` with the block between the section's markers replaced by ``body``."""
     start, end = f"<!-- reproduce:{section} -->\n", f"<!-- /reproduce:{section} -->"
-    pattern = re.compile(rf"{re.escape(start)}.*?{re.escape(end)}", re.S)
+    pattern = re.compile(rf"{re.escape(start)}.*?{re.escape(end)}", re.DOTALL)
     if not pattern.search(text):
         raise ValueError(f"no '<!-- reproduce:{section} -->' ... '<!-- /reproduce:{section} -->' block in the document")
     return pattern.sub(lambda m: start + body.strip("\n") + "\n" + end, text, count=1)
@@ -169,13 +175,27 @@ def section_oneshot_seeds(args, out: Path) -> str:
 
 
 def section_oneshot_cifar10(args, out: Path) -> str:
-    """One-shot rows on 12,000 CIFAR-10 training images (no further rounds: bounded CPU time)."""
+    """One-shot rows on 12,000 CIFAR-10 training images (no further rounds: bounded CPU time):
+    the clients are trained once (``out/clients``) and every distillation variant of
+    :data:`ONESHOT_CIFAR10_VARIANTS` runs on the same clients."""
     from fedbasin.simulations import oneshot
 
-    path = out / "cifar10.json"
-    argv = ["--data", f"cifar10:{args.cifar}", "--out", str(path), "--run-config", ONESHOT_CIFAR10]
-    rows = _cached(path, args.rerun, lambda: oneshot.main(argv))["rows"]
-    return oneshot.markdown(rows)
+    header = ("| partition | server distillation | best client | FedAvg | aligned (orth) | aligned + distilled "
+              "| FedAvg + distilled | logit ensemble | distill s (aligned) |")
+    lines = [header, "|" + "---|" * 9]
+    rows = {}
+    for name, label, run_config in ONESHOT_CIFAR10_VARIANTS:
+        path = out / f"{name}.json"
+        argv = ["--data", f"cifar10:{args.cifar}", "--out", str(path), "--clients-cache", str(out / "clients"),
+                "--run-config", f"{ONESHOT_CIFAR10} {run_config}"]
+        rows[label] = _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]
+    for partition in ("iid", "dirichlet(0.5)"):
+        for label, variant in rows.items():
+            r = next(row for row in variant if row["partitioner"] == partition)
+            lines.append(f"| {partition} | {label} | {r['best_client']:.4f} | {r['fedavg']:.4f} "
+                         f"| {r['aligned_orthogonal']:.4f} | {r['aligned_distilled']} | {r['fedavg_distilled']} "
+                         f"| {r['ensemble']:.4f} | {r['aligned_distilled_summary']['seconds']:.0f} |")
+    return "\n".join(lines)
 
 
 RUNNERS = {"barriers": section_barriers, "barrier-seeds": section_barrier_seeds, "many": section_many,
@@ -190,7 +210,8 @@ def main(argv=None) -> dict:
                         help="comma-separated; times on 2 idle cores: barriers 2 min per digits pair (cifar10 "
                         "~12 min, shakespeare ~25 min), barrier-seeds 4 min plus ~1 CPU min of refinement per pair, width 2 min; at load average 6-11 (upper bounds): many "
                         "15 min, many4 5 min plus training, oneshot 24 min, oneshot-seeds 25 min; not by default: "
-                        "oneshot-cifar10 (~50 min at that load)")
+                        "oneshot-cifar10 (per row ~3 min CPU: 4 clients, merges, 500 distillation steps; each "
+                        "further variant 1.5-5 min CPU; 10-30 min wall per variant at load 12)")
     parser.add_argument("--tasks", default="digits", help="barriers section: tasks (digits, cifar10, shakespeare)")
     parser.add_argument("--cifar", default="../shared/data/cifar10", help="CIFAR-10 parquet directory")
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt", help="Tiny Shakespeare file")

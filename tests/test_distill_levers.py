@@ -1,0 +1,155 @@
+"""The distillation levers of issue 7 item 6: the supervised term on the proxy labels
+(``distill-label-weight``), augmented transfer views (``distill-augment``), and the one-shot
+driver's cache of trained clients that lets server-side options be compared on the same clients."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from fedbasin.alignment import average_states
+from fedbasin.alignment.refine import proxy_streams
+from fedbasin.config import resolve_run_config
+from fedbasin.data import Split, load_task
+from fedbasin.models import build_model
+from fedbasin.server.distill import ensemble_distill, random_crop_flip
+from fedbasin.server.server_app import distill_augment, make_distiller
+from fedbasin.training import cross_entropy
+from tests.helpers import DIGITS_VIT, trained_digits_vit
+from tests.test_distill import selection_loss as mean_loss
+
+
+def distill(start, teachers, transfer, **options):
+    """40 steps over the fixed transfer batches, scored (keep-best) on those batches themselves."""
+    return ensemble_distill(build_model("vit", DIGITS_VIT), start, teachers, cross_entropy, iter(transfer * 4),
+                            transfer, steps=40, lr=3e-3, eval_every=40, **options)
+
+
+@pytest.fixture(scope="module")
+def setting():
+    task = load_task("digits", seed=0, proxy_size=300)
+    teachers = [trained_digits_vit(seed) for seed in range(3)]
+    data = proxy_streams(task.proxy, 16, seed=0)
+    transfer = [next(data.batches) for _ in range(10)]  # 160 labelled proxy images, fixed order
+    return teachers, transfer
+
+
+def test_the_label_term_enters_the_objective_and_lowers_the_proxy_cross_entropy(setting):
+    """w = 0: the proxy labels play no part (from the collapsed average of three clients,
+    scrambled labels give the identical student); w = 1: the teachers play no part (other
+    teachers give the identical student). From a trained client, pure distillation cannot lower
+    the cross-entropy on the labelled transfer images (keep-best returns the start), the mixed
+    objective lowers it and the supervised one lowers it most."""
+    teachers, transfer = setting
+    average = average_states(teachers, [1.0] * 3)
+    scrambled = [(x, torch.roll(y, 1)) for x, y in transfer]
+    pure = distill(average, teachers, transfer, label_weight=0.0)
+    assert pure.best_step == 40
+    assert all(torch.equal(pure.state[k], distill(average, teachers, scrambled).state[k]) for k in average)
+    client = trained_digits_vit(3)
+    runs = {w: distill(client, teachers, transfer, label_weight=w) for w in (0.0, 0.5, 1.0)}
+    other_teachers = distill(client, teachers[:1], transfer, label_weight=1.0)
+    assert all(torch.equal(runs[1.0].state[k], other_teachers.state[k]) for k in client)
+    ce = {w: mean_loss(r.state, transfer) for w, r in runs.items()}
+    # measured: 0.780 (start, returned by w = 0), 0.773 (w = 0.5), 0.710 (w = 1)
+    assert runs[0.0].best_step == 0 and ce[0.0] == pytest.approx(mean_loss(client, transfer))
+    assert ce[1.0] < ce[0.5] - 0.03 and ce[0.5] < ce[0.0] - 0.003, ce
+    with pytest.raises(ValueError, match=r"label_weight must be a number in \[0, 1\], got 1.5"):
+        distill(client, teachers, transfer, label_weight=1.5)
+
+
+def test_random_crop_flip_returns_shifted_and_mirrored_windows_of_each_image():
+    x = torch.randn(64, 3, 8, 8)
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(random_crop_flip(pad=0, flip=False)(x, generator), x)
+    views = random_crop_flip(pad=2, flip=True)(x, generator)
+    assert views.shape == x.shape
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    mirrored = 0
+    for i in range(len(x)):
+        windows = [padded[i, :, dy:dy + 8, dx:dx + 8] for dy in range(5) for dx in range(5)]
+        plain = any(torch.equal(views[i], w) for w in windows)
+        flipped = any(torch.equal(views[i], w.flip(-1)) for w in windows)
+        assert plain or flipped
+        mirrored += flipped and not plain
+    assert 16 < mirrored < 48  # about half are mirrored
+    again = random_crop_flip(pad=2, flip=True)(x, torch.Generator().manual_seed(0))
+    assert torch.equal(again, random_crop_flip(pad=2, flip=True)(x, torch.Generator().manual_seed(0)))
+    assert not torch.equal(again, x)
+    with pytest.raises(ValueError, match=r"needs image batches \(N, C, H, W\), got shape \(4, 64\)"):
+        random_crop_flip()(torch.zeros(4, 64), generator)
+
+
+def test_augmented_distillation_trains_on_views_and_the_run_config_refuses_non_images(setting):
+    teachers, transfer = setting
+    start = average_states(teachers, [1.0] * 3)
+    seen = []
+
+    def recording(x, generator):
+        seen.append(x.shape)
+        return random_crop_flip(pad=1)(x, generator)
+
+    plain = distill(start, teachers, transfer)
+    augmented = distill(start, teachers, transfer, augment=recording)
+    assert len(seen) == 40 and not torch.equal(plain.state["head.weight"], augmented.state["head.weight"])
+    config = resolve_run_config({"proxy-size": 50, "distill-steps": 5, "distill-augment": "crop-flip"})
+    digits = load_task("digits", seed=0, proxy_size=50)
+    assert distill_augment(digits, config) is not None
+    assert distill_augment(digits, {**config, "distill-augment": "none"}) is None
+    # the ServerApp's distiller honours the run config: augmented views change the student
+    students = [make_distiller(build_model("vit", DIGITS_VIT), digits, {**config, "distill-augment": augment})(
+        start, teachers).state["head.weight"] for augment in ("none", "crop", "none")]
+    assert torch.equal(students[0], students[2]) and not torch.equal(students[0], students[1])
+    text = types.SimpleNamespace(name="text", train=Split(torch.zeros(4, 64, dtype=torch.long), torch.zeros(4, 64)))
+    with pytest.raises(ValueError, match=r"distill-augment='crop-flip' needs image data .* shape \(64,\)"):
+        distill_augment(text, config)
+    with pytest.raises(ValueError, match="distill-label-weight=1.5 must be at most 1.0"):
+        resolve_run_config({"distill-label-weight": 1.5})
+    with pytest.raises(ValueError, match="distill-augment='rotate'; expected one of"):
+        resolve_run_config({"distill-augment": "rotate"})
+
+
+def test_one_shot_reuses_cached_clients_only_when_every_client_setting_matches(tmp_path):
+    from fedbasin.simulations import oneshot
+
+    base = {**oneshot.ONESHOT_DEFAULTS, "local-epochs": 2, "max-train-examples": 300, "align-iterations": 2,
+            "proxy-size": 60}
+    first = oneshot.one_shot(resolve_run_config(base), 2, progress=False, cache=tmp_path)
+    assert not first["clients_from_cache"] and len(list(tmp_path.glob("clients-*.pt"))) == 1
+    server_side = resolve_run_config({**base, "distill-steps": 5, "distill-label-weight": 0.5})
+    again = oneshot.one_shot(server_side, 2, progress=False, cache=tmp_path)
+    assert again["clients_from_cache"] and again["client_accuracy"] == first["client_accuracy"]
+    assert again["fedavg"] == first["fedavg"] and again["aligned_distilled"] != "—"
+    other = oneshot.one_shot(resolve_run_config({**base, "local-epochs": 3}), 2, progress=False, cache=tmp_path)
+    assert not other["clients_from_cache"] and len(list(tmp_path.glob("clients-*.pt"))) == 2
+    fresh = oneshot.one_shot(resolve_run_config(base), 2, progress=False)  # no cache: trained again, identically
+    assert fresh["client_accuracy"] == first["client_accuracy"]
+    for path in tmp_path.glob("clients-*.pt"):
+        path.write_bytes(b"damaged")  # an unreadable cache is retrained and replaced, never trusted
+    damaged = oneshot.one_shot(resolve_run_config(base), 2, progress=False, cache=tmp_path)
+    assert not damaged["clients_from_cache"] and damaged["client_accuracy"] == first["client_accuracy"]
+    assert oneshot.one_shot(resolve_run_config(base), 2, progress=False, cache=tmp_path)["clients_from_cache"]
+
+
+def test_reproduce_cifar10_section_tables_every_distillation_variant_per_partition(tmp_path):
+    """The section reads one results file per variant (computed only when missing) and lays
+    the rows out partition by partition, variant by variant."""
+    import argparse
+    import json
+
+    from fedbasin.simulations import reproduce
+
+    for i, (name, _, _) in enumerate(reproduce.ONESHOT_CIFAR10_VARIANTS):
+        rows = [{"partitioner": p, "best_client": 0.3, "fedavg": 0.1, "aligned_orthogonal": 0.2,
+                 "aligned_distilled": f"{0.31 + i / 100:.4f}", "fedavg_distilled": "0.3000", "ensemble": 0.33,
+                 "aligned_distilled_summary": {"seconds": 60.0 + i}} for p in ("iid", "dirichlet(0.5)")]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
+    table = reproduce.section_oneshot_cifar10(argparse.Namespace(cifar="unused", rerun=False), tmp_path)
+    lines = table.splitlines()[2:]
+    variants = len(reproduce.ONESHOT_CIFAR10_VARIANTS)
+    assert len(lines) == 2 * variants
+    assert all(line.startswith("| iid |") for line in lines[:variants])
+    assert lines[variants].startswith("| dirichlet(0.5) | KL, 500 steps | 0.3000 | 0.1000 | 0.2000 | 0.3100 |")
+    assert lines[-1].endswith(f"| {0.31 + (variants - 1) / 100:.4f} | 0.3000 | 0.3300 | {59 + variants} |")
