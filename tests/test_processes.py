@@ -60,7 +60,7 @@ def _assert_nothing_left(process: subprocess.Popen, started: list[psutil.Process
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_stops_simulate_and_every_process_it_started(tmp_path, sig, code):
-    process, log = _start(tmp_path, rounds=20)
+    process, log = _start(tmp_path, rounds=200)  # far longer than the signal takes to arrive (rounds take ~0.3 s)
     try:
         _wait_for_line(process, log, "[ROUND 1/", timeout=240)
         started = psutil.Process(process.pid).children(recursive=True)

@@ -270,7 +270,8 @@ def _check_out_dir(config: dict) -> Path:
 def _stream(link: LocalSuperLink, command: list[str], log_path: Path) -> tuple[int, str]:
     """Run ``flwr ...`` echoing its output to stderr and ``log_path``; returns (exit code, output)."""
     lines = []
-    with open(log_path, "w") as log, subprocess.Popen(["flwr", *command], env=link.env, text=True,
+    env = dict(link.env, PYTHONUNBUFFERED="1")  # flwr's log lines arrive as they happen, not when a pipe buffer fills
+    with open(log_path, "w") as log, subprocess.Popen(["flwr", *command], env=env, text=True,
                                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         for line in proc.stdout:
             lines.append(line)
