@@ -312,6 +312,17 @@ class RefineResult:
         return out
 
 
+def check_step_options(steps, eval_every, **positive) -> None:
+    """Refuse a bad optimisation budget: ``steps`` an integer >= 0, ``eval_every`` >= 1, and each
+    ``positive`` value a finite number > 0 (shared by refinement and distillation)."""
+    for name, value in (("steps", steps), ("eval_every", eval_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (name == "eval_every"):
+            raise ValueError(f"{name} must be an integer >= {int(name == 'eval_every')}, got {value!r}")
+    for name, value in positive.items():
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
 def keep_best_record(result) -> dict:
     """The keep-best fields shared by refinement and distillation results: selection loss at the
     start and at the kept step, the kept step, and the evaluation split's losses when measured."""
@@ -429,12 +440,7 @@ def learned_refine(
         raise ValueError("dual=True moves the reference along the path: it needs include_reference=True")
     if not candidates:
         raise ValueError("learned refinement needs at least one candidate")
-    for name, value in (("steps", steps), ("eval_every", eval_every)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (name == "eval_every"):
-            raise ValueError(f"{name} must be an integer >= {int(name == 'eval_every')}, got {value!r}")
-    for name, value in (("lr", lr), ("alpha", alpha), ("tau", tau)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    check_step_options(steps, eval_every, lr=lr, alpha=alpha, tau=tau)
     if not _as_batches(selection):
         raise ValueError("learned refinement: the selection split is empty (keep-best needs data to choose on)")
     t0 = time.perf_counter()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedbasin.alignment.refine import keep_best_record
+from fedbasin.alignment.refine import check_step_options, keep_best_record
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -132,12 +132,7 @@ def ensemble_distill(
         raise ValueError("ensemble distillation needs at least one teacher")
     if not selection:
         raise ValueError("ensemble distillation: the selection split is empty (keep-best needs data to choose on)")
-    for name, value in (("steps", steps), ("eval_every", eval_every)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (name == "eval_every"):
-            raise ValueError(f"{name} must be an integer >= {int(name == 'eval_every')}, got {value!r}")
-    for name, value in (("lr", lr), ("temperature", temperature)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    check_step_options(steps, eval_every, lr=lr, temperature=temperature)
     if not (isinstance(label_weight, (int, float)) and 0 <= label_weight <= 1):
         raise ValueError(f"label_weight must be a number in [0, 1], got {label_weight!r}")
     started = time.perf_counter()
