@@ -69,6 +69,44 @@ def _release() -> None:
     heap.trim()
 
 
+class PhaseTrace:
+    """Peak RSS per phase: wraps functions so that each call records the RSS at entry and exit
+    and the high-water mark while it ran (nested calls included), in units of ``size`` above
+    ``baseline``. Every entry and exit reads and resets ``VmHWM``, so the overall peak is the
+    largest value seen by any mark (:attr:`peak`)."""
+
+    def __init__(self, baseline: int, size: int):
+        self.baseline, self.size, self.open, self.rows, self.peak = baseline, size, [], [], 0
+
+    def _mark(self) -> int:
+        hwm = _status("VmHWM")
+        self.peak = max(self.peak, hwm)
+        for frame in self.open:
+            frame["max"] = max(frame["max"], hwm)
+        _reset_peak()
+        return _status("VmRSS")
+
+    def _units(self, nbytes: int) -> float:
+        return round((nbytes - self.baseline) / self.size, 2)
+
+    def wrap(self, name: str, function):
+        def traced(*args, **kwargs):
+            row = {"phase": name, "depth": len(self.open)}
+            self.rows.append(row)  # in call order
+            frame = {"max": 0, "in": self._mark()}
+            self.open.append(frame)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                out = self._mark()
+                self.open.pop()  # calls nest: the last one opened
+                row.update(rss_in=self._units(frame["in"]), peak=self._units(frame["max"]), rss_out=self._units(out))
+        return traced
+
+    def patch(self, module, name: str, label: str | None = None) -> None:
+        setattr(module, name, self.wrap(label or name, getattr(module, name)))
+
+
 def _warm_up() -> None:
     """Align and average two tiny models once: loads the linear-algebra libraries' buffers and
     code pages that any server holds after its first round (not part of a round's cost)."""
@@ -84,7 +122,8 @@ def _warm_up() -> None:
     torch.linalg.svd(torch.randn(SHAPE["dim"], SHAPE["dim"], dtype=torch.float64))
 
 
-def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: bool = True) -> dict:
+def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: bool = True,
+            universe: int = 1, aggregator: str = "mean", trace: bool = False) -> dict:
     """One ``aggregate_train`` with ``clients`` replies, in this process (see the module docstring);
     ``fixed_mmap``: glibc's mmap threshold fixed first, as the ServerApp does (``heap.fix_mmap_threshold``)."""
     fixed_mmap = fixed_mmap and heap.fix_mmap_threshold()
@@ -126,16 +165,32 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
             return nodes
 
     strategy = AlignedFedAvg(spec, iterations=iterations, min_train_nodes=clients,
-                             min_available_nodes=clients)
+                             min_available_nodes=clients, universe_iterations=universe, aggregator=aggregator)
     list(strategy.configure_train(1, broadcast, ConfigRecord(), Grid()))
     strategy.consume_replies = consume  # what ``start`` does: Flower drops the replies afterwards
     _release()
     held = _status("VmRSS")
     exact = _reset_peak()
+    phases = None
+    if trace and exact:  # per-phase peaks (their maximum is the call's peak)
+        import importlib
+
+        from fedbasin.strategies import aligned_fedavg
+
+        merge_module = importlib.import_module("fedbasin.alignment.merge")  # the package exports merge()
+
+        phases = PhaseTrace(baseline, size)
+        for name in ("weight_match", "canonicalize", "_relative_change", "to_gauge"):
+            phases.patch(merge_module, name)
+        for name in ("merge", "cohort_outliers", "aggregate"):
+            phases.patch(aligned_fedavg, name)
     started, cpu_started = time.perf_counter(), time.process_time()
     merged, metrics = strategy.aggregate_train(1, replies)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     peak = _status("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if phases is not None:
+        phases._mark()
+        peak = phases.peak
     if merged is None or metrics["num_excluded"]:
         raise RuntimeError(f"the benchmark round did not aggregate every reply: {dict(metrics)}")
     return {
@@ -143,7 +198,9 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
         "held": round((held - baseline) / size, 2), "peak": round((peak - baseline) / size, 2),
         "target": clients + 3, "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
         "warmup_mib": round((baseline - cold) / 2**20, 1), "peak_is_exact": exact,
-        "consume_replies": consume, "mmap_threshold_fixed": fixed_mmap,
+        "consume_replies": consume, "mmap_threshold_fixed": fixed_mmap, "universe_iterations": universe,
+        "universe_passes": metrics["universe_passes"], "aggregator": aggregator,
+        **({"phases": phases.rows} if phases is not None else {}),
     }
 
 
@@ -155,17 +212,25 @@ def main(argv=None) -> int:
                         help="leave the reply messages intact (a direct aggregate_train call)")
     parser.add_argument("--dynamic-mmap", action="store_true",
                         help="keep glibc's dynamic mmap threshold (the ServerApp fixes it: fedbasin.heap)")
+    parser.add_argument("--universe", type=int, default=1, metavar="P",
+                        help="universe-matching passes (universe_iterations)")
+    parser.add_argument("--aggregator", default="mean", help="mean, trimmed-mean or median")
+    parser.add_argument("--trace", action="store_true",
+                        help="also print the peak RSS of every phase (alignment, screening, aggregation)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
         print(json.dumps(measure(args.child, args.iterations, consume=not args.keep_replies,
-                                 fixed_mmap=not args.dynamic_mmap)))
+                                 fixed_mmap=not args.dynamic_mmap, universe=args.universe,
+                                 aggregator=args.aggregator, trace=args.trace)))
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     rows = []
     for k in args.clients:
         done = subprocess.run([sys.executable, "-m", "fedbasin.simulations.bench_server_memory",
                                "--child", str(k), "--iterations", str(args.iterations),
+                               "--universe", str(args.universe), "--aggregator", args.aggregator,
+                               *(["--trace"] if args.trace else []),
                                *(["--keep-replies"] if args.keep_replies else []),
                                *(["--dynamic-mmap"] if args.dynamic_mmap else [])],
                               env=env, capture_output=True, text=True, check=False)
@@ -173,6 +238,9 @@ def main(argv=None) -> int:
             print(done.stderr[-3000:], file=sys.stderr)
             return done.returncode
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        for phase in rows[-1].pop("phases", []):
+            print(f"  {'  ' * phase['depth']}{phase['phase']}: in {phase['rss_in']}, peak {phase['peak']}, "
+                  f"out {phase['rss_out']}", flush=True)
         print(json.dumps(rows[-1]), flush=True)
     r = rows[0]
     print(f"\nS = {r['model_bytes'] / 2**20:.0f} MiB ({r['params'] / 1e6:.1f} M float32 parameters); "
