@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .canonical import canonicalize, to_gauge
+from .group import GroupElement, apply_group, inverse
 from .matching import MatchResult, progress_bar, weight_match
 from .spec import SymmetrySpec, check_compatible
 
@@ -105,15 +106,20 @@ def merge(
     ``combine(aligned_canonical_states, weights)`` replaces the weighted mean (e.g. a robust
     aggregator that screens the aligned models first); the dicts it gets are the merge's own.
 
-    Memory: with one universe pass each model is canonicalised only while it is aligned (inside
-    :func:`weight_match`), so the merge holds the aligned models plus one model in flight.
-    ``release=True`` (the caller hands ``states`` over, the dicts included): model ``k``'s dict
-    is emptied and ``states[k]`` set to None as soon as it has been read (the reference once
-    canonicalised, the others by :func:`weight_match`), so its tensors go once nothing else
-    refers to them; no gauged copy of the aligned models is made, ``combine`` may empty the
-    dicts it gets (the default mean does, key by key) and the aligned models go after it.
-    Universe matching (``universe_iterations > 1``) re-aligns the original models in every
-    pass, so it holds all of them in canonical form.
+    Memory: each model is canonicalised only while it is aligned (inside :func:`weight_match`),
+    so a pass holds the aligned models plus one model in flight. ``release=True`` (the caller
+    hands ``states`` over, the dicts included): model ``k``'s dict is emptied and ``states[k]``
+    set to None as soon as it has been read (the reference once canonicalised, the others by
+    :func:`weight_match`), so its tensors go once nothing else refers to them; no gauged copy of
+    the aligned models is made, ``combine`` may empty the dicts it gets (the default mean does,
+    key by key) and, in the last pass, the aligned models go after it.
+
+    Universe matching re-aligns the original models in every pass. Without ``release`` they are
+    read from ``states`` again. With ``release`` a model of positive weight is kept only in its
+    aligned form ``g_k·θ_k`` (its ``combine`` input): before its next alignment it is turned back
+    into ``θ_k`` in place (``g_k⁻¹``, exact up to float round-off for orthogonal maps, bitwise for
+    permutations), so the passes hold one form of each model, never two; a weight-0 model (an
+    alignment target only, handed to ``combine`` unaligned in later passes) keeps its raw dict.
     """
     t0 = time.perf_counter()
     if len(states) < 2:
@@ -132,44 +138,58 @@ def merge(
                            untied=ref_c.untied)
 
     passes = max(universe_iterations, 1)
-    if passes > 1:
-        canon = [canonicalize(spec, s, names[i], validate=False).state for i, s in enumerate(states)]
-    else:  # one pass: weight_match canonicalises each model itself (the same tensors, bitwise)
-        canon = None
-        for i in range(len(states)):  # bad gains fail here, before any alignment starts
-            canonicalize(spec, states[i], names[i], validate=False)
-    if release:  # what is left of the raw models is read from their canonical forms
-        for i in range(len(states)):
-            if i == reference or canon is not None:
-                states[i].clear()
-                states[i] = None
+    for i in range(len(states)):  # bad gains fail here, before any alignment starts
+        canonicalize(spec, states[i], names[i], validate=False)
+    # models whose raw dict stays readable for later passes: all without release (the caller's),
+    # with release only weight-0 models when there are later passes (their unaligned entry)
+    readable = [not release or (passes > 1 and weights[k] == 0) for k in range(len(states))]
+    if release:
+        if not readable[reference]:
+            states[reference].clear()
+            states[reference] = None
         if combine is average_states:
             combine = functools.partial(average_states, release=True)
-    universe = ref_c.state
+    gains, universe = ref_c.gains, ref_c.state
+    # model k between passes when its raw dict is gone: (g·θ_k canonical, g); g None: θ_k itself
+    held = {reference: (ref_c.state, None)} if states[reference] is None else {}
     result = MergeResult({}, {}, [], untied=ref_c.untied)
+    del ref_c
     bar = progress_bar(len(states) * passes, progress, "aligning", "model")
     for t in range(passes):
+        last = t == passes - 1
         matches, aligned = [], []
+        result.matches = []  # the previous pass's transforms go as the models are restored
         for k in range(len(states)):
-            if (t == 0 and k == reference) or (t > 0 and weights[k] == 0):
-                # the reference itself, or a weight-0 model (alignment target only)
+            if t == 0 and k == reference:
                 matches.append(None)
-                aligned.append(dict(ref_c.state if canon is None else canon[k]))  # combine may empty it
+                aligned.append(universe)
+            elif t > 0 and weights[k] == 0:  # an alignment target only: canonicalised below, unaligned
+                matches.append(None)
+                aligned.append(None)
             else:
-                match = weight_match(spec, universe, states[k] if canon is None else canon[k], mode=mode,
-                                     iterations=iterations, tol=tol, weighting=weighting, token_rows=token_rows,
-                                     release=release and canon is None)
-                if release and canon is None:
+                candidate = states[k] if states[k] is not None else _restore(spec, *held.pop(k))
+                match = weight_match(spec, universe, candidate, mode=mode, iterations=iterations, tol=tol,
+                                     weighting=weighting, token_rows=token_rows,
+                                     release=release and not readable[k])
+                del candidate
+                if not readable[k]:
                     states[k] = None  # weight_match emptied the dict
                 matches.append(match)
                 aligned.append(match.canonical)
+                del match  # (no loop variable may keep a transform alive into the next pass)
             bar.update(1)
-        new_universe = combine(aligned, weights)
+        for k in range(len(states)):  # only while combine runs
+            if aligned[k] is None:
+                aligned[k] = canonicalize(spec, states[k], names[k], validate=False).state
+        if not last:  # the merge keeps its aligned models for the next pass: combine gets copies
+            held.update((k, (aligned[k], m.transform)) for k, m in enumerate(matches)
+                        if m is not None and not readable[k])
+        # combine may empty what it gets: never the universe's own dict
+        new_universe = combine([dict(a) if not last or a is universe else a for a in aligned], weights)
         del aligned
         result.matches = [m for m in matches if m is not None]
         if release:
-            for m in result.matches:
-                m.canonical = {}
+            _keep_records_only(result.matches)
         del matches
         change = _relative_change(spec, universe, new_universe)
         universe = new_universe
@@ -177,16 +197,37 @@ def merge(
         result.universe_change.append(change)
         if change < universe_tol:
             break
+    held.clear()
+    if release:  # the weight-0 models' raw dicts, read until the last pass
+        for k in range(len(states)):
+            if states[k] is not None:
+                states[k].clear()
+                states[k] = None
     bar.close()
     result.canonical = universe
-    result.state = to_gauge(spec, universe, ref_c.gains)
+    result.state = to_gauge(spec, universe, gains)
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _relative_change(spec: SymmetrySpec, old: dict, new: dict) -> float:
-    keys = sorted(spec.keys())
-    num = sum(float((new[k].double() - old[k].double()).pow(2).sum()) for k in keys)
-    den = sum(float(old[k].double().pow(2).sum()) for k in keys)
-    return (num / max(den, 1e-30)) ** 0.5
+def _keep_records_only(matches: list[MatchResult]) -> None:
+    """Drop the matches' states (a function of its own: no loop variable outlives it)."""
+    for match in matches:
+        match.canonical, match.state = {}, {}
 
+
+def _restore(spec: SymmetrySpec, state: dict, g: GroupElement | None) -> dict:
+    """``θ = g⁻¹·(g·θ)`` in place on ``state`` (each aligned tensor goes as its original replaces it)."""
+    return state if g is None else apply_group(spec, state, inverse(g), in_place=True)
+
+
+def _relative_change(spec: SymmetrySpec, old: dict, new: dict, block: int = 1 << 18) -> float:
+    """``‖new − old‖ / ‖old‖`` over the spec's tensors, in float64 blocks of ``block`` values."""
+    num = den = 0.0
+    for key in sorted(spec.keys()):
+        a, b = old[key].reshape(-1), new[key].reshape(-1)
+        for start in range(0, a.numel(), block):
+            before = a[start:start + block].double()
+            num += float((b[start:start + block].double() - before).pow(2).sum())
+            den += float(before.pow(2).sum())
+    return (num / max(den, 1e-30)) ** 0.5
