@@ -66,6 +66,10 @@ def test_benchmark_measures_one_aggregation(monkeypatch):
     row = bench.measure(3, iterations=1)
     assert row["clients"] == 3 and row["target"] == 6 and row["params"] > 0
     assert row["peak"] >= row["held"] - 0.5  # the peak is measured over the same baseline
+    row = bench.measure(3, iterations=1, universe=2, aggregator="median", trace=True, distill_steps=1)
+    assert row["universe_passes"] == 2 and row["distill_steps"] == 1
+    assert {"weight_match", "aggregate", "merge", "distill"} <= {p["phase"] for p in row["phases"]}
+    assert max(p["peak"] for p in row["phases"]) <= row["peak"] + 0.01
 
 
 def test_the_strategy_aggregates_views_of_the_reply_bytes():

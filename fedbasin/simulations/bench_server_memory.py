@@ -122,8 +122,36 @@ def _warm_up() -> None:
     torch.linalg.svd(torch.randn(SHAPE["dim"], SHAPE["dim"], dtype=torch.float64))
 
 
+def _distiller(spec, steps: int):
+    """``distill(merged, clients)`` as the ServerApp builds it (:func:`ensemble_distill`), on
+    random-token proxy batches (4 × 64 tokens or the context length, seed 0; two training batches, one selection
+    batch). The architecture module it copies is built once, as the ServerApp does (one more model
+    held before the call)."""
+    import itertools
+
+    import torch
+    import torch.nn.functional as F
+
+    from fedbasin.models import build_model
+    from fedbasin.server.distill import ensemble_distill
+
+    model = build_model("gpt", SHAPE, seed=0)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (3, 4, min(64, SHAPE["block_size"]) + 1), generator=g)
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def distill(merged: dict, clients: list[dict]):
+        return ensemble_distill(model, merged, clients, loss_fn, itertools.cycle(batches[:2]), batches[2:],
+                                steps=steps, eval_every=steps)
+
+    return distill
+
+
 def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: bool = True,
-            universe: int = 1, aggregator: str = "mean", trace: bool = False) -> dict:
+            universe: int = 1, aggregator: str = "mean", trace: bool = False, distill_steps: int = 0) -> dict:
     """One ``aggregate_train`` with ``clients`` replies, in this process (see the module docstring);
     ``fixed_mmap``: glibc's mmap threshold fixed first, as the ServerApp does (``heap.fix_mmap_threshold``)."""
     fixed_mmap = fixed_mmap and heap.fix_mmap_threshold()
@@ -164,8 +192,10 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
         def get_node_ids(self):
             return nodes
 
+    distill = _distiller(spec, distill_steps) if distill_steps else None
     strategy = AlignedFedAvg(spec, iterations=iterations, min_train_nodes=clients,
-                             min_available_nodes=clients, universe_iterations=universe, aggregator=aggregator)
+                             min_available_nodes=clients, universe_iterations=universe, aggregator=aggregator,
+                             distill=distill)
     list(strategy.configure_train(1, broadcast, ConfigRecord(), Grid()))
     strategy.consume_replies = consume  # what ``start`` does: Flower drops the replies afterwards
     _release()
@@ -184,6 +214,8 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
             phases.patch(merge_module, name)
         for name in ("merge", "cohort_outliers", "aggregate"):
             phases.patch(aligned_fedavg, name)
+        if strategy.distill is not None:
+            strategy.distill = phases.wrap("distill", strategy.distill)
     started, cpu_started = time.perf_counter(), time.process_time()
     merged, metrics = strategy.aggregate_train(1, replies)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
@@ -199,7 +231,7 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
         "target": clients + 3, "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
         "warmup_mib": round((baseline - cold) / 2**20, 1), "peak_is_exact": exact,
         "consume_replies": consume, "mmap_threshold_fixed": fixed_mmap, "universe_iterations": universe,
-        "universe_passes": metrics["universe_passes"], "aggregator": aggregator,
+        "universe_passes": metrics["universe_passes"], "aggregator": aggregator, "distill_steps": distill_steps,
         **({"phases": phases.rows} if phases is not None else {}),
     }
 
@@ -215,6 +247,8 @@ def main(argv=None) -> int:
     parser.add_argument("--universe", type=int, default=1, metavar="P",
                         help="universe-matching passes (universe_iterations)")
     parser.add_argument("--aggregator", default="mean", help="mean, trimmed-mean or median")
+    parser.add_argument("--distill-steps", type=int, default=0, metavar="N",
+                        help="ensemble distillation of the clients into the merge, N steps on random tokens")
     parser.add_argument("--trace", action="store_true",
                         help="also print the peak RSS of every phase (alignment, screening, aggregation)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
@@ -222,7 +256,8 @@ def main(argv=None) -> int:
     if args.child is not None:
         print(json.dumps(measure(args.child, args.iterations, consume=not args.keep_replies,
                                  fixed_mmap=not args.dynamic_mmap, universe=args.universe,
-                                 aggregator=args.aggregator, trace=args.trace)))
+                                 aggregator=args.aggregator, trace=args.trace,
+                                 distill_steps=args.distill_steps)))
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     rows = []
@@ -230,7 +265,7 @@ def main(argv=None) -> int:
         done = subprocess.run([sys.executable, "-m", "fedbasin.simulations.bench_server_memory",
                                "--child", str(k), "--iterations", str(args.iterations),
                                "--universe", str(args.universe), "--aggregator", args.aggregator,
-                               *(["--trace"] if args.trace else []),
+                               *(["--trace"] if args.trace else []), "--distill-steps", str(args.distill_steps),
                                *(["--keep-replies"] if args.keep_replies else []),
                                *(["--dynamic-mmap"] if args.dynamic_mmap else [])],
                               env=env, capture_output=True, text=True, check=False)
