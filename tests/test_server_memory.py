@@ -260,7 +260,7 @@ def test_inverse_undoes_every_group_element(mode):
     """``inverse(g)`` takes ``g·θ`` back to θ for every architecture variant (heads permuted with
     their maps, non-orthogonal duals, neuron scalings): exactly for pure permutations."""
     from fedbasin.alignment import apply_group, canonicalize, random_group_element
-    from fedbasin.alignment.group import inverse
+    from fedbasin.alignment.width import inverse
     from tests.helpers import trained_like, variants
 
     for family, config in variants()[::3]:

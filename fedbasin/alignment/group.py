@@ -397,34 +397,3 @@ def compose(first: GroupElement, then: GroupElement) -> GroupElement:
         neurons.append(NeuronMap(n1.perm[p2], scale))
     return GroupElement(residual, heads, neurons)
 
-
-def inverse(g: GroupElement) -> GroupElement:
-    """``g⁻¹`` (square residual map): ``apply_group(apply_group(θ, g), inverse(g)) = θ``.
-
-    Result head h is input head π[h] times A_h, so the inverse takes head π⁻¹[j] back with
-    ``A⁻¹`` of that head's group; its map is the transpose of g's dual (``(A⁻ᵀ)ᵀ``, ``Aᵀ`` when
-    orthogonal) and its dual the transpose of g's map. Neurons: ``p⁻¹`` with ``1/s[p⁻¹]``.
-    """
-    if g.residual is not None and g.residual.shape[0] != g.residual.shape[1]:
-        raise ValueError(f"a residual map of shape {tuple(g.residual.shape)} (width change) has no inverse")
-
-    def back(maps, perm):
-        return None if maps is None else permuted_maps(maps.transpose(1, 2), perm)
-
-    heads = []
-    for hm in g.heads:
-        if hm is None:
-            heads.append(None)
-            continue
-        perm = torch.argsort(hm.perm)
-        heads.append(HeadMap(perm, back(_dual(hm.qk, hm.qk_dual), perm), back(_dual(hm.ov, hm.ov_dual), perm),
-                             None if hm.qk_dual is None else back(hm.qk, perm),
-                             None if hm.ov_dual is None else back(hm.ov, perm)))
-    neurons = []
-    for nm in g.neurons:
-        if nm is None:
-            neurons.append(None)
-            continue
-        perm = torch.argsort(nm.perm)
-        neurons.append(NeuronMap(perm, None if nm.scale is None else 1.0 / nm.scale[perm]))
-    return GroupElement(None if g.residual is None else g.residual.T, heads, neurons)
