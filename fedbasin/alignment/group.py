@@ -396,4 +396,3 @@ def compose(first: GroupElement, then: GroupElement) -> GroupElement:
         scale = s1 if n2.scale is None else (n2.scale if s1 is None else s1 * n2.scale)
         neurons.append(NeuronMap(n1.perm[p2], scale))
     return GroupElement(residual, heads, neurons)
-

@@ -1,6 +1,7 @@
 """Server memory of ``AlignedFedAvg.aggregate_train`` with K client replies of a model of size S.
 
     python -m fedbasin.simulations.bench_server_memory [--clients 2 4 8] [--iterations 2]
+        [--universe P] [--aggregator mean|trimmed-mean|median] [--distill-steps N] [--trace]
 
 Model: a fedbasin GPT, GPT-2-like in shape but smaller (width 384, 6 layers, 6 heads, MLP 1536,
 vocabulary 8192, 256 positions, untied, float32: 17.0 M parameters, S = 65 MiB). Each K runs
@@ -22,9 +23,13 @@ exists): the K replies and the broadcast model that the server holds anyway; ``p
 RSS during the call above the baseline; ``target`` — K + 3 (issue 9). The warm-up loads what
 a running server has loaded after its first round (BLAS/LAPACK buffers and library pages,
 about 30 MiB, independent of the model); ``warmup_mib`` is that growth, so the peak above the
-cold process is ``peak + warmup_mib / S``. Prints one JSON line per K and a Markdown table. The children
-fix glibc's mmap threshold at 64 KiB first, as the ServerApp does (``fedbasin.heap``: freed
-model-sized blocks go back to the kernel at once); ``--dynamic-mmap`` measures glibc's default.
+cold process is ``peak + warmup_mib / S``. ``--universe``, ``--aggregator`` and ``--distill-steps``
+set the strategy's ``universe_iterations``, ``aggregator`` and ``distill`` (:func:`_distiller`);
+``--trace`` also prints the RSS at entry, peak and exit of every alignment, canonicalisation,
+screening, aggregation and distillation call (:class:`PhaseTrace`). Prints one JSON line per K
+and a Markdown table. The children fix glibc's mmap threshold at 64 KiB first, as the
+ServerApp does (``fedbasin.heap``: freed model-sized blocks go back to the kernel at once);
+``--dynamic-mmap`` measures glibc's default.
 """
 
 from __future__ import annotations
