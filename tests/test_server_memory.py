@@ -309,7 +309,7 @@ def test_lean_universe_merge_equals_the_previous_universe_merge(mode, weights, r
 
     spec = spec_of("vit", DIGITS_VIT)
     states = [trained_digits_vit(s) for s in (1, 2, 3, 4)]
-    options = dict(mode=mode, iterations=3, tol=0.0)
+    options = {"mode": mode, "iterations": 3, "tol": 0.0}
     expected, changes = _previous_universe_merge(spec, states, weights, reference, 3, **options)
     kept = merge(spec, [dict(s) for s in states], weights, reference, universe_iterations=3, universe_tol=-1.0,
                  **options)
@@ -341,9 +341,9 @@ def test_lean_universe_merge_holds_one_form_of_each_model(monkeypatch, weights):
     (and each pass's gauged copies), measured 17.5 / 14.8 here."""
     import importlib
 
-    from tests.helpers import GPT
-
     from fedbasin.alignment import canonicalize
+    from tests.helpers import GPT
+    from tests.test_strategy import transformed_copies
 
     merge_module = importlib.import_module("fedbasin.alignment.merge")
     config = dict(GPT, vocab_size=64, dim=32, mlp_dim=64)
@@ -363,7 +363,6 @@ def test_lean_universe_merge_holds_one_form_of_each_model(monkeypatch, weights):
     monkeypatch.setattr(merge_module, "weight_match", sampled(merge_module.weight_match))
     combine = sampled(merge_module.average_states)
     del base
-    from tests.test_strategy import transformed_copies
 
     def models():
         return transformed_copies(spec, trained_like_float32(config), len(weights), noise=1e-2)
