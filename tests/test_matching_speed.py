@@ -124,3 +124,82 @@ def test_layers_sharing_a_tensor_are_not_stepped_in_parallel():
     assert _layers_disjoint(spec)
     assert not _layers_disjoint(dataclasses.replace(spec, mlp=(spec.mlp[0], spec.mlp[0])))
     assert not _layers_disjoint(dataclasses.replace(spec, attention=(spec.attention[1],) * 2))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_kept_mlp_covariance_equals_the_recomputed_one(monkeypatch, activation):
+    """The residual step's C keeps its MLP-weight part up to date (rows moved by neuron
+    permutations, O_sᵀ C after residual steps) instead of recomputing it: at every residual step
+    it equals the C computed from the current state (float64), and the iterates are unchanged."""
+    config = dict(WIDE, activation=activation)
+    spec = spec_of("gpt", config)
+    a, b = _pair(config)
+    original = _Matcher.residual_covariance
+    checked = []
+
+    def spy(self, state, axes=None, free=None, residual=None):
+        got = original(self, state, axes, free, residual)
+        if self.neuron_cov is not None and axes is None:
+            kept, self.neuron_cov = self.neuron_cov, None
+            try:
+                expected = original(self, state, axes, free, residual)
+            finally:
+                self.neuron_cov = kept
+            assert torch.allclose(got, expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()))
+            checked.append(float((got - expected).abs().max()))
+        return got
+
+    monkeypatch.setattr(_Matcher, "residual_covariance", spy)
+    tracked = weight_match(spec, a, b, iterations=5, tol=0)
+    assert len(checked) == 5 * (1 + matching.INNER_SWEEPS)
+    monkeypatch.setattr(_Matcher, "track_neurons", lambda self, state: None)
+    plain = weight_match(spec, a, b, iterations=5, tol=0)
+    assert tracked.objective == pytest.approx(plain.objective, rel=1e-10)
+    assert tracked.objective[-1] > tracked.objective[1]
+    moved = [not torch.equal(n.perm, torch.arange(n.perm.numel())) for n in tracked.transform.neurons]
+    assert any(moved), "no neuron permutation was exercised"
+
+
+def _heads_in_place(spec, state, mode, seed=3):
+    """``state`` moved by random within-head maps (every head kept in place), plus a little noise."""
+    from fedbasin.alignment import random_group_element
+    from fedbasin.alignment.group import HeadMap, apply_group
+
+    g = random_group_element(spec, seed, mode=mode)
+    g.residual, g.neurons = None, [None] * len(spec.mlp)
+    g.heads = [HeadMap(torch.arange(a.num_heads), h.qk, h.ov) for a, h in zip(spec.attention, g.heads)]
+    moved = apply_group(spec, state, g)
+    noise = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * v.std() * torch.randn(v.shape, generator=noise, dtype=v.dtype) if v.dim() == 2 else v
+            for k, v in moved.items()}
+
+
+def _llama_gqa():
+    from fedbasin.alignment.hf import hf_adapter
+
+    from .causal_lm import hf_model
+
+    model = hf_model("llama", num_key_value_heads=2)
+    adapter = hf_adapter(model)
+    return adapter.spec, adapter.to_standard(model.state_dict())
+
+
+@pytest.mark.parametrize("case", ["learned", "rope", "permutation", "llama-gqa"])
+def test_head_maps_are_the_head_steps_maps_when_heads_stay(case):
+    """The maps-only head step (diagonal pairs, no values, no assignment) returns what the full
+    head step returns when its assignment keeps every head in place: same maps, identity
+    permutation (orthogonal, RoPE plane rotations, within-head permutations, grouped queries)."""
+    mode = "permutation" if case == "permutation" else "orthogonal"
+    if case == "llama-gqa":
+        spec, raw = _llama_gqa()
+    else:
+        config = dict(WIDE, position="rope" if case == "rope" else "learned")
+        spec, raw = spec_of("gpt", config), _pair(config)[0]
+    ref = canonicalize(spec, raw, "reference").state
+    cand = _heads_in_place(spec, ref, mode)
+    matcher = _Matcher(spec, ref, _Objective(spec, ref, cand, "rms"), mode)
+    for a in spec.attention:
+        full, maps = matcher.head_step(a, cand), matcher.head_maps(a, cand)
+        assert torch.equal(full.perm, torch.arange(a.num_heads)) and torch.equal(maps.perm, full.perm)
+        assert maps.qk.shape[0] == a.kv_heads
+        assert torch.allclose(maps.qk, full.qk, atol=1e-9) and torch.allclose(maps.ov, full.ov, atol=1e-9)
