@@ -84,6 +84,9 @@ class MatchResult:
 #: with the within-head maps, and such a sweep costs a fraction of a full one (no MLP scores or
 #: assignments, no head pair values): GPT-2-small pair, same final objective in fewer CPU seconds
 INNER_SWEEPS = 2
+#: keep the MLP weights unrotated during matching (see weight_match); False: rotate them with every
+#: residual step and recompute their covariance (the reference computation the tests compare with)
+UNROTATED_MLP = True
 SPARSE_ASSIGNMENT_ABOVE = 1024  # n above which assignments are solved on a top-k candidate graph
 SPARSE_CANDIDATES = 64
 
@@ -254,6 +257,8 @@ class _Objective:
                 raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
         self.norm = {"cosine": float(len(self.keys)), "rms": float(sum(ref[k].numel() for k in self.keys))}.get(
             weighting, 1.0)
+        #: keys whose terms the caller counts through ``free`` (kept unrotated, see weight_match)
+        self.implicit: set = set()
 
     def contribution(self, key: str, tensor: torch.Tensor) -> float:
         ref = self.ref[key].to(tensor).reshape(-1)
@@ -266,7 +271,7 @@ class _Objective:
         ``free`` = K₀ (d×d, see :meth:`_Matcher.free_covariance`) stands for the tensors that
         only the residual map O moves and that ``state`` leaves out: they add ``tr(Oᵀ K₀)``.
         """
-        keys = [k for k in self.keys if k in state]
+        keys = [k for k in self.keys if k in state and k not in self.implicit]
         if previous is None:
             terms = {k: self.contribution(k, state[k]) for k in keys}
         else:
@@ -297,11 +302,12 @@ class _Matcher:
         #: un-rotated during matching, their cross-covariance with the reference fixed (K₀)
         self.lazy = {k for k, _ in self.free_axes if counts[k] == 1}
         neuron_weights = {lin.weight for m in spec.mlp for lin in (m.up, m.gate, m.down) if lin}
-        #: residual axes of the MLP weights: their part of C is kept up to date (:meth:`track_neurons`)
-        #: instead of recomputed — a neuron permutation changes it by a few rows, a residual step
-        #: O_s maps it to O_sᵀ C; None until :meth:`track_neurons` starts it
-        self.neuron_axes = [(k, ax) for k, ax in spec.residual if k in neuron_weights and counts[k] == 1]
-        self.neuron_cov: torch.Tensor | None = None
+        #: residual axes of the MLP weights (2-d, one residual axis each). :func:`weight_match`
+        #: keeps these weights unrotated like the lazy keys, moved by neuron permutations only;
+        #: their C (float64) changes by a few rows per permutation
+        #: (:meth:`neuron_delta`) and joins K₀
+        self.neuron_axes = [(k, ax) for k, ax in spec.residual
+                            if k in neuron_weights and counts[k] == 1 and ref[k].dim() == 2]
 
     # -- residual ---------------------------------------------------------------------------
     def covariance(self, state: dict, axes) -> torch.Tensor | None:
@@ -324,61 +330,46 @@ class _Matcher:
             c = torch.zeros(self.spec.width, self.spec.width, dtype=first.dtype, device=first.device)
         return c
 
-    def track_neurons(self, state: dict) -> None:
-        """Start keeping C over :attr:`neuron_axes` (float64) for ``state``; from now on the caller
-        reports every accepted neuron step (:meth:`neurons_moved`) and residual step
-        (:meth:`residual_moved`), and :meth:`residual_step` uses the kept part."""
+    def neuron_covariance(self, state: dict) -> torch.Tensor | None:
+        """C over :attr:`neuron_axes` (float64; None if all their weights are 0)."""
         c = self.covariance(state, self.neuron_axes)
-        self.neuron_cov = None if c is None else c.double()
+        return None if c is None else c.double()
 
-    def neurons_moved(self, m: MLPSpec, before: dict, perm: torch.Tensor) -> None:
-        """Update the kept C after ``perm`` moved MLP ``m`` (row i of the new state = row perm[i]
-        of ``before``): only the moved rows change it, ``ΔC = Σ_i (x_perm[i] − x_i)ᵀ r_i``."""
-        if self.neuron_cov is None:
-            return
-        moved = (perm != torch.arange(perm.numel(), device=perm.device)).nonzero().flatten()
-        if moved.numel() == 0:
-            return
-        keys = {lin.weight for lin in (m.up, m.gate, m.down) if lin}
+    def neuron_delta(self, m: MLPSpec, before: dict, nm: NeuronMap) -> torch.Tensor:
+        """Change of :meth:`neuron_covariance` when ``nm`` moves MLP ``m`` (row i of the new state =
+        row perm[i] of ``before``, times s_i on up/gate, 1/s_i on down): only moved rows count,
+        ``ΔC = Σ_i w (x'_i − x_i)ᵀ r_i`` — a gather and a (rows × d × d) product, not (n × d × d)."""
+        d = self.spec.width
+        first = before[self.neuron_axes[0][0]]
+        delta = torch.zeros(d, d, dtype=torch.float64, device=first.device)
+        perm = nm.perm.to(first.device)
+        every = torch.arange(perm.numel(), device=perm.device)
+        rows = every if nm.scale is not None else (perm != every).nonzero().flatten()
+        down = {m.down.weight}
         for key, axis in self.neuron_axes:
-            if key not in keys or self.w[key] == 0:
+            if key not in {lin.weight for lin in (m.up, m.gate, m.down) if lin} or self.w[key] == 0:
                 continue
-            neuron_axis = 1 - axis  # the weight's other axis carries the neurons
-            x = before[key].movedim(neuron_axis, 0)
-            r = self.ref[key].to(x).movedim(neuron_axis, 0)
-            rows, src = moved.to(x.device), perm[moved].to(x.device)
-            delta = (x[src] - x[rows]).double().T @ r[rows].double()
-            self.neuron_cov += delta * self.w[key]
-
-    def residual_moved(self, step: torch.Tensor) -> None:
-        """Update the kept C after the residual step O_s: ``unfold(θ ×_axis O_s) = unfold(θ) O_s``."""
-        if self.neuron_cov is not None:
-            self.neuron_cov = step.to(self.neuron_cov).T @ self.neuron_cov
-
-    def residual_covariance(self, state: dict, axes=None, free: torch.Tensor | None = None,
-                            residual: torch.Tensor | None = None) -> torch.Tensor | None:
-        """C of :meth:`residual_step` (see there); the MLP weights' part is the kept one while
-        :meth:`track_neurons` is on (same value up to round-off, none of their d×d products)."""
-        if axes is None:
-            axes = [(k, ax) for k, ax in self.spec.residual if k in state]
-        kept = self.neuron_cov is not None and all(a in axes for a in self.neuron_axes)
-        if kept:
-            axes = [a for a in axes if a not in self.neuron_axes]
-        c = self.covariance(state, axes)
-        if kept:
-            c = self.neuron_cov.to(state[self.neuron_axes[0][0]]) if c is None else c + self.neuron_cov.to(c)
-        if free is not None:
-            moved = free if residual is None else residual.to(free).T @ free
-            c = moved if c is None else c + moved
-        return c
+            x = before[key].movedim(1 - axis, 0)  # (neurons, d): the unfolded rows
+            r = self.ref[key].to(x).movedim(1 - axis, 0)
+            new = x[perm[rows]]
+            if nm.scale is not None:
+                s = nm.scale.to(new)[rows]
+                new = new * (1.0 / s if key in down else s)[:, None]
+            delta += ((new - x[rows]).double().T @ r[rows].double()) * self.w[key]
+        return delta
 
     def residual_step(self, state: dict, axes=None, free: torch.Tensor | None = None,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
         """Best residual map O for ``state`` (keys in ``axes``, default every residual axis of a
         key present in ``state``) plus, with ``free`` = K₀, the lazy tensors now at
         ``θ_p ×_axis residual``."""
+        if axes is None:
+            axes = [(k, ax) for k, ax in self.spec.residual if k in state]
         with self.clock("residual.covariance"):
-            c = self.residual_covariance(state, axes, free, residual)
+            c = self.covariance(state, axes)
+            if free is not None:
+                moved = free if residual is None else residual.to(free).T @ free
+                c = moved if c is None else c + moved
         with self.clock("residual.svd"):
             return self.orthogonal_map(c, state)
 
@@ -604,8 +595,20 @@ def weight_match(
     # tensors only the residual map moves stay unrotated until the end (see free_covariance)
     lazy = {k: cand_c.state[k] for k in matcher.lazy}
     free = matcher.free_covariance(cand_c.state)
-    inner = dataclasses.replace(spec, residual=tuple(a for a in spec.residual if a[0] not in lazy))
+    # so do the MLP weights (moved by neuron permutations only): their C, ``neurons`` below, is
+    # kept up to date and joins K₀; the MLP step rotates a layer's weights when it scores them
+    unrotated = {k for k, _ in matcher.neuron_axes} if UNROTATED_MLP else set()
+    J.implicit = unrotated
+    inner = dataclasses.replace(spec, residual=tuple(a for a in spec.residual
+                                                     if a[0] not in lazy and a[0] not in unrotated))
     cand_inner = {k: v for k, v in cand_c.state.items() if k not in lazy}
+    neurons = None  # C of the unrotated MLP weights (float64), set with the start point
+
+    def fixed(delta: torch.Tensor | None = None) -> torch.Tensor:
+        """K₀ + C of the unrotated MLP weights (+ ``delta``): C of everything ``inner`` leaves out."""
+        if neurons is None:
+            return free
+        return free + (neurons if delta is None else neurons + delta).to(free)
 
     phases = dict.fromkeys(("setup", "heads", "mlp", "residual", "finish"), 0.0)
     cpu = dict.fromkeys(phases, 0.0)  # process CPU seconds (all threads): robust on a shared machine
@@ -628,7 +631,7 @@ def weight_match(
     def apply_each(factor: str, maps: list) -> None:
         """Apply layer i's map of ``factor`` (``heads`` or ``neurons``) in turn, each kept only if J
         does not fall."""
-        nonlocal point
+        nonlocal point, neurons
         with matcher.clock("heads.apply" if factor == "heads" else "mlp.apply"), one_thread(device):
             for i, layer_map in enumerate(maps):
                 if factor == "neurons" and layer_map.scale is None and bool(
@@ -636,29 +639,36 @@ def weight_match(
                     continue  # the identity: nothing moves
                 step = GroupElement.identity(spec)
                 getattr(step, factor)[i] = layer_map
+                delta = None
+                if factor == "neurons" and neurons is not None:
+                    delta = matcher.neuron_delta(spec.mlp[i], point.state, layer_map)
                 before = point
-                point = point.try_step(inner, J, step, free)
-                if factor == "neurons" and point is not before:
-                    if layer_map.scale is None:
-                        matcher.neurons_moved(spec.mlp[i], before.state, layer_map.perm)
-                    else:
-                        matcher.neuron_cov = None  # rescaled neurons: C is recomputed from now on
+                point = point.try_step(inner, J, step, fixed(delta))
+                if delta is not None and point is not before:
+                    neurons += delta
                 del before
 
     def layer_maps(step, layers, state: dict) -> list:
         """``step(layer, state)`` for every layer (``state`` is not kept once the maps exist)."""
         return layer_steps(lambda x: step(x, state), layers)
 
+    def neuron_step(m: MLPSpec, state: dict) -> NeuronMap:
+        """The MLP step on the layer's weights as they stand: the unrotated ones rotated first."""
+        o = point.g.residual
+        keys = [k for lin in (m.up, m.gate, m.down) if lin for k in (lin.weight, lin.bias) if k]
+        layer = {k: state[k] for k in keys if k in state}
+        with matcher.clock("mlp.rotate"):
+            for key, axis in matcher.neuron_axes:
+                if key in layer and key in unrotated and o is not None:
+                    layer[key] = contract_axis(layer[key], axis, o.to(layer[key]))
+        return matcher.neuron_step(m, layer)
+
     def residual_step() -> None:
         nonlocal point
         step = GroupElement.identity(spec)
-        step.residual = matcher.residual_step(point.state, free=free, residual=point.g.residual)
+        step.residual = matcher.residual_step(point.state, inner.residual, free=fixed(), residual=point.g.residual)
         with matcher.clock("residual.apply"):
-            before = point
-            point = point.try_step(inner, J, step, free)
-            if point is not before:
-                matcher.residual_moved(step.residual)
-            del before
+            point = point.try_step(inner, J, step, fixed())
 
     def iterate() -> None:
         nonlocal point
@@ -670,7 +680,7 @@ def weight_match(
         # maps were computed from is not held while they are applied (its replaced layers go)
         apply_each("heads", layer_maps(matcher.head_step, spec.attention, point.state))
         clock = timed("heads", clock)
-        apply_each("neurons", layer_maps(matcher.neuron_step, spec.mlp, point.state))
+        apply_each("neurons", layer_maps(neuron_step, spec.mlp, point.state))
         clock = timed("mlp", clock)
         residual_step()
         clock = timed("residual", clock)
@@ -691,15 +701,25 @@ def weight_match(
     if init is not None:
         starts.append(("given", init))
     start_name, point = None, None
+    unmoved = None  # C of the unrotated MLP weights for starts without neuron maps (computed once)
     for name, g0 in starts:  # one start state at a time; the first of equal ones wins
         state0 = apply_group(inner, cand_inner, g0)
-        tried = _Point(state0, g0, *J(state0, residual=g0.residual, free=free))
+        own = None
+        if unrotated:
+            if any(n is not None for n in g0.neurons):
+                own = matcher.neuron_covariance(state0)
+            else:
+                unmoved = matcher.neuron_covariance(state0) if unmoved is None else unmoved
+                own = unmoved
+        neurons = own
+        tried = _Point(state0, g0, *J(state0, residual=g0.residual, free=fixed()))
         if point is None or tried.value > point.value:
-            start_name, point = name, tried
+            start_name, point, kept = name, tried, own
         del state0, tried
+    neurons = kept
+    del unmoved, own, kept
     order = list(cand_c.state)  # the candidate's key order
     del cand_c, cand_inner  # the canonical candidate: what the start point does not use goes
-    matcher.track_neurons(point.state)
     objective = [point.value]
     elapsed = [time.perf_counter() - t0]
     timed("setup", t0)
@@ -722,8 +742,8 @@ def weight_match(
     state = dict(point.state)
     del point
     for key, axis in spec.residual:
-        if key in lazy:
-            moved = lazy.pop(key)  # the unrotated tensor goes once rotated
+        if key in lazy or key in unrotated:
+            moved = lazy.pop(key) if key in lazy else state.pop(key)  # the unrotated tensor goes once rotated
             state[key] = moved if g.residual is None else contract_axis(moved, axis, g.residual.to(moved))
             del moved
     state = {k: state[k] for k in order}
