@@ -553,8 +553,10 @@ def weight_match(
     ``transform`` of a permutation-mode result; the start with the highest objective is used.
 
     Returns the candidate transformed by an exact group element (same function), in the
-    reference's gauge, with the objective record. Stops when the relative gain of J over an
-    iteration is below ``tol`` or after ``iterations`` iterations. Runs on the tensors' device.
+    reference's gauge, with the objective record. One iteration is a full sweep (head, MLP and
+    residual steps) and ``INNER_SWEEPS`` maps-only sweeps (within-head maps, residual map); it
+    stops when the relative gain of J per sweep over an iteration is below ``tol`` or after
+    ``iterations`` iterations. Runs on the tensors' device.
 
     ``token_rows``: token ids whose rows count in the objective (e.g. the tokens seen in
     training); the other rows of token-indexed tensors (:func:`token_indexed_keys`) are left out
@@ -726,6 +728,7 @@ def weight_match(
 
     bar = progress_bar(iterations, progress, "weight matching", "it")
     done = 0
+    sweeps = 1 + (INNER_SWEEPS if spec.attention else 0)  # sweeps per iteration: tol is per sweep
     while done < iterations:
         before = point.value
         iterate()
@@ -733,7 +736,7 @@ def weight_match(
         elapsed.append(time.perf_counter() - t0)
         done += 1
         bar.update(1)
-        if point.value - before <= tol * max(abs(before), 1e-12):
+        if point.value - before <= sweeps * tol * max(abs(before), 1e-12):
             break
     bar.close()
     clock = time.perf_counter()
