@@ -4,6 +4,7 @@ accumulated in place, single-threaded SVDs, and per-layer steps run in worker th
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 
 import pytest
@@ -201,3 +202,23 @@ def test_head_maps_are_the_head_steps_maps_when_heads_stay(case):
         assert torch.equal(full.perm, torch.arange(a.num_heads)) and torch.equal(maps.perm, full.perm)
         assert maps.qk.shape[0] == a.kv_heads
         assert torch.allclose(maps.qk, full.qk, atol=1e-9) and torch.allclose(maps.ov, full.ov, atol=1e-9)
+
+
+@pytest.mark.parametrize("conditioning", [1.0, 1e3, 1e-6])
+def test_large_procrustes_by_eigh_equals_the_svd_polar_factor(conditioning):
+    """The residual map's Procrustes (d ≥ POLAR_BY_EIGH_FROM) through eigh of MᵀM gives U Vᵀ of
+    the SVD to round-off and is orthogonal; with σ_min/σ_max below 1e-4 (last case) the SVD runs."""
+    from fedbasin.alignment.matching import POLAR_BY_EIGH_FROM, _polar_by_eigh
+
+    d = POLAR_BY_EIGH_FROM + 44
+    g = torch.Generator().manual_seed(1)
+    q1, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    q2, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    sigma = torch.logspace(0, math.log10(conditioning), d, dtype=torch.float64)  # σ_max/σ_min ≈ conditioning
+    sigma = sigma * torch.rand(d, generator=g, dtype=torch.float64).add(1)
+    m = q1 @ torch.diag(sigma) @ q2.T
+    u, _, vh = torch.linalg.svd(m)
+    o = procrustes(m)
+    assert torch.allclose(o, u @ vh, atol=1e-9)
+    assert torch.allclose(o.T @ o, torch.eye(d, dtype=torch.float64), atol=1e-12)
+    assert (_polar_by_eigh(m) is None) == (conditioning < 1e-4)

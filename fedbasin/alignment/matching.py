@@ -192,13 +192,35 @@ def per_layer(step, layers: list, device: torch.device) -> list:
     return results
 
 
+POLAR_BY_EIGH_FROM = 256  # square matrices from this size get their polar factor from eigh
+
+
 def procrustes(m: torch.Tensor, value: bool = False):
     """Orthogonal O maximising ``tr(Oᵀ M)``: ``O = U Vᵀ`` for ``M = U Σ Vᵀ`` (batched, float64);
-    with ``value`` also the maximum ``‖M‖_* = Σ σ``."""
+    with ``value`` also the maximum ``‖M‖_* = Σ σ``. A single large M (the residual map) goes
+    through :func:`_polar_by_eigh` when it is well conditioned."""
+    if not value and m.dim() == 2 and m.shape[0] == m.shape[1] >= POLAR_BY_EIGH_FROM:
+        with one_thread(m.device):
+            o = _polar_by_eigh(m.double())
+        if o is not None:
+            return o.to(m.dtype)
     with one_thread(m.device):
         u, sv, vh = torch.linalg.svd(m.double())
     o = (u @ vh).to(m.dtype)
     return (o, sv.sum(-1).to(m.dtype)) if value else o
+
+
+def _polar_by_eigh(m: torch.Tensor) -> torch.Tensor | None:
+    """``U Vᵀ`` of ``M = U Σ Vᵀ`` (float64, square) as ``M V Σ⁻¹ Vᵀ`` from ``Mᵀ M = V Σ² Vᵀ``: one
+    symmetric eigendecomposition instead of an SVD (768×768, one thread: 0.07 against 0.17 CPU s),
+    then one Newton–Schulz step ``O (3I − OᵀO) / 2`` that squares the orthogonality error.
+    None (use the SVD) if ``σ_min < 1e-4 σ_max``: the round-off of Σ⁻¹ grows like (σ_max/σ_min)²."""
+    lam, v = torch.linalg.eigh(m.T @ m)
+    if not bool(lam[0] > 1e-8 * lam[-1]):
+        return None
+    o = ((m @ v) * lam.rsqrt()) @ v.T
+    eye = torch.eye(o.shape[0], dtype=o.dtype, device=o.device)
+    return o @ (1.5 * eye - 0.5 * (o.T @ o))
 
 
 def nuclear_norms(m: torch.Tensor) -> torch.Tensor:
