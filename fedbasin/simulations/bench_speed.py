@@ -1,6 +1,7 @@
 """Speed benchmark: align two GPT-2-small-shaped models (12 layers, d=768, n=3072, 12 heads).
 
     python -m fedbasin.simulations.bench_speed [--layers 12] [--tol 1e-4] [--profile] [--device cpu]
+    python -m fedbasin.simulations.bench_speed --previous-sweeps   # the previous iteration, same conditions
     python -m fedbasin.simulations.bench_speed --kernels   # the kernels alone, 1 vs n threads
 
 Prints wall time per phase (setup = canonicalise + starts, heads, MLP, residual, finish = gauge;
@@ -57,21 +58,25 @@ def matmul_flops_per_iteration(spec, state: dict) -> dict:
     lengths) plus rotating the (unrotated) MLP weights once; head pair products (H²·d_h²·row
     length per q/k/v/o tensor; the maps-only sweeps' H·d_h²·row length); and per residual step
     two passes over the attention weights (covariance, then applying O) — the MLP weights'
-    covariance is kept up to date from the rows that move, not recomputed."""
+    covariance is kept up to date from the rows that move, not recomputed (with
+    ``UNROTATED_MLP = False`` the MLP weights take both passes too and are not rotated to score)."""
     sweeps = 1 + (matching.INNER_SWEEPS if spec.attention else 0)
     mlp = 0
     for m in spec.mlp:
         n = state[m.up.weight].shape[0]
         k = sum(state[x].numel() // n for lin in (m.up, m.gate) if lin for x in (lin.weight, lin.bias) if x)
         mlp += 2 * n * n * (k + state[m.down.weight].numel() // n)
-        mlp += sum(2 * state[lin.weight].numel() * spec.width for lin in (m.up, m.gate, m.down) if lin)
+        if matching.UNROTATED_MLP:
+            mlp += sum(2 * state[lin.weight].numel() * spec.width for lin in (m.up, m.gate, m.down) if lin)
     heads = 0
     for a in spec.attention:
         for lin in (a.q, a.k, a.v, a.o):
             row_length = state[lin.weight].numel() // a.num_heads // a.head_dim
             heads += 2 * a.num_heads * (a.num_heads + sweeps - 1) * a.head_dim ** 2 * row_length
-    attention = {lin.weight for a in spec.attention for lin in (a.q, a.k, a.v, a.o)}
-    residual = sweeps * sum(2 * 2 * state[k].numel() * spec.width for k, _ in spec.residual if k in attention)
+    moved = {lin.weight for a in spec.attention for lin in (a.q, a.k, a.v, a.o)}
+    if not matching.UNROTATED_MLP:
+        moved |= {lin.weight for m in spec.mlp for lin in (m.up, m.gate, m.down) if lin}
+    residual = sweeps * sum(2 * 2 * state[k].numel() * spec.width for k, _ in spec.residual if k in moved)
     return {"mlp": mlp, "heads": heads, "residual": residual}
 
 
@@ -141,6 +146,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--mode", default="orthogonal", choices=["orthogonal", "permutation"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--previous-sweeps", action="store_true",
+                        help="the previous iteration for an A/B in the same conditions: full sweeps only "
+                             "(INNER_SWEEPS = 0) and MLP weights rotated with every residual step "
+                             "(UNROTATED_MLP = False); same iterates as the code before the maps-only sweeps")
     parser.add_argument("--reference-objective", type=float, default=0.10350,
                         help="report when J first reaches this value (default: what the previous "
                              "algorithm converged to on the default pair, 11 iterations)")
@@ -158,6 +167,8 @@ def main(argv=None) -> dict:
                "amx": sorted(f for f in _cpu_flags() if f.startswith("amx"))}
         print(json.dumps(out, indent=1))
         return out
+    if args.previous_sweeps:
+        matching.INNER_SWEEPS, matching.UNROTATED_MLP = 0, False
     config = dict(vocab_size=50257, block_size=1024, dim=768, depth=args.layers, heads=12, mlp_dim=3072)
     t0 = time.perf_counter()
     a = build_model("gpt", config, seed=0).state_dict()
@@ -201,6 +212,7 @@ def main(argv=None) -> dict:
         "shape": config,
         "parameters_millions": round(sum(v.numel() for v in a.values()) / 1e6, 1),
         "mode": args.mode,
+        "sweeps": {"inner_sweeps": matching.INNER_SWEEPS, "unrotated_mlp": matching.UNROTATED_MLP},
         "device": args.device,
         "iterations_run": result.iterations,
         "align_seconds": round(result.seconds, 2),
