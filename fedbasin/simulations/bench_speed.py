@@ -131,6 +131,27 @@ def kernels(n: int = 3072, d: int = 768, head_dim: int = 64, heads: int = 12, re
     return out
 
 
+def compare_sweeps(config: dict, settings: list[str], args) -> dict:
+    """One weight_match per setting on the same pair in this process (same conditions)."""
+    a = build_model("gpt", config, seed=0).state_dict()
+    b = build_model("gpt", config, seed=1).state_dict()
+    spec = fedbasin_adapter("gpt", make_config("gpt", config)).spec
+    out = {"threads": torch.get_num_threads(), "load_average_1min_start": round(os.getloadavg()[0], 2), "runs": {}}
+    for setting in settings:
+        previous = setting == "previous"
+        matching.INNER_SWEEPS, matching.UNROTATED_MLP = (0, False) if previous else (int(setting), True)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        r = weight_match(spec, a, b, mode=args.mode, iterations=args.iterations, tol=args.tol)
+        out["runs"][setting] = {
+            "cpu_seconds": round(time.process_time() - cpu0, 1), "wall_seconds": round(time.perf_counter() - wall0, 1),
+            "iterations": r.iterations, "objective": [round(x, 6) for x in r.objective],
+            "cpu_seconds_by_part": {k[:-4]: round(v, 1) for k, v in r.phases.items() if k.endswith("_cpu")}}
+        print(setting, json.dumps(out["runs"][setting]), file=sys.stderr, flush=True)
+    out["load_average_1min_end"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(out, indent=1))
+    return out
+
+
 def _cpu_flags() -> set:
     try:
         with open("/proc/cpuinfo") as f:
@@ -150,6 +171,10 @@ def main(argv=None) -> dict:
                         help="the previous iteration for an A/B in the same conditions: full sweeps only "
                              "(INNER_SWEEPS = 0) and MLP weights rotated with every residual step "
                              "(UNROTATED_MLP = False); same iterates as the code before the maps-only sweeps")
+    parser.add_argument("--compare-sweeps", default=None, metavar="LIST",
+                        help="A/B in one process, e.g. 'previous,2,3': for each setting (previous = "
+                             "--previous-sweeps, N = INNER_SWEEPS N) one weight_match to convergence; prints "
+                             "CPU and wall seconds, iterations, objectives and CPU seconds per part")
     parser.add_argument("--reference-objective", type=float, default=0.10350,
                         help="report when J first reaches this value (default: what the previous "
                              "algorithm converged to on the default pair, 11 iterations)")
@@ -170,6 +195,8 @@ def main(argv=None) -> dict:
     if args.previous_sweeps:
         matching.INNER_SWEEPS, matching.UNROTATED_MLP = 0, False
     config = dict(vocab_size=50257, block_size=1024, dim=768, depth=args.layers, heads=12, mlp_dim=3072)
+    if args.compare_sweeps:
+        return compare_sweeps(config, args.compare_sweeps.split(","), args)
     t0 = time.perf_counter()
     a = build_model("gpt", config, seed=0).state_dict()
     b = build_model("gpt", config, seed=1).state_dict()
