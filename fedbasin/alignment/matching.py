@@ -359,27 +359,21 @@ class _Matcher:
         c = self.covariance(state, self.neuron_axes)
         return None if c is None else c.double()
 
-    def neuron_delta(self, m: MLPSpec, before: dict, nm: NeuronMap) -> torch.Tensor:
-        """Change of :meth:`neuron_covariance` when ``nm`` moves MLP ``m`` (row i of the new state =
-        row perm[i] of ``before``, times s_i on up/gate, 1/s_i on down): only moved rows count,
-        ``ΔC = Σ_i w (x'_i − x_i)ᵀ r_i`` — a gather and a (rows × d × d) product, not (n × d × d)."""
+    def neuron_delta(self, m: MLPSpec, before: dict, perm: torch.Tensor) -> torch.Tensor:
+        """Change of :meth:`neuron_covariance` when the permutation ``perm`` moves MLP ``m`` (row i
+        of the new state = row perm[i] of ``before``): only moved rows count,
+        ``ΔC = Σ_i w (x_perm[i] − x_i)ᵀ r_i`` — a gather and a (moved × d × d) product."""
         d = self.spec.width
         first = before[self.neuron_axes[0][0]]
         delta = torch.zeros(d, d, dtype=torch.float64, device=first.device)
-        perm = nm.perm.to(first.device)
-        every = torch.arange(perm.numel(), device=perm.device)
-        rows = every if nm.scale is not None else (perm != every).nonzero().flatten()
-        down = {m.down.weight}
+        perm = perm.to(first.device)
+        rows = (perm != torch.arange(perm.numel(), device=perm.device)).nonzero().flatten()
         for key, axis in self.neuron_axes:
             if key not in {lin.weight for lin in (m.up, m.gate, m.down) if lin} or self.w[key] == 0:
                 continue
             x = before[key].movedim(1 - axis, 0)  # (neurons, d): the unfolded rows
             r = self.ref[key].to(x).movedim(1 - axis, 0)
-            new = x[perm[rows]]
-            if nm.scale is not None:
-                s = nm.scale.to(new)[rows]
-                new = new * (1.0 / s if key in down else s)[:, None]
-            delta += ((new - x[rows]).double().T @ r[rows].double()) * self.w[key]
+            delta += ((x[perm[rows]] - x[rows]).double().T @ r[rows].double()) * self.w[key]
         return delta
 
     def residual_step(self, state: dict, axes=None, free: torch.Tensor | None = None,
@@ -666,8 +660,8 @@ def weight_match(
                 step = GroupElement.identity(spec)
                 getattr(step, factor)[i] = layer_map
                 delta = None
-                if factor == "neurons" and neurons is not None:
-                    delta = matcher.neuron_delta(spec.mlp[i], point.state, layer_map)
+                if factor == "neurons" and neurons is not None:  # neuron steps are permutations
+                    delta = matcher.neuron_delta(spec.mlp[i], point.state, layer_map.perm)
                 before = point
                 point = point.try_step(inner, J, step, fixed(delta))
                 if delta is not None and point is not before:
