@@ -18,6 +18,9 @@ recorded objective never decreases:
    circuit similarity, and the exact maximiser of J), then per-head Procrustes for A (QK; RoPE:
    one angle per rotary plane) and B (OV);
 3. MLP per layer: Hungarian on ``w₁ W_1,ref W_1ᵀ + w_b b_1,ref b_1ᵀ + w₂ W_2,refᵀ W_2`` (gate included).
+
+An iteration of :func:`weight_match` is one full sweep (heads, MLPs, residual) and
+``INNER_SWEEPS`` maps-only sweeps (within-head maps with the heads in place, then the residual map).
 """
 
 from __future__ import annotations
