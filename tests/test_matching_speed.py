@@ -4,6 +4,7 @@ accumulated in place, single-threaded SVDs, and per-layer steps run in worker th
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 
 import pytest
@@ -124,3 +125,130 @@ def test_layers_sharing_a_tensor_are_not_stepped_in_parallel():
     assert _layers_disjoint(spec)
     assert not _layers_disjoint(dataclasses.replace(spec, mlp=(spec.mlp[0], spec.mlp[0])))
     assert not _layers_disjoint(dataclasses.replace(spec, attention=(spec.attention[1],) * 2))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_unrotated_mlp_weights_give_the_iterates_of_rotating_them(monkeypatch, activation):
+    """The MLP weights stay unrotated during matching, their C kept up to date from the rows each
+    neuron permutation moves: objective record, group element and aligned state are those of the
+    reference computation (rotate them at every residual step, recompute their C), float64."""
+    config = dict(WIDE, activation=activation)
+    spec = spec_of("gpt", config)
+    a, b = _pair(config)
+    deltas = []
+    original = _Matcher.neuron_delta
+
+    def spy(self, m, before, perm):
+        delta = original(self, m, before, perm)
+        deltas.append(float(delta.abs().max()))
+        return delta
+
+    monkeypatch.setattr(_Matcher, "neuron_delta", spy)
+    kept = weight_match(spec, a, b, iterations=5, tol=0)
+    assert deltas and max(deltas) > 0, "no neuron permutation was exercised"
+    monkeypatch.setattr(matching, "UNROTATED_MLP", False)
+    deltas.clear()
+    rotated = weight_match(spec, a, b, iterations=5, tol=0)
+    assert not deltas
+    assert kept.objective == pytest.approx(rotated.objective, rel=1e-10)
+    assert kept.objective[-1] > kept.objective[1]
+    assert torch.allclose(kept.transform.residual, rotated.transform.residual, atol=1e-9)
+    for x, y in zip(kept.transform.neurons, rotated.transform.neurons):
+        assert torch.equal(x.perm, y.perm)
+    for k in kept.state:
+        assert torch.allclose(kept.state[k], rotated.state[k], atol=1e-9), k
+
+
+def _heads_in_place(spec, state, mode, seed=3):
+    """``state`` moved by random within-head maps (every head kept in place), plus a little noise."""
+    from fedbasin.alignment import random_group_element
+    from fedbasin.alignment.group import HeadMap, apply_group
+
+    g = random_group_element(spec, seed, mode=mode)
+    g.residual, g.neurons = None, [None] * len(spec.mlp)
+    g.heads = [HeadMap(torch.arange(a.num_heads), h.qk, h.ov) for a, h in zip(spec.attention, g.heads)]
+    moved = apply_group(spec, state, g)
+    noise = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * v.std() * torch.randn(v.shape, generator=noise, dtype=v.dtype) if v.dim() == 2 else v
+            for k, v in moved.items()}
+
+
+def _llama_gqa():
+    from fedbasin.alignment.hf import hf_adapter
+
+    from .causal_lm import hf_model
+
+    model = hf_model("llama", num_key_value_heads=2)
+    adapter = hf_adapter(model)
+    return adapter.spec, adapter.to_standard(model.state_dict())
+
+
+@pytest.mark.parametrize("case", ["learned", "rope", "permutation", "llama-gqa"])
+def test_head_maps_are_the_head_steps_maps_when_heads_stay(case):
+    """The maps-only head step (diagonal pairs, no values, no assignment) returns what the full
+    head step returns when its assignment keeps every head in place: same maps, identity
+    permutation (orthogonal, RoPE plane rotations, within-head permutations, grouped queries)."""
+    mode = "permutation" if case == "permutation" else "orthogonal"
+    if case == "llama-gqa":
+        spec, raw = _llama_gqa()
+    else:
+        config = dict(WIDE, position="rope" if case == "rope" else "learned")
+        spec, raw = spec_of("gpt", config), _pair(config)[0]
+    ref = canonicalize(spec, raw, "reference").state
+    cand = _heads_in_place(spec, ref, mode)
+    matcher = _Matcher(spec, ref, _Objective(spec, ref, cand, "rms"), mode)
+    for a in spec.attention:
+        full, maps = matcher.head_step(a, cand), matcher.head_maps(a, cand)
+        assert torch.equal(full.perm, torch.arange(a.num_heads)) and torch.equal(maps.perm, full.perm)
+        assert maps.qk.shape[0] == a.kv_heads
+        assert torch.allclose(maps.qk, full.qk, atol=1e-9) and torch.allclose(maps.ov, full.ov, atol=1e-9)
+
+
+@pytest.mark.parametrize("conditioning", [1.0, 1e3, 1e-6])
+def test_large_procrustes_by_eigh_equals_the_svd_polar_factor(conditioning):
+    """The residual map's Procrustes (d ≥ POLAR_BY_EIGH_FROM) through eigh of MᵀM gives U Vᵀ of
+    the SVD to round-off and is orthogonal; with σ_min/σ_max below 1e-4 (last case) the SVD runs."""
+    from fedbasin.alignment.matching import POLAR_BY_EIGH_FROM, _polar_by_eigh
+
+    d = POLAR_BY_EIGH_FROM + 44
+    g = torch.Generator().manual_seed(1)
+    q1, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    q2, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    sigma = torch.logspace(0, math.log10(conditioning), d, dtype=torch.float64)  # σ_max/σ_min ≈ conditioning
+    sigma = sigma * torch.rand(d, generator=g, dtype=torch.float64).add(1)
+    m = q1 @ torch.diag(sigma) @ q2.T
+    u, _, vh = torch.linalg.svd(m)
+    o = procrustes(m)
+    assert torch.allclose(o, u @ vh, atol=1e-9)
+    assert torch.allclose(o.T @ o, torch.eye(d, dtype=torch.float64), atol=1e-12)
+    assert (_polar_by_eigh(m) is None) == (conditioning < 1e-4)
+
+
+@pytest.mark.parametrize("scales", [False, True])
+def test_unrotated_mlp_weights_from_a_given_start(monkeypatch, scales):
+    """A given start with neuron maps (permutations; ReLU scalings too) starts the kept MLP
+    covariance from its own state: same iterates as the reference computation."""
+    from fedbasin.alignment.group import GroupElement, NeuronMap, apply_group
+
+    config = dict(WIDE, activation="relu")
+    spec = spec_of("gpt", config)
+    ref = canonicalize(spec, _pair(config)[0], "reference").state
+    g = torch.Generator().manual_seed(4)
+    planted, undo = GroupElement.identity(spec), GroupElement.identity(spec)
+    for i, m in enumerate(spec.mlp):
+        n = ref[m.up.weight].shape[0]
+        perm = torch.randperm(n, generator=g)
+        scale = torch.rand(n, generator=g, dtype=torch.float64).add(0.5) if scales else None
+        planted.neurons[i] = NeuronMap(perm, scale)
+        back = torch.argsort(perm)
+        undo.neurons[i] = NeuronMap(back, None if scale is None else 1.0 / scale[back])
+    cand = apply_group(spec, ref, planted)
+    cand = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.dim() == 2 else v
+            for k, v in cand.items()}
+    kept = weight_match(spec, ref, cand, iterations=3, tol=0, init=undo)
+    assert kept.start == "given"
+    monkeypatch.setattr(matching, "UNROTATED_MLP", False)
+    rotated = weight_match(spec, ref, cand, iterations=3, tol=0, init=undo)
+    assert kept.objective == pytest.approx(rotated.objective, rel=1e-10)
+    for k in kept.state:  # near the optimum J is flat: the maps agree to ~√ε, not ε
+        assert torch.allclose(kept.state[k], rotated.state[k], atol=1e-6), k

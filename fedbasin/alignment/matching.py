@@ -18,6 +18,9 @@ recorded objective never decreases:
    circuit similarity, and the exact maximiser of J), then per-head Procrustes for A (QK; RoPE:
    one angle per rotary plane) and B (OV);
 3. MLP per layer: Hungarian on ``w₁ W_1,ref W_1ᵀ + w_b b_1,ref b_1ᵀ + w₂ W_2,refᵀ W_2`` (gate included).
+
+An iteration of :func:`weight_match` is one full sweep (heads, MLPs, residual) and
+``INNER_SWEEPS`` maps-only sweeps (within-head maps with the heads in place, then the residual map).
 """
 
 from __future__ import annotations
@@ -79,6 +82,16 @@ class MatchResult:
     phases: dict = field(default_factory=dict)
 
 
+#: maps-only sweeps (within-head maps with heads in place, then the residual map) after each full
+#: sweep (heads, MLPs, residual): the slow tail of the ascent is the coupling of the residual map
+#: with the within-head maps (a maps-only sweep gains about what a full one does there), and it
+#: costs a fraction of a full sweep (no MLP scores or assignments, no head pair values).
+#: GPT-2-small pair, one thread: 0 → 82.4 CPU s to J = 0.103501; 2 → 49.8 s to 0.103511; 3 → 49.7 s
+#: to 0.103533 (0.103503 after 3 of its 4 iterations) — docs/scale.md, "Speed"
+INNER_SWEEPS = 3
+#: keep the MLP weights unrotated during matching (see weight_match); False: rotate them with every
+#: residual step and recompute their covariance (the reference computation the tests compare with)
+UNROTATED_MLP = True
 SPARSE_ASSIGNMENT_ABOVE = 1024  # n above which assignments are solved on a top-k candidate graph
 SPARSE_CANDIDATES = 64
 
@@ -184,13 +197,35 @@ def per_layer(step, layers: list, device: torch.device) -> list:
     return results
 
 
+POLAR_BY_EIGH_FROM = 256  # square matrices from this size get their polar factor from eigh
+
+
 def procrustes(m: torch.Tensor, value: bool = False):
     """Orthogonal O maximising ``tr(Oᵀ M)``: ``O = U Vᵀ`` for ``M = U Σ Vᵀ`` (batched, float64);
-    with ``value`` also the maximum ``‖M‖_* = Σ σ``."""
+    with ``value`` also the maximum ``‖M‖_* = Σ σ``. A single large M (the residual map) goes
+    through :func:`_polar_by_eigh` when it is well conditioned."""
+    if not value and m.dim() == 2 and m.shape[0] == m.shape[1] >= POLAR_BY_EIGH_FROM:
+        with one_thread(m.device):
+            o = _polar_by_eigh(m.double())
+        if o is not None:
+            return o.to(m.dtype)
     with one_thread(m.device):
         u, sv, vh = torch.linalg.svd(m.double())
     o = (u @ vh).to(m.dtype)
     return (o, sv.sum(-1).to(m.dtype)) if value else o
+
+
+def _polar_by_eigh(m: torch.Tensor) -> torch.Tensor | None:
+    """``U Vᵀ`` of ``M = U Σ Vᵀ`` (float64, square) as ``M V Σ⁻¹ Vᵀ`` from ``Mᵀ M = V Σ² Vᵀ``: one
+    symmetric eigendecomposition instead of an SVD (768×768, one thread: 0.07 against 0.17 CPU s),
+    then one Newton–Schulz step ``O (3I − OᵀO) / 2`` that squares the orthogonality error.
+    None (use the SVD) if ``σ_min < 1e-4 σ_max``: the round-off of Σ⁻¹ grows like (σ_max/σ_min)²."""
+    lam, v = torch.linalg.eigh(m.T @ m)
+    if not bool(lam[0] > 1e-8 * lam[-1]):
+        return None
+    o = ((m @ v) * lam.rsqrt()) @ v.T
+    eye = torch.eye(o.shape[0], dtype=o.dtype, device=o.device)
+    return o @ (1.5 * eye - 0.5 * (o.T @ o))
 
 
 def nuclear_norms(m: torch.Tensor) -> torch.Tensor:
@@ -249,6 +284,8 @@ class _Objective:
                 raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
         self.norm = {"cosine": float(len(self.keys)), "rms": float(sum(ref[k].numel() for k in self.keys))}.get(
             weighting, 1.0)
+        #: keys whose terms the caller counts through ``free`` (kept unrotated, see weight_match)
+        self.implicit: set = set()
 
     def contribution(self, key: str, tensor: torch.Tensor) -> float:
         ref = self.ref[key].to(tensor).reshape(-1)
@@ -261,7 +298,7 @@ class _Objective:
         ``free`` = K₀ (d×d, see :meth:`_Matcher.free_covariance`) stands for the tensors that
         only the residual map O moves and that ``state`` leaves out: they add ``tr(Oᵀ K₀)``.
         """
-        keys = [k for k in self.keys if k in state]
+        keys = [k for k in self.keys if k in state and k not in self.implicit]
         if previous is None:
             terms = {k: self.contribution(k, state[k]) for k in keys}
         else:
@@ -291,6 +328,13 @@ class _Matcher:
         #: keys that only the residual map moves (embeddings, head, residual biases): kept
         #: un-rotated during matching, their cross-covariance with the reference fixed (K₀)
         self.lazy = {k for k, _ in self.free_axes if counts[k] == 1}
+        neuron_weights = {lin.weight for m in spec.mlp for lin in (m.up, m.gate, m.down) if lin}
+        #: residual axes of the MLP weights (2-d, one residual axis each). :func:`weight_match`
+        #: keeps these weights unrotated like the lazy keys, moved by neuron permutations only;
+        #: their C (float64) changes by a few rows per permutation
+        #: (:meth:`neuron_delta`) and joins K₀
+        self.neuron_axes = [(k, ax) for k, ax in spec.residual
+                            if k in neuron_weights and counts[k] == 1 and ref[k].dim() == 2]
 
     # -- residual ---------------------------------------------------------------------------
     def covariance(self, state: dict, axes) -> torch.Tensor | None:
@@ -312,6 +356,28 @@ class _Matcher:
             first = state[self.spec.residual[0][0]]
             c = torch.zeros(self.spec.width, self.spec.width, dtype=first.dtype, device=first.device)
         return c
+
+    def neuron_covariance(self, state: dict) -> torch.Tensor | None:
+        """C over :attr:`neuron_axes` (float64; None if all their weights are 0)."""
+        c = self.covariance(state, self.neuron_axes)
+        return None if c is None else c.double()
+
+    def neuron_delta(self, m: MLPSpec, before: dict, perm: torch.Tensor) -> torch.Tensor:
+        """Change of :meth:`neuron_covariance` when the permutation ``perm`` moves MLP ``m`` (row i
+        of the new state = row perm[i] of ``before``): only moved rows count,
+        ``ΔC = Σ_i w (x_perm[i] − x_i)ᵀ r_i`` — a gather and a (moved × d × d) product."""
+        d = self.spec.width
+        first = before[self.neuron_axes[0][0]]
+        delta = torch.zeros(d, d, dtype=torch.float64, device=first.device)
+        perm = perm.to(first.device)
+        rows = (perm != torch.arange(perm.numel(), device=perm.device)).nonzero().flatten()
+        for key, axis in self.neuron_axes:
+            if key not in {lin.weight for lin in (m.up, m.gate, m.down) if lin} or self.w[key] == 0:
+                continue
+            x = before[key].movedim(1 - axis, 0)  # (neurons, d): the unfolded rows
+            r = self.ref[key].to(x).movedim(1 - axis, 0)
+            delta += ((x[perm[rows]] - x[rows]).double().T @ r[rows].double()) * self.w[key]
+        return delta
 
     def residual_step(self, state: dict, axes=None, free: torch.Tensor | None = None,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -407,6 +473,23 @@ class _Matcher:
         perm = (gperm[:, None] * r + within[torch.arange(G), gperm]).reshape(-1)
         return HeadMap(perm, qk, ov)
 
+    def head_maps(self, a: AttentionSpec, state: dict) -> HeadMap:
+        """Maximise J over the within-head maps alone, every candidate head kept on the reference
+        head it faces now (identity permutation): ``M_qk[g] = K_gᵀ K_ref,g + Σ_{h∈g} Q_hᵀ Q_ref,h``
+        and ``M_ov[g] = V_gᵀ V_ref,g + Σ_{h∈g} O_h O_ref,hᵀ`` (g: key/value group), then the maps
+        of :meth:`_best_maps` — the G diagonal pairs of :meth:`head_step` only: no pair values,
+        no assignment, H instead of H² factor products."""
+        ref = self._head_factors(a, self.ref)
+        cand = self._head_factors(a, state)
+        ref = {k: v.to(cand[k]) for k, v in ref.items()}
+        same = lambda x, y: torch.einsum("iad,ibd->iab", y, x)  # noqa: E731  the diagonal of head_step's pairs
+        grouped = lambda m: m.reshape(a.kv_heads, a.group_size, *m.shape[1:]).sum(1)  # noqa: E731
+        m_qk = same(ref["k"], cand["k"]) + grouped(same(ref["q"], cand["q"]))
+        m_ov = same(ref["v"], cand["v"]) + grouped(same(ref["o"], cand["o"]))
+        rotary_ok = self.mode == "orthogonal" or not a.rotary
+        return HeadMap(torch.arange(a.num_heads), self._best_maps(m_qk, a, rotary_ok),
+                       self._best_maps(m_ov, None, True))
+
     def _pair_values(self, m: torch.Tensor, attention: AttentionSpec | None, allow: bool) -> torch.Tensor:
         """``max_A tr(Aᵀ M[i, j])`` for every (ref i, cand j) pair over the within-head maps A
         allowed (``attention`` given: its rotary layout constrains A; None: any orthogonal A;
@@ -491,8 +574,10 @@ def weight_match(
     ``transform`` of a permutation-mode result; the start with the highest objective is used.
 
     Returns the candidate transformed by an exact group element (same function), in the
-    reference's gauge, with the objective record. Stops when the relative gain of J over an
-    iteration is below ``tol`` or after ``iterations`` iterations. Runs on the tensors' device.
+    reference's gauge, with the objective record. One iteration is a full sweep (head, MLP and
+    residual steps) and ``INNER_SWEEPS`` maps-only sweeps (within-head maps, residual map); it
+    stops when the relative gain of J per sweep over an iteration is below ``tol`` or after
+    ``iterations`` iterations. Runs on the tensors' device.
 
     ``token_rows``: token ids whose rows count in the objective (e.g. the tokens seen in
     training); the other rows of token-indexed tensors (:func:`token_indexed_keys`) are left out
@@ -533,8 +618,20 @@ def weight_match(
     # tensors only the residual map moves stay unrotated until the end (see free_covariance)
     lazy = {k: cand_c.state[k] for k in matcher.lazy}
     free = matcher.free_covariance(cand_c.state)
-    inner = dataclasses.replace(spec, residual=tuple(a for a in spec.residual if a[0] not in lazy))
+    # so do the MLP weights (moved by neuron permutations only): their C, ``neurons`` below, is
+    # kept up to date and joins K₀; the MLP step rotates a layer's weights when it scores them
+    unrotated = {k for k, _ in matcher.neuron_axes} if UNROTATED_MLP else set()
+    J.implicit = unrotated
+    inner = dataclasses.replace(spec, residual=tuple(a for a in spec.residual
+                                                     if a[0] not in lazy and a[0] not in unrotated))
     cand_inner = {k: v for k, v in cand_c.state.items() if k not in lazy}
+    neurons = None  # C of the unrotated MLP weights (float64), set with the start point
+
+    def fixed(delta: torch.Tensor | None = None) -> torch.Tensor:
+        """K₀ + C of the unrotated MLP weights (+ ``delta``): C of everything ``inner`` leaves out."""
+        if neurons is None:
+            return free
+        return free + (neurons if delta is None else neurons + delta).to(free)
 
     phases = dict.fromkeys(("setup", "heads", "mlp", "residual", "finish"), 0.0)
     cpu = dict.fromkeys(phases, 0.0)  # process CPU seconds (all threads): robust on a shared machine
@@ -557,16 +654,44 @@ def weight_match(
     def apply_each(factor: str, maps: list) -> None:
         """Apply layer i's map of ``factor`` (``heads`` or ``neurons``) in turn, each kept only if J
         does not fall."""
-        nonlocal point
+        nonlocal point, neurons
         with matcher.clock("heads.apply" if factor == "heads" else "mlp.apply"), one_thread(device):
             for i, layer_map in enumerate(maps):
+                if factor == "neurons" and layer_map.scale is None and bool(
+                        (layer_map.perm == torch.arange(layer_map.perm.numel())).all()):
+                    continue  # the identity: nothing moves
                 step = GroupElement.identity(spec)
                 getattr(step, factor)[i] = layer_map
-                point = point.try_step(inner, J, step, free)
+                delta = None
+                if factor == "neurons" and neurons is not None:  # neuron steps are permutations
+                    delta = matcher.neuron_delta(spec.mlp[i], point.state, layer_map.perm)
+                before = point
+                point = point.try_step(inner, J, step, fixed(delta))
+                if delta is not None and point is not before:
+                    neurons += delta
+                del before
 
     def layer_maps(step, layers, state: dict) -> list:
         """``step(layer, state)`` for every layer (``state`` is not kept once the maps exist)."""
         return layer_steps(lambda x: step(x, state), layers)
+
+    def neuron_step(m: MLPSpec, state: dict) -> NeuronMap:
+        """The MLP step on the layer's weights as they stand: the unrotated ones rotated first."""
+        o = point.g.residual
+        keys = [k for lin in (m.up, m.gate, m.down) if lin for k in (lin.weight, lin.bias) if k]
+        layer = {k: state[k] for k in keys if k in state}
+        with matcher.clock("mlp.rotate"):
+            for key, axis in matcher.neuron_axes:
+                if key in layer and key in unrotated and o is not None:
+                    layer[key] = contract_axis(layer[key], axis, o.to(layer[key]))
+        return matcher.neuron_step(m, layer)
+
+    def residual_step() -> None:
+        nonlocal point
+        step = GroupElement.identity(spec)
+        step.residual = matcher.residual_step(point.state, inner.residual, free=fixed(), residual=point.g.residual)
+        with matcher.clock("residual.apply"):
+            point = point.try_step(inner, J, step, fixed())
 
     def iterate() -> None:
         nonlocal point
@@ -578,13 +703,15 @@ def weight_match(
         # maps were computed from is not held while they are applied (its replaced layers go)
         apply_each("heads", layer_maps(matcher.head_step, spec.attention, point.state))
         clock = timed("heads", clock)
-        apply_each("neurons", layer_maps(matcher.neuron_step, spec.mlp, point.state))
+        apply_each("neurons", layer_maps(neuron_step, spec.mlp, point.state))
         clock = timed("mlp", clock)
-        step = GroupElement.identity(spec)
-        step.residual = matcher.residual_step(point.state, free=free, residual=point.g.residual)
-        with matcher.clock("residual.apply"):
-            point = point.try_step(inner, J, step, free)
-        timed("residual", clock)
+        residual_step()
+        clock = timed("residual", clock)
+        for _ in range(INNER_SWEEPS if spec.attention else 0):
+            apply_each("heads", layer_maps(matcher.head_maps, spec.attention, point.state))
+            clock = timed("heads", clock)
+            residual_step()
+            clock = timed("residual", clock)
 
     # two starts: identity (right for models fine-tuned from a common parent) and the residual map
     # fitted on the tensors without head/neuron axes (independent inits); keep the higher J
@@ -597,12 +724,23 @@ def weight_match(
     if init is not None:
         starts.append(("given", init))
     start_name, point = None, None
+    unmoved = None  # C of the unrotated MLP weights for starts without neuron maps (computed once)
     for name, g0 in starts:  # one start state at a time; the first of equal ones wins
         state0 = apply_group(inner, cand_inner, g0)
-        tried = _Point(state0, g0, *J(state0, residual=g0.residual, free=free))
+        own = None
+        if unrotated:
+            if any(n is not None for n in g0.neurons):
+                own = matcher.neuron_covariance(state0)
+            else:
+                unmoved = matcher.neuron_covariance(state0) if unmoved is None else unmoved
+                own = unmoved
+        neurons = own
+        tried = _Point(state0, g0, *J(state0, residual=g0.residual, free=fixed()))
         if point is None or tried.value > point.value:
-            start_name, point = name, tried
+            start_name, point, kept = name, tried, own
         del state0, tried
+    neurons = kept
+    del unmoved, own, kept
     order = list(cand_c.state)  # the candidate's key order
     del cand_c, cand_inner  # the canonical candidate: what the start point does not use goes
     objective = [point.value]
@@ -611,6 +749,7 @@ def weight_match(
 
     bar = progress_bar(iterations, progress, "weight matching", "it")
     done = 0
+    sweeps = 1 + (INNER_SWEEPS if spec.attention else 0)  # sweeps per iteration: tol is per sweep
     while done < iterations:
         before = point.value
         iterate()
@@ -618,7 +757,7 @@ def weight_match(
         elapsed.append(time.perf_counter() - t0)
         done += 1
         bar.update(1)
-        if point.value - before <= tol * max(abs(before), 1e-12):
+        if point.value - before <= sweeps * tol * max(abs(before), 1e-12):
             break
     bar.close()
     clock = time.perf_counter()
@@ -627,8 +766,8 @@ def weight_match(
     state = dict(point.state)
     del point
     for key, axis in spec.residual:
-        if key in lazy:
-            moved = lazy.pop(key)  # the unrotated tensor goes once rotated
+        if key in lazy or key in unrotated:
+            moved = lazy.pop(key) if key in lazy else state.pop(key)  # the unrotated tensor goes once rotated
             state[key] = moved if g.residual is None else contract_axis(moved, axis, g.residual.to(moved))
             del moved
     state = {k: state[k] for k in order}
