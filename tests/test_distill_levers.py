@@ -153,3 +153,35 @@ def test_reproduce_cifar10_section_tables_every_distillation_variant_per_partiti
     assert all(line.startswith("| iid |") for line in lines[:variants])
     assert lines[variants].startswith("| dirichlet(0.5) | KL, 500 steps | 0.3000 | 0.1000 | 0.2000 | 0.3100 |")
     assert lines[-1].endswith(f"| {0.31 + (variants - 1) / 100:.4f} | 0.3000 | 0.3300 | {59 + variants} |")
+
+
+def test_further_rounds_continue_only_the_named_merges_and_bad_names_are_refused_before_training(tmp_path, capsys):
+    """``--further-from distilled``: the further rounds start from the distilled aligned merge
+    (round 1 is that merge's own accuracy) next to FedAvg from a shared init, and no other arm
+    is trained; a name that is unknown or whose merge is not computed is one line, exit 2."""
+    from fedbasin.simulations import oneshot
+
+    config = resolve_run_config({**oneshot.ONESHOT_DEFAULTS, "local-epochs": 4, "max-train-examples": 300,
+                                 "align-iterations": 2, "proxy-size": 60, "distill-steps": 10})
+    row = oneshot.one_shot(config, 2, progress=False, rounds=1, further_epochs=2, further_from=("distilled",))
+    further = row["further"]
+    assert list(further) == ["aligned (orth) + distilled", "FedAvg, shared init"]
+    assert further["aligned (orth) + distilled"]["epochs"] == [4, 2]
+    assert further["FedAvg, shared init"]["epochs"] == [3, 3]
+    assert further["aligned (orth) + distilled"]["accuracy"][0] == pytest.approx(float(row["aligned_distilled"]),
+                                                                                 abs=5e-5)
+    assert len(oneshot.further_markdown([row]).splitlines()) == 2 + 2
+    for argv, message in (
+        (["--further-rounds", "1", "--further-from", "distilled"], "--further-from distilled: that merge needs "
+         "run-config distill-steps > 0"),
+        (["--further-rounds", "1", "--further-from", "fedavg,best"], "--further-from 'best': expected one of fedavg"),
+        (["--further-from", "fedavg"], "--further-from needs --further-rounds >= 1"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            oneshot.main([*argv, "--run-config", "local-epochs=20", "--out", str(tmp_path / "out.json")])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err.strip().splitlines()[-1] and "Traceback" not in err
+    with pytest.raises(ValueError, match="--further-from learned: that merge needs run-config refine-steps > 0"):
+        oneshot.one_shot(config, 2, progress=False, rounds=1, further_from=("learned",))
+    assert not (tmp_path / "out.json").exists()
