@@ -185,3 +185,32 @@ def test_further_rounds_continue_only_the_named_merges_and_bad_names_are_refused
     with pytest.raises(ValueError, match="--further-from learned: that merge needs run-config refine-steps > 0"):
         oneshot.one_shot(config, 2, progress=False, rounds=1, further_from=("learned",))
     assert not (tmp_path / "out.json").exists()
+
+
+def test_reproduce_cifar10_seeds_section_tables_each_seed_the_mean_and_the_further_rounds(tmp_path):
+    """One results file per seed and partition (read, not recomputed, when present): a line per
+    partition and seed, mean ± sd per partition over the three seeds, and seed 0's further rounds."""
+    import argparse
+    import json
+
+    from fedbasin.simulations import reproduce
+
+    for seed in reproduce.ONESHOT_SEEDS:
+        for partition, label in (("iid", "iid"), ("dirichlet", "dirichlet(0.5)")):
+            row = {"data": "cifar10:x", "partitioner": label, "best_client": 0.30 + seed / 100, "fedavg": 0.1,
+                   "aligned_orthogonal": 0.2, "aligned_distilled": f"{0.31 + seed / 50:.4f}",
+                   "fedavg_distilled": "0.3000", "ensemble": 0.33}
+            if seed == 0:
+                row["further"] = {"aligned (orth) + distilled": {"epochs": [10, 10, 10, 10],
+                                                                 "accuracy": [0.31, 0.4, 0.45, 0.5]},
+                                  "FedAvg, shared init": {"epochs": [10, 10, 10, 10],
+                                                          "accuracy": [0.3, 0.38, 0.44, 0.47]}}
+            (tmp_path / f"seed{seed}_{partition}.json").write_text(json.dumps({"rows": [row]}))
+    text = reproduce.section_oneshot_cifar10_seeds(argparse.Namespace(cifar="unused", rerun=False), tmp_path)
+    lines = text.splitlines()
+    assert lines[2] == "| iid | 0 | 0.3000 | 0.1000 | 0.2000 | 0.3100 | 0.3000 | 0.3300 |"
+    assert lines[7] == "| dirichlet(0.5) | 2 | 0.3200 | 0.1000 | 0.2000 | 0.3500 | 0.3000 | 0.3300 |"
+    assert ("| iid | 0.310 ± 0.010 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.330 ± 0.020 | 0.300 ± 0.000 "
+            "| 0.330 ± 0.000 |") in lines
+    assert "| cifar10 | dirichlet(0.5) | FedAvg, shared init | 10 + 10 + 10 + 10 | 0.3000 | 0.3800 | 0.4400 | 0.4700 |" \
+        in lines and len([line for line in lines if line.startswith("| cifar10 |")]) == 4

@@ -24,7 +24,8 @@ from fedbasin.atomic import atomic_write
 from fedbasin.data import load_task
 from fedbasin.simulations import barriers
 
-SECTIONS = ("barriers", "barrier-seeds", "many", "many4", "width", "oneshot", "oneshot-seeds", "oneshot-cifar10")
+SECTIONS = ("barriers", "barrier-seeds", "many", "many4", "width", "oneshot", "oneshot-seeds", "oneshot-cifar10",
+            "oneshot-cifar10-seeds")
 ONESHOT_CIFAR10 = "max-train-examples=12000 proxy-size=500 local-epochs=10"  # the clients; the server's options:
 ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config), every one on the same cached clients
     ("kl", "KL, 500 steps", "distill-steps=500"),
@@ -32,6 +33,8 @@ ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config
     ("labelaug", "KL + labels (w 0.5) + crop/flip", "distill-steps=500 distill-label-weight=0.5 distill-augment=crop-flip"),
     ("label02aug", "KL + labels (w 0.2) + crop/flip", "distill-steps=500 distill-label-weight=0.2 distill-augment=crop-flip"),
 )
+ONESHOT_CIFAR10_SEEDS_DISTILL = ONESHOT_CIFAR10_VARIANTS[-1][2]  # the setting repeated over seeds
+ONESHOT_CIFAR10_FURTHER = ["--further-rounds", "3", "--further-epochs", "10", "--further-from", "distilled"]
 ONESHOT_PROXY = "proxy-size=300 refine-steps=200 distill-steps=500"  # the server's proxy levers, §4
 ONESHOT_SEEDS = (0, 1, 2)
 SEED_PAIRS = ((0, 1), (2, 3), (4, 5))
@@ -161,8 +164,17 @@ def section_oneshot_seeds(args, out: Path) -> str:
         path = out / f"seed{seed}.json"
         argv = ["--data", "digits", "--out", str(path), "--run-config", f"{ONESHOT_PROXY} seed={seed}"]
         rows += _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]
-    keys = [(k, title) for k, title, _ in oneshot.COLUMNS if k in ("best_client", "fedavg", "aligned_orthogonal",
-            "aligned_learned", "aligned_distilled", "fedavg_distilled", "ensemble")]
+    return (seed_table(rows, ("best_client", "fedavg", "aligned_orthogonal", "aligned_learned", "aligned_distilled",
+                              "fedavg_distilled", "ensemble"))
+            + f"\n\nseeds {', '.join(map(str, ONESHOT_SEEDS))} (data split, partitions, inits, batch order)")
+
+
+def seed_table(rows: list[dict], keys: tuple[str, ...]) -> str:
+    """One line per partition of one-shot ``rows`` (one row per seed and partition): mean ± sd
+    over the seeds of every column in ``keys``."""
+    from fedbasin.simulations import oneshot
+
+    keys = [(k, title) for k, title, _ in oneshot.COLUMNS if k in keys]
     lines = ["| partition | " + " | ".join(title for _, title in keys) + " |", "|" + "---|" * (len(keys) + 1)]
     for partition in dict.fromkeys(r["partitioner"] for r in rows):
         group = [r for r in rows if r["partitioner"] == partition]
@@ -171,7 +183,7 @@ def section_oneshot_seeds(args, out: Path) -> str:
             values = [float(r[key]) for r in group]
             cells.append(f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}")
         lines.append(f"| {partition} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + f"\n\nseeds {', '.join(map(str, ONESHOT_SEEDS))} (data split, partitions, inits, batch order)"
+    return "\n".join(lines)
 
 
 def section_oneshot_cifar10(args, out: Path) -> str:
@@ -198,15 +210,46 @@ def section_oneshot_cifar10(args, out: Path) -> str:
     return "\n".join(lines)
 
 
+def section_oneshot_cifar10_seeds(args, out: Path) -> str:
+    """The CIFAR-10 one-shot rows with :data:`ONESHOT_CIFAR10_SEEDS_DISTILL` over seeds 0-2, one
+    run per seed and partition (clients cached beside the oneshot-cifar10 section's): per-seed
+    accuracies, mean ± sd; and for seed 0, three further FedAvg rounds from the distilled aligned
+    merge against FedAvg from a shared init with the same 40 local epochs per client."""
+    from fedbasin.simulations import oneshot
+
+    rows = []
+    for seed in ONESHOT_SEEDS:
+        for partition in ("iid", "dirichlet"):
+            path = out / f"seed{seed}_{partition}.json"
+            argv = ["--data", f"cifar10:{args.cifar}", "--partitioners", partition, "--out", str(path),
+                    "--clients-cache", str(out.parent / "oneshot-cifar10" / "clients"),
+                    "--run-config", f"{ONESHOT_CIFAR10} {ONESHOT_CIFAR10_SEEDS_DISTILL} seed={seed}"]
+            if seed == ONESHOT_SEEDS[0]:
+                argv += ONESHOT_CIFAR10_FURTHER
+            rows += [{**r, "seed": seed} for r in _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]]
+    keys = ("best_client", "fedavg", "aligned_orthogonal", "aligned_distilled", "fedavg_distilled", "ensemble")
+    per_seed = ["| partition | seed | " + " | ".join(title for k, title, _ in oneshot.COLUMNS if k in keys) + " |",
+                "|" + "---|" * (len(keys) + 2)]
+    for r in sorted(rows, key=lambda r: (r["partitioner"] != "iid", r["seed"])):
+        per_seed.append(f"| {r['partitioner']} | {r['seed']} | "
+                        + " | ".join(f"{float(r[k]):.4f}" for k in keys) + " |")
+    further = oneshot.further_markdown([r for r in rows if "further" in r])
+    return ("\n".join(per_seed) + "\n\nMean ± sd over seeds " + ", ".join(map(str, ONESHOT_SEEDS)) + ":\n\n"
+            + seed_table(rows, keys) + "\n\nSeed 0, three further FedAvg rounds (10 local epochs each) against FedAvg "
+            "from one shared initialisation with the same 40 local epochs per client (4 rounds × 10); test accuracy "
+            "after each round:\n\n" + further)
+
+
 RUNNERS = {"barriers": section_barriers, "barrier-seeds": section_barrier_seeds, "many": section_many,
            "many4": section_many4, "width": section_width, "oneshot": section_oneshot,
-           "oneshot-seeds": section_oneshot_seeds, "oneshot-cifar10": section_oneshot_cifar10}
+           "oneshot-seeds": section_oneshot_seeds, "oneshot-cifar10": section_oneshot_cifar10,
+           "oneshot-cifar10-seeds": section_oneshot_cifar10_seeds}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "oneshot-cifar10"),
+    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if not s.startswith("oneshot-cifar10")),
                         help="comma-separated; times on 2 idle cores: barriers 2 min per digits pair (cifar10 "
                         "~12 min, shakespeare ~25 min), barrier-seeds 4 min plus ~1 CPU min of refinement per pair, width 2 min; at load average 6-11 (upper bounds): many "
                         "15 min, many4 5 min plus training, oneshot 24 min, oneshot-seeds 25 min; not by default: "
