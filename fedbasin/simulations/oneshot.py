@@ -13,7 +13,8 @@ client after the other), then reports test accuracy of
 * with ``distill-steps > 0``: that merge (or the aligned one) after server-side ensemble
   distillation on the proxy split (``aligned + distilled``), and, as a control, FedAvg distilled
   the same way (``FedAvg + distilled``) -- the ServerApp's ``make_refiner`` / ``make_distiller``,
-* the logit ensemble (mean of the K models' logits; K times the inference cost),
+* the logit ensemble (mean of the K models' logits; K times the inference cost), and in the JSON
+  (``ensemble_probabilities``) the ensemble of the mean of their probabilities,
 
 and the time of the alignment step against the round total (slowest client's training, as
 clients train in parallel, plus the merge). ``--further-rounds R`` then runs R FedAvg rounds
@@ -248,6 +249,7 @@ def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int 
         member.load_state_dict(state)
         members.append(member)
     row["ensemble"] = evaluate(LogitEnsemble(members), task.test, device)["accuracy"]
+    row["ensemble_probabilities"] = evaluate(LogitEnsemble(members, "probabilities"), task.test, device)["accuracy"]
     if rounds > 0:
         starts = merges if further_from is None else {arms[name]: merges[arms[name]] for name in further_from}
         row["further"] = further_rounds(task, config, num_clients, starts, rounds, further_epochs,
