@@ -188,33 +188,41 @@ def test_further_rounds_continue_only_the_named_merges_and_bad_names_are_refused
     assert not (tmp_path / "out.json").exists()
 
 
-def test_reproduce_cifar10_seeds_section_tables_each_seed_the_mean_and_the_further_rounds(tmp_path):
-    """One results file per seed and partition (read, not recomputed, when present): a line per
-    partition and seed, mean ± sd per partition over the three seeds, and seed 0's further rounds."""
+def test_reproduce_cifar10_seeds_section_tables_each_seed_the_mean_and_the_probability_teacher(tmp_path):
+    """Seed 0 from the oneshot-cifar10 section's file of the same setting, seeds 1-2 one file per
+    partition, the probability-teacher Dirichlet runs one file per seed (all read, not recomputed,
+    when present): a line per partition and seed, mean ± sd per partition, and the teachers side by side."""
     import argparse
     import json
 
     from fedbasin.simulations import reproduce
 
+    def row(label, seed, distilled):
+        return {"data": "cifar10:x", "partitioner": label, "best_client": 0.30 + seed / 100, "fedavg": 0.1,
+                "aligned_orthogonal": 0.2, "aligned_distilled": f"{distilled:.4f}", "fedavg_distilled": "0.3000",
+                "ensemble": 0.33, "ensemble_probabilities": 0.36}
+
+    section = tmp_path / "oneshot-cifar10-seeds"
+    (tmp_path / "oneshot-cifar10").mkdir()
+    section.mkdir()
+    (tmp_path / "oneshot-cifar10" / f"{reproduce.ONESHOT_CIFAR10_VARIANTS[-1][0]}.json").write_text(
+        json.dumps({"rows": [row("iid", 0, 0.31), row("dirichlet(0.5)", 0, 0.31)]}))
     for seed in reproduce.ONESHOT_SEEDS:
         for partition, label in (("iid", "iid"), ("dirichlet", "dirichlet(0.5)")):
-            row = {"data": "cifar10:x", "partitioner": label, "best_client": 0.30 + seed / 100, "fedavg": 0.1,
-                   "aligned_orthogonal": 0.2, "aligned_distilled": f"{0.31 + seed / 50:.4f}",
-                   "fedavg_distilled": "0.3000", "ensemble": 0.33}
-            if seed == 0 and partition == "iid":
-                row["further"] = {"aligned (orth) + distilled": {"epochs": [10, 10, 10, 10],
-                                                                 "accuracy": [0.31, 0.4, 0.45, 0.5]},
-                                  "FedAvg, shared init": {"epochs": [10, 10, 10, 10],
-                                                          "accuracy": [0.3, 0.38, 0.44, 0.47]}}
-            (tmp_path / f"seed{seed}_{partition}.json").write_text(json.dumps({"rows": [row]}))
-    text = reproduce.section_oneshot_cifar10_seeds(argparse.Namespace(cifar="unused", rerun=False), tmp_path)
+            if seed:
+                (section / f"seed{seed}_{partition}.json").write_text(
+                    json.dumps({"rows": [row(label, seed, 0.31 + seed / 50)]}))
+        (section / f"prob_seed{seed}_dirichlet.json").write_text(
+            json.dumps({"rows": [row("dirichlet(0.5)", seed, 0.35 + seed / 100)]}))
+    text = reproduce.section_oneshot_cifar10_seeds(argparse.Namespace(cifar="unused", rerun=False), section)
     lines = text.splitlines()
     assert lines[2] == "| iid | 0 | 0.3000 | 0.1000 | 0.2000 | 0.3100 | 0.3000 | 0.3300 |"
     assert lines[7] == "| dirichlet(0.5) | 2 | 0.3200 | 0.1000 | 0.2000 | 0.3500 | 0.3000 | 0.3300 |"
     assert ("| iid | 0.310 ± 0.010 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.330 ± 0.020 | 0.300 ± 0.000 "
             "| 0.330 ± 0.000 |") in lines
-    assert "| cifar10 | iid | FedAvg, shared init | 10 + 10 + 10 + 10 | 0.3000 | 0.3800 | 0.4400 | 0.4700 |" \
-        in lines and len([line for line in lines if line.startswith("| cifar10 |")]) == 2
+    assert lines[-3:] == ["| 0 | 0.3000 | 0.3100 | 0.3500 | 0.3000 | 0.3300 | 0.3600 |",
+                          "| 1 | 0.3100 | 0.3300 | 0.3600 | 0.3000 | 0.3300 | 0.3600 |",
+                          "| 2 | 0.3200 | 0.3500 | 0.3700 | 0.3000 | 0.3300 | 0.3600 |"]
 
 
 class Fixed(torch.nn.Module):

@@ -34,7 +34,6 @@ ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config
     ("label02aug", "KL + labels (w 0.2) + crop/flip", "distill-steps=500 distill-label-weight=0.2 distill-augment=crop-flip"),
 )
 ONESHOT_CIFAR10_SEEDS_DISTILL = ONESHOT_CIFAR10_VARIANTS[-1][2]  # the setting repeated over seeds
-ONESHOT_CIFAR10_FURTHER = ["--further-rounds", "3", "--further-epochs", "2", "--further-from", "distilled"]  # seed 0, IID
 ONESHOT_PROXY = "proxy-size=300 refine-steps=200 distill-steps=500"  # the server's proxy levers, §4
 ONESHOT_SEEDS = (0, 1, 2)
 SEED_PAIRS = ((0, 1), (2, 3), (4, 5))
@@ -211,33 +210,45 @@ def section_oneshot_cifar10(args, out: Path) -> str:
 
 
 def section_oneshot_cifar10_seeds(args, out: Path) -> str:
-    """The CIFAR-10 one-shot rows with :data:`ONESHOT_CIFAR10_SEEDS_DISTILL` over seeds 0-2, one
-    run per seed and partition (clients cached beside the oneshot-cifar10 section's): per-seed
-    accuracies, mean ± sd; and for seed 0 IID, three further FedAvg rounds from the distilled
-    aligned merge against FedAvg from a shared init with the same 16 local epochs per client."""
+    """The CIFAR-10 one-shot rows of :data:`ONESHOT_CIFAR10_SEEDS_DISTILL` over seeds 0-2 (seed 0:
+    the oneshot-cifar10 section's run of that setting; seeds 1 and 2: one run per seed and
+    partition on the same clients cache): per-seed accuracies and mean ± sd; then the Dirichlet
+    rows again with the probability teacher (``distill-teacher=probabilities``)."""
     from fedbasin.simulations import oneshot
 
-    rows = []
+    cifar10 = out.parent / "oneshot-cifar10"
+
+    def run(path: Path, run_config: str, partitions: str = "iid,dirichlet") -> list[dict]:
+        argv = ["--data", f"cifar10:{args.cifar}", "--partitioners", partitions, "--out", str(path),
+                "--clients-cache", str(cifar10 / "clients"), "--run-config", f"{ONESHOT_CIFAR10} {run_config}"]
+        return _cached(path, args.rerun, lambda: oneshot.main(argv))["rows"]
+
+    setting = ONESHOT_CIFAR10_SEEDS_DISTILL
+    rows = [{**r, "seed": 0} for r in run(cifar10 / f"{ONESHOT_CIFAR10_VARIANTS[-1][0]}.json", setting)]
+    probability = []
     for seed in ONESHOT_SEEDS:
         for partition in ("iid", "dirichlet"):
-            path = out / f"seed{seed}_{partition}.json"
-            argv = ["--data", f"cifar10:{args.cifar}", "--partitioners", partition, "--out", str(path),
-                    "--clients-cache", str(out.parent / "oneshot-cifar10" / "clients"),
-                    "--run-config", f"{ONESHOT_CIFAR10} {ONESHOT_CIFAR10_SEEDS_DISTILL} seed={seed}"]
-            if seed == ONESHOT_SEEDS[0] and partition == "iid":
-                argv += ONESHOT_CIFAR10_FURTHER
-            rows += [{**r, "seed": seed} for r in _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]]
+            if seed != 0:
+                rows += [{**r, "seed": seed} for r in run(out / f"seed{seed}_{partition}.json",
+                                                          f"{setting} seed={seed}", partition)]
+        probability += [{**r, "seed": seed} for r in run(out / f"prob_seed{seed}_dirichlet.json",
+                                                         f"{setting} distill-teacher=probabilities seed={seed}",
+                                                         "dirichlet")]
     keys = ("best_client", "fedavg", "aligned_orthogonal", "aligned_distilled", "fedavg_distilled", "ensemble")
-    per_seed = ["| partition | seed | " + " | ".join(title for k, title, _ in oneshot.COLUMNS if k in keys) + " |",
-                "|" + "---|" * (len(keys) + 2)]
+    titles = " | ".join(title for k, title, _ in oneshot.COLUMNS if k in keys)
+    per_seed = [f"| partition | seed | {titles} |", "|" + "---|" * (len(keys) + 2)]
     for r in sorted(rows, key=lambda r: (r["partitioner"] != "iid", r["seed"])):
-        per_seed.append(f"| {r['partitioner']} | {r['seed']} | "
-                        + " | ".join(f"{float(r[k]):.4f}" for k in keys) + " |")
-    further = oneshot.further_markdown([r for r in rows if "further" in r])
+        per_seed.append(f"| {r['partitioner']} | {r['seed']} | " + " | ".join(f"{float(r[k]):.4f}" for k in keys) + " |")
+    teacher = ["| seed | best client | aligned + distilled (logit teacher) | aligned + distilled (probability "
+               "teacher) | FedAvg + distilled (probability teacher) | logit ensemble | probability ensemble |",
+               "|" + "---|" * 7]
+    for r in probability:
+        logit = next(x for x in rows if x["seed"] == r["seed"] and x["partitioner"] == r["partitioner"])
+        teacher.append(f"| {r['seed']} | {r['best_client']:.4f} | {logit['aligned_distilled']} | {r['aligned_distilled']} "
+                       f"| {r['fedavg_distilled']} | {r['ensemble']:.4f} | {r['ensemble_probabilities']:.4f} |")
     return ("\n".join(per_seed) + "\n\nMean ± sd over seeds " + ", ".join(map(str, ONESHOT_SEEDS)) + ":\n\n"
-            + seed_table(rows, keys) + "\n\nSeed 0, IID: three further FedAvg rounds (2 local epochs each) against "
-            "FedAvg from one shared initialisation with the same 16 local epochs per client (4 rounds × 4); test "
-            "accuracy after each round:\n\n" + further)
+            + seed_table(rows, keys) + "\n\nDirichlet(0.5) with the probability teacher (`distill-teacher="
+            "probabilities`, otherwise the same setting and clients):\n\n" + "\n".join(teacher))
 
 
 RUNNERS = {"barriers": section_barriers, "barrier-seeds": section_barrier_seeds, "many": section_many,
