@@ -265,7 +265,9 @@ def main(argv=None) -> dict:
                         "~12 min, shakespeare ~25 min), barrier-seeds 4 min plus ~1 CPU min of refinement per pair, width 2 min; at load average 6-11 (upper bounds): many "
                         "15 min, many4 5 min plus training, oneshot 24 min, oneshot-seeds 25 min; not by default: "
                         "oneshot-cifar10 (per row ~3 min CPU: 4 clients, merges, 500 distillation steps; each "
-                        "further variant 1.5-5 min CPU; 10-30 min wall per variant at load 12)")
+                        "further variant 1.5-5 min CPU; 10-30 min wall per variant at load 12), oneshot-cifar10-seeds (on the "
+                        "oneshot-cifar10 section's clients: seeds 1-2 train their clients, ~2 min CPU per seed and "
+                        "partition; then 7 distillation runs, 1.3-2.5 min CPU each)")
     parser.add_argument("--tasks", default="digits", help="barriers section: tasks (digits, cifar10, shakespeare)")
     parser.add_argument("--cifar", default="../shared/data/cifar10", help="CIFAR-10 parquet directory")
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt", help="Tiny Shakespeare file")
