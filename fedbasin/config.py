@@ -69,6 +69,7 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "distill-temperature": 3.0,
     "distill-label-weight": 0.0,  # w in [0, 1]: (1 - w) KL to the ensemble + w CE on the proxy labels
     "distill-augment": "none",  # none | crop | crop-flip: random views of the transfer images (image data)
+    "distill-teacher": "logits",  # logits | probabilities: the ensemble averages the clients' logits or probabilities
     "fraction-train": 1.0,
     "fraction-evaluate": 1.0,
     "min-nodes": 2,
@@ -97,6 +98,7 @@ CHOICES = {
     "refine-schedule": ("constant", "cosine"),
     "aggregator": ("mean", "trimmed-mean", "median"),
     "distill-augment": ("none", "crop", "crop-flip"),
+    "distill-teacher": ("logits", "probabilities"),
 }
 
 # (keys, lower bound, lower bound included): numeric keys outside their range are refused

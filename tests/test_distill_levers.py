@@ -1,5 +1,6 @@
 """The distillation levers of issue 7 item 6: the supervised term on the proxy labels
-(``distill-label-weight``), augmented transfer views (``distill-augment``), and the one-shot
+(``distill-label-weight``), augmented transfer views (``distill-augment``), the teacher that
+averages probabilities instead of logits (``distill-teacher``), and the one-shot
 driver's cache of trained clients that lets server-side options be compared on the same clients."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from fedbasin.alignment.refine import proxy_streams
 from fedbasin.config import resolve_run_config
 from fedbasin.data import Split, load_task
 from fedbasin.models import build_model
-from fedbasin.server.distill import ensemble_distill, random_crop_flip
+from fedbasin.server.distill import LogitEnsemble, distillation_loss, ensemble_distill, random_crop_flip
 from fedbasin.server.server_app import distill_augment, make_distiller
 from fedbasin.training import cross_entropy
 from tests.helpers import DIGITS_VIT, trained_digits_vit
@@ -153,3 +154,141 @@ def test_reproduce_cifar10_section_tables_every_distillation_variant_per_partiti
     assert all(line.startswith("| iid |") for line in lines[:variants])
     assert lines[variants].startswith("| dirichlet(0.5) | KL, 500 steps | 0.3000 | 0.1000 | 0.2000 | 0.3100 |")
     assert lines[-1].endswith(f"| {0.31 + (variants - 1) / 100:.4f} | 0.3000 | 0.3300 | {59 + variants} |")
+
+
+def test_further_rounds_continue_only_the_named_merges_and_bad_names_are_refused_before_training(tmp_path, capsys):
+    """``--further-from distilled``: the further rounds start from the distilled aligned merge
+    (round 1 is that merge's own accuracy) next to FedAvg from a shared init, and no other arm
+    is trained; a name that is unknown or whose merge is not computed is one line, exit 2."""
+    from fedbasin.simulations import oneshot
+
+    config = resolve_run_config({**oneshot.ONESHOT_DEFAULTS, "local-epochs": 4, "max-train-examples": 300,
+                                 "align-iterations": 2, "proxy-size": 60, "distill-steps": 10})
+    row = oneshot.one_shot(config, 2, progress=False, rounds=1, further_epochs=2, further_from=("distilled",))
+    further = row["further"]
+    assert list(further) == ["aligned (orth) + distilled", "FedAvg, shared init"]
+    assert further["aligned (orth) + distilled"]["epochs"] == [4, 2]
+    assert further["FedAvg, shared init"]["epochs"] == [3, 3]
+    assert further["aligned (orth) + distilled"]["accuracy"][0] == pytest.approx(float(row["aligned_distilled"]),
+                                                                                 abs=5e-5)
+    assert len(oneshot.further_markdown([row]).splitlines()) == 2 + 2
+    for argv, message in (
+        (["--further-rounds", "1", "--further-from", "distilled"], "--further-from distilled: that merge needs "
+         "run-config distill-steps > 0"),
+        (["--further-rounds", "1", "--further-from", "fedavg,best"], "--further-from 'best': expected one of fedavg"),
+        (["--further-from", "fedavg"], "--further-from needs --further-rounds >= 1"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            oneshot.main([*argv, "--run-config", "local-epochs=20", "--out", str(tmp_path / "out.json")])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err.strip().splitlines()[-1] and "Traceback" not in err
+    with pytest.raises(ValueError, match="--further-from learned: that merge needs run-config refine-steps > 0"):
+        oneshot.one_shot(config, 2, progress=False, rounds=1, further_from=("learned",))
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_reproduce_cifar10_seeds_section_tables_each_seed_the_mean_and_the_probability_teacher(tmp_path):
+    """Seed 0 from the oneshot-cifar10 section's file of the same setting, seeds 1-2 one file per
+    partition, the probability-teacher Dirichlet runs one file per seed (all read, not recomputed,
+    when present): a line per partition and seed, mean ± sd per partition, and the teachers side by side."""
+    import argparse
+    import json
+
+    from fedbasin.simulations import reproduce
+
+    def row(label, seed, distilled):
+        return {"data": "cifar10:x", "partitioner": label, "best_client": 0.30 + seed / 100, "fedavg": 0.1,
+                "aligned_orthogonal": 0.2, "aligned_distilled": f"{distilled:.4f}", "fedavg_distilled": "0.3000",
+                "ensemble": 0.33, "ensemble_probabilities": 0.36}
+
+    section = tmp_path / "oneshot-cifar10-seeds"
+    (tmp_path / "oneshot-cifar10").mkdir()
+    section.mkdir()
+    (tmp_path / "oneshot-cifar10" / f"{reproduce.ONESHOT_CIFAR10_VARIANTS[-1][0]}.json").write_text(
+        json.dumps({"rows": [row("iid", 0, 0.31), row("dirichlet(0.5)", 0, 0.31)]}))
+    for seed in reproduce.ONESHOT_SEEDS:
+        for partition, label in (("iid", "iid"), ("dirichlet", "dirichlet(0.5)")):
+            if seed:
+                (section / f"seed{seed}_{partition}.json").write_text(
+                    json.dumps({"rows": [row(label, seed, 0.31 + seed / 50)]}))
+        if seed in reproduce.ONESHOT_CIFAR10_PROBABILITY_SEEDS:
+            (section / f"prob_seed{seed}_dirichlet.json").write_text(
+                json.dumps({"rows": [row("dirichlet(0.5)", seed, 0.35 + seed / 100)]}))
+    text = reproduce.section_oneshot_cifar10_seeds(argparse.Namespace(cifar="unused", rerun=False), section)
+    lines = text.splitlines()
+    assert lines[2] == "| iid | 0 | 0.3000 | 0.1000 | 0.2000 | 0.3100 | 0.3000 | 0.3300 |"
+    assert lines[7] == "| dirichlet(0.5) | 2 | 0.3200 | 0.1000 | 0.2000 | 0.3500 | 0.3000 | 0.3300 |"
+    assert ("| iid | 0.310 ± 0.010 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.330 ± 0.020 | 0.300 ± 0.000 "
+            "| 0.330 ± 0.000 |") in lines
+    assert reproduce.ONESHOT_CIFAR10_PROBABILITY_SEEDS == (0, 1)
+    assert lines[-3:] == ["|---|---|---|---|---|---|---|",
+                          "| 0 | 0.3000 | 0.3100 | 0.3500 | 0.3000 | 0.3300 | 0.3600 |",
+                          "| 1 | 0.3100 | 0.3300 | 0.3600 | 0.3000 | 0.3300 | 0.3600 |"]
+
+
+class Fixed(torch.nn.Module):
+    """A "model" that returns the same logits for every input."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = torch.tensor(logits)
+
+    def forward(self, x):
+        return self.logits.expand(len(x), -1)
+
+
+def test_the_probability_teacher_is_the_log_mean_probability_and_one_confident_member_cannot_outvote_three():
+    """Member 0 is sure of class 0 (logit 10); members 1-3 mildly prefer class 1 (logit 2). Mean
+    logits (2.5 vs 1.5) follow member 0; mean probabilities (0.33 vs 0.59) follow the majority."""
+    members = [Fixed([10.0, 0.0, 0.0])] + [Fixed([0.0, 2.0, 0.0]) for _ in range(3)]
+    x = torch.zeros(2, 1)
+    assert LogitEnsemble(members)(x).argmax(-1).tolist() == [0, 0]
+    votes = LogitEnsemble(members, combine="probabilities")(x)
+    expected = torch.stack([m(x).softmax(-1) for m in members]).mean(0)
+    torch.testing.assert_close(votes.exp(), expected, rtol=1e-6, atol=1e-7)
+    assert votes.argmax(-1).tolist() == [1, 1]
+    with pytest.raises(ValueError, match="ensemble combine='median'; expected one of logits, probabilities"):
+        LogitEnsemble(members, combine="median")
+    with pytest.raises(ValueError, match="distill-teacher='median'; expected one of"):
+        resolve_run_config({"distill-teacher": "median"})
+
+
+def test_distillation_follows_the_chosen_teacher_and_the_run_config_reaches_it(setting):
+    """One of three digits teachers made over-confident (its logits × 10, same predictions):
+    the student distilled from the probability ensemble ends closer to that ensemble than the
+    student distilled from the logit ensemble does, and vice versa; the ServerApp's distiller
+    passes ``distill-teacher`` through."""
+    teachers, transfer = setting
+    loud = {k: v * 10 if k.startswith("head.") else v for k, v in teachers[0].items()}
+    teachers = [loud, *teachers[1:]]
+    start = average_states(teachers, [1.0] * 3)
+    model = build_model("vit", DIGITS_VIT)
+    members = []
+    for state in teachers:
+        member = build_model("vit", DIGITS_VIT)
+        member.load_state_dict(state)
+        members.append(member.eval())
+    x = torch.cat([batch for batch, _ in transfer])
+    with torch.no_grad():
+        targets = {combine: LogitEnsemble(members, combine)(x) for combine in ("logits", "probabilities")}
+    students = {}
+    for combine in targets:  # 100 steps over the 160 transfer images, kept (keep-best) at step 100
+        result = ensemble_distill(model, start, teachers, cross_entropy, iter(transfer * 10), transfer, steps=100,
+                                  lr=3e-3, eval_every=100, teacher=combine)
+        assert result.best_step == 100
+        students[combine] = result.state
+
+    def gap(student, combine):
+        model.load_state_dict(students[student])
+        with torch.no_grad():
+            return float(distillation_loss(model.eval()(x), targets[combine], 1.0))
+
+    # seed 0 measured: KL to the probability ensemble 0.681 vs 0.710, to the logit ensemble 1.033 vs 1.250
+    assert gap("probabilities", "probabilities") < gap("logits", "probabilities") - 0.01
+    assert gap("logits", "logits") < gap("probabilities", "logits") - 0.1
+    digits = load_task("digits", seed=0, proxy_size=300)
+    config = resolve_run_config({"proxy-size": 300, "distill-steps": 20})
+    by_config = [make_distiller(build_model("vit", DIGITS_VIT), digits, {**config, "distill-teacher": combine})(
+        start, teachers).state["head.weight"] for combine in ("logits", "probabilities")]
+    assert not torch.equal(*by_config)

@@ -1,8 +1,10 @@
 """Server-side ensemble distillation of a merged model (FedDF-style).
 
 The teacher is the clients' ensemble, ``t(x) = (1/K) Σ_k f_k(x)`` (mean logits, the
-"logit ensemble" of docs/benchmarks.md §4); the student starts from the merged model θ₀ and
-minimises, on the server's proxy batches (x, y),
+"logit ensemble" of docs/benchmarks.md §4) or, with ``teacher="probabilities"``,
+``t(x) = log (1/K) Σ_k softmax(f_k(x))`` (the mean of the clients' probabilities: every client's
+vote is bounded by 1, so under label skew one over-confident client cannot outvote the rest);
+the student starts from the merged model θ₀ and minimises, on the server's proxy batches (x, y),
 
     (1 − w) · T² · KL(softmax(t(x)/T) ‖ softmax(f_θ(x)/T)) + w · CE(f_θ(x), y)
 
@@ -59,15 +61,25 @@ class DistillResult:
         return out
 
 
-class LogitEnsemble(nn.Module):
-    """``logits(x) = mean_k model_k(x)`` (outputs with a ``.logits`` field are unwrapped)."""
+TEACHERS = ("logits", "probabilities")
 
-    def __init__(self, models: list[nn.Module]):
+
+class LogitEnsemble(nn.Module):
+    """``logits(x) = mean_k model_k(x)``, or with ``combine="probabilities"``
+    ``log mean_k softmax(model_k(x))`` (outputs with a ``.logits`` field are unwrapped)."""
+
+    def __init__(self, models: list[nn.Module], combine: str = "logits"):
         super().__init__()
+        if combine not in TEACHERS:
+            raise ValueError(f"ensemble combine={combine!r}; expected one of {', '.join(TEACHERS)}")
         self.members = nn.ModuleList(models)
+        self.combine = combine
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([_logits(m, x) for m in self.members]).mean(0)
+        logits = torch.stack([_logits(m, x) for m in self.members])
+        if self.combine == "logits":
+            return logits.mean(0)
+        return torch.logsumexp(torch.log_softmax(logits, -1), 0) - math.log(len(self.members))
 
 
 def _logits(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -120,13 +132,15 @@ def ensemble_distill(
     label_weight: float = 0.0,
     augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
     seed: int = 0,
+    teacher: str = "logits",
 ) -> DistillResult:
     """Distil the mean-logit ensemble of ``teachers`` into ``student`` (see the module doc).
 
     model: any module of the architecture (copied; its own weights are not used or changed);
     batches: an endless (or long enough) iterable of proxy ``(inputs, targets)`` training batches
     (targets used only when ``label_weight > 0``); selection / evaluation: lists of batches
-    disjoint from them; ``seed`` seeds ``augment``'s random views.
+    disjoint from them; ``seed`` seeds ``augment``'s random views; ``teacher``: how the
+    ensemble combines the teachers (:class:`LogitEnsemble`'s ``combine``).
     """
     if not teachers:
         raise ValueError("ensemble distillation needs at least one teacher")
@@ -142,7 +156,7 @@ def ensemble_distill(
         member = copy.deepcopy(model)
         member.load_state_dict(state)
         members.append(member.requires_grad_(False))
-    ensemble = LogitEnsemble(members).eval()
+    ensemble = LogitEnsemble(members, combine=teacher).eval()
     net = copy.deepcopy(model)
     net.load_state_dict(student)
 

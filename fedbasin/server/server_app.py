@@ -111,6 +111,7 @@ def make_distiller(model, task, config: dict, adapter=None):
                                   steps=config["distill-steps"], lr=config["distill-lr"],
                                   temperature=config["distill-temperature"],
                                   label_weight=config["distill-label-weight"], augment=augment,
+                                  teacher=config["distill-teacher"],
                                   seed=config["seed"])
         result.state = adapter.to_standard(result.state)
         return result

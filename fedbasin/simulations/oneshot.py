@@ -13,12 +13,14 @@ client after the other), then reports test accuracy of
 * with ``distill-steps > 0``: that merge (or the aligned one) after server-side ensemble
   distillation on the proxy split (``aligned + distilled``), and, as a control, FedAvg distilled
   the same way (``FedAvg + distilled``) -- the ServerApp's ``make_refiner`` / ``make_distiller``,
-* the logit ensemble (mean of the K models' logits; K times the inference cost),
+* the logit ensemble (mean of the K models' logits; K times the inference cost), and in the JSON
+  (``ensemble_probabilities``) the ensemble of the mean of their probabilities,
 
 and the time of the alignment step against the round total (slowest client's training, as
 clients train in parallel, plus the merge). ``--further-rounds R`` then runs R FedAvg rounds
 from every merge against FedAvg from one shared initialisation with the same total local
-epochs. Writes markdown tables to stdout and JSON to ``--out``::
+epochs (``--further-from`` picks which merges to continue: each costs R rounds of K clients).
+Writes markdown tables to stdout and JSON to ``--out``::
 
     python -m fedbasin.simulations.oneshot --data digits --further-rounds 3 \
         --run-config "proxy-size=300 refine-steps=200 distill-steps=500"
@@ -60,6 +62,13 @@ COLUMNS = (  # row key, header, format
     ("align_seconds_orthogonal", "align s (orth)", "{:.2f}"),
     ("round_seconds_orthogonal", "round s (orth)", "{:.1f}"),
 )
+FURTHER_FROM = {  # --further-from name (a one-shot merge to continue) -> run-config key it needs > 0
+    "fedavg": None,  # the plain example-weighted average
+    "aligned": None,  # the aligned merge (run-config symmetry)
+    "learned": "refine-steps",  # the aligned merge after learned refinement
+    "distilled": "distill-steps",  # the aligned (or learned) merge after ensemble distillation
+    "fedavg-distilled": "distill-steps",  # the plain average after ensemble distillation
+}
 
 
 def train_clients(task, config: dict, num_clients: int, starts: list[dict] | None, epochs: int,
@@ -157,11 +166,29 @@ def further_rounds(task, config: dict, num_clients: int, starts: dict[str, dict]
     return out
 
 
+def check_further_from(names: tuple[str, ...], config: dict) -> tuple[str, ...]:
+    """``names`` (of :data:`FURTHER_FROM`), refused with one line when empty, unknown or naming a
+    merge that ``config`` does not compute."""
+    if not names:
+        raise ValueError("--further-from is empty: name at least one of " + ", ".join(FURTHER_FROM))
+    for name in names:
+        if name not in FURTHER_FROM:
+            raise ValueError(f"--further-from {name!r}: expected one of {', '.join(FURTHER_FROM)}")
+        needs = FURTHER_FROM[name]
+        if needs and config[needs] <= 0:
+            raise ValueError(f"--further-from {name}: that merge needs run-config {needs} > 0")
+    return names
+
+
 def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int = 0,
-             further_epochs: int = 10, cache: str | Path | None = None) -> dict:
+             further_epochs: int = 10, cache: str | Path | None = None,
+             further_from: tuple[str, ...] | None = None) -> dict:
     """Train ``num_clients`` independent clients on one run config (or take them from ``cache``,
     see :func:`cached_clients`) and compare the merges (and, with ``rounds > 0``, continue from
-    them; see :func:`further_rounds`)."""
+    them, from every merge or only those named in ``further_from`` (:data:`FURTHER_FROM`), see
+    :func:`further_rounds`)."""
+    if further_from is not None:
+        check_further_from(further_from, config)
     task = task_from_config(config)
     device = resolve_device(config["device"])
     states, weights, seconds, from_cache = cached_clients(cache, task, config, num_clients, device, progress)
@@ -189,17 +216,20 @@ def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int 
         "clients_from_cache": from_cache,
     }
     merges = {"FedAvg": fedavg}
+    arms = {"fedavg": "FedAvg"}  # FURTHER_FROM name -> key in merges
     for mode in MODES:
         result = merge(spec, states, weights, reference, mode, config["align-iterations"])
         row[f"aligned_{mode}"] = accuracy(result.state)
         row[f"align_seconds_{mode}"] = result.seconds
         row[f"round_seconds_{mode}"] = max(seconds) + result.seconds
         if mode == config["symmetry"]:
-            merges[f"aligned ({mode[:4]})"] = result.state
+            arms["aligned"] = f"aligned ({mode[:4]})"
+            merges[arms["aligned"]] = result.state
     row["aligned_learned"] = row["aligned_distilled"] = row["fedavg_distilled"] = "—"
     if config["refine-steps"] > 0:  # server-side learned refinement on the proxy split
         refine = make_refiner(spec, model_from_config(task, config, seed=0), task, config)
         merges["aligned + learned"], refined = refined_merge(spec, states, weights, reference, refine)
+        arms["learned"] = "aligned + learned"
         row["aligned_learned"] = f"{accuracy(merges['aligned + learned']):.4f}"
         row["align_seconds_learned"] = refined.seconds
         row["refine"] = refined.summary()
@@ -211,15 +241,18 @@ def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int 
             row[key] = f"{accuracy(distilled.state):.4f}"
             row[f"{key}_from"] = name
             row[f"{key}_summary"] = distilled.summary()
-            merges[f"{name} + distilled" if key == "aligned_distilled" else "FedAvg + distilled"] = distilled.state
+            arms["distilled" if key == "aligned_distilled" else "fedavg-distilled"] = f"{name} + distilled"
+            merges[f"{name} + distilled"] = distilled.state
     members = []
     for state in states:
         member = model_from_config(task, config, seed=0)
         member.load_state_dict(state)
         members.append(member)
     row["ensemble"] = evaluate(LogitEnsemble(members), task.test, device)["accuracy"]
+    row["ensemble_probabilities"] = evaluate(LogitEnsemble(members, "probabilities"), task.test, device)["accuracy"]
     if rounds > 0:
-        row["further"] = further_rounds(task, config, num_clients, merges, rounds, further_epochs,
+        starts = merges if further_from is None else {arms[name]: merges[arms[name]] for name in further_from}
+        row["further"] = further_rounds(task, config, num_clients, starts, rounds, further_epochs,
                                         device, accuracy, progress)
     return row
 
@@ -274,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="then this many FedAvg rounds from every one-shot merge, against FedAvg from a "
                    "shared initialisation with the same total local epochs (default 0: none)")
     p.add_argument("--further-epochs", type=int, default=10, help="local epochs per further round (default 10)")
+    p.add_argument("--further-from", metavar="NAMES",
+                   help="continue only from these one-shot merges, comma-separated, from "
+                   + ", ".join(FURTHER_FROM) + " (default: every merge computed; FedAvg from a shared "
+                   "initialisation always runs)")
     p.add_argument("--out", default="runs/oneshot/results.json", help="JSON output")
     p.add_argument("--clients-cache", metavar="DIR",
                    help="keep the trained round-1 clients here and reuse them when every client-side "
@@ -288,9 +325,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--partitioners {args.partitioners!r}: expected iid, dirichlet or both, comma-separated")
         if args.clients < 1 or args.further_rounds < 0 or args.further_epochs < 1:
             raise ValueError("--clients and --further-epochs must be >= 1, --further-rounds >= 0")
+        further_from = None
         if args.further_rounds:
             shared_init_epochs(resolve_run_config(overrides)["local-epochs"], args.further_rounds,
                                args.further_epochs)
+            if args.further_from is not None:
+                further_from = check_further_from(tuple(n.strip() for n in args.further_from.split(",") if n.strip()),
+                                                  resolve_run_config(overrides))
+        elif args.further_from is not None:
+            raise ValueError("--further-from needs --further-rounds >= 1")
         for data in args.data or ["digits"]:  # loads (and caches) every data source up front
             config = resolve_run_config({**overrides, "data": data})
             if config["distill-steps"] > 0:
@@ -312,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             started = time.perf_counter()
             row = one_shot(config, args.clients, rounds=args.further_rounds, further_epochs=args.further_epochs,
-                           cache=args.clients_cache)
+                           cache=args.clients_cache, further_from=further_from)
             row["seconds"] = time.perf_counter() - started
             rows.append(row)
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)

@@ -24,7 +24,8 @@ from fedbasin.atomic import atomic_write
 from fedbasin.data import load_task
 from fedbasin.simulations import barriers
 
-SECTIONS = ("barriers", "barrier-seeds", "many", "many4", "width", "oneshot", "oneshot-seeds", "oneshot-cifar10")
+SECTIONS = ("barriers", "barrier-seeds", "many", "many4", "width", "oneshot", "oneshot-seeds", "oneshot-cifar10",
+            "oneshot-cifar10-seeds")
 ONESHOT_CIFAR10 = "max-train-examples=12000 proxy-size=500 local-epochs=10"  # the clients; the server's options:
 ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config), every one on the same cached clients
     ("kl", "KL, 500 steps", "distill-steps=500"),
@@ -32,6 +33,8 @@ ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config
     ("labelaug", "KL + labels (w 0.5) + crop/flip", "distill-steps=500 distill-label-weight=0.5 distill-augment=crop-flip"),
     ("label02aug", "KL + labels (w 0.2) + crop/flip", "distill-steps=500 distill-label-weight=0.2 distill-augment=crop-flip"),
 )
+ONESHOT_CIFAR10_SEEDS_DISTILL = ONESHOT_CIFAR10_VARIANTS[-1][2]  # the setting repeated over seeds
+ONESHOT_CIFAR10_PROBABILITY_SEEDS = (0, 1)  # Dirichlet runs with distill-teacher=probabilities (seed 2: not run)
 ONESHOT_PROXY = "proxy-size=300 refine-steps=200 distill-steps=500"  # the server's proxy levers, §4
 ONESHOT_SEEDS = (0, 1, 2)
 SEED_PAIRS = ((0, 1), (2, 3), (4, 5))
@@ -161,8 +164,17 @@ def section_oneshot_seeds(args, out: Path) -> str:
         path = out / f"seed{seed}.json"
         argv = ["--data", "digits", "--out", str(path), "--run-config", f"{ONESHOT_PROXY} seed={seed}"]
         rows += _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]
-    keys = [(k, title) for k, title, _ in oneshot.COLUMNS if k in ("best_client", "fedavg", "aligned_orthogonal",
-            "aligned_learned", "aligned_distilled", "fedavg_distilled", "ensemble")]
+    return (seed_table(rows, ("best_client", "fedavg", "aligned_orthogonal", "aligned_learned", "aligned_distilled",
+                              "fedavg_distilled", "ensemble"))
+            + f"\n\nseeds {', '.join(map(str, ONESHOT_SEEDS))} (data split, partitions, inits, batch order)")
+
+
+def seed_table(rows: list[dict], keys: tuple[str, ...]) -> str:
+    """One line per partition of one-shot ``rows`` (one row per seed and partition): mean ± sd
+    over the seeds of every column in ``keys``."""
+    from fedbasin.simulations import oneshot
+
+    keys = [(k, title) for k, title, _ in oneshot.COLUMNS if k in keys]
     lines = ["| partition | " + " | ".join(title for _, title in keys) + " |", "|" + "---|" * (len(keys) + 1)]
     for partition in dict.fromkeys(r["partitioner"] for r in rows):
         group = [r for r in rows if r["partitioner"] == partition]
@@ -171,7 +183,7 @@ def section_oneshot_seeds(args, out: Path) -> str:
             values = [float(r[key]) for r in group]
             cells.append(f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}")
         lines.append(f"| {partition} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + f"\n\nseeds {', '.join(map(str, ONESHOT_SEEDS))} (data split, partitions, inits, batch order)"
+    return "\n".join(lines)
 
 
 def section_oneshot_cifar10(args, out: Path) -> str:
@@ -198,20 +210,66 @@ def section_oneshot_cifar10(args, out: Path) -> str:
     return "\n".join(lines)
 
 
+def section_oneshot_cifar10_seeds(args, out: Path) -> str:
+    """The CIFAR-10 one-shot rows of :data:`ONESHOT_CIFAR10_SEEDS_DISTILL` over seeds 0-2 (seed 0:
+    the oneshot-cifar10 section's run of that setting; seeds 1 and 2: one run per seed and
+    partition on the same clients cache): per-seed accuracies and mean ± sd; then the Dirichlet
+    rows of :data:`ONESHOT_CIFAR10_PROBABILITY_SEEDS` again with the probability teacher
+    (``distill-teacher=probabilities``)."""
+    from fedbasin.simulations import oneshot
+
+    cifar10 = out.parent / "oneshot-cifar10"
+
+    def run(path: Path, run_config: str, partitions: str = "iid,dirichlet") -> list[dict]:
+        argv = ["--data", f"cifar10:{args.cifar}", "--partitioners", partitions, "--out", str(path),
+                "--clients-cache", str(cifar10 / "clients"), "--run-config", f"{ONESHOT_CIFAR10} {run_config}"]
+        return _cached(path, args.rerun, lambda: oneshot.main(argv))["rows"]
+
+    setting = ONESHOT_CIFAR10_SEEDS_DISTILL
+    rows = [{**r, "seed": 0} for r in run(cifar10 / f"{ONESHOT_CIFAR10_VARIANTS[-1][0]}.json", setting)]
+    probability = []
+    for seed in ONESHOT_SEEDS[1:]:
+        for partition in ("iid", "dirichlet"):
+            rows += [{**r, "seed": seed} for r in run(out / f"seed{seed}_{partition}.json",
+                                                      f"{setting} seed={seed}", partition)]
+    for seed in ONESHOT_CIFAR10_PROBABILITY_SEEDS:
+        probability += [{**r, "seed": seed} for r in run(out / f"prob_seed{seed}_dirichlet.json",
+                                                         f"{setting} distill-teacher=probabilities seed={seed}",
+                                                         "dirichlet")]
+    keys = ("best_client", "fedavg", "aligned_orthogonal", "aligned_distilled", "fedavg_distilled", "ensemble")
+    titles = " | ".join(title for k, title, _ in oneshot.COLUMNS if k in keys)
+    per_seed = [f"| partition | seed | {titles} |", "|" + "---|" * (len(keys) + 2)]
+    for r in sorted(rows, key=lambda r: (r["partitioner"] != "iid", r["seed"])):
+        per_seed.append(f"| {r['partitioner']} | {r['seed']} | " + " | ".join(f"{float(r[k]):.4f}" for k in keys) + " |")
+    teacher = ["| seed | best client | aligned + distilled (logit teacher) | aligned + distilled (probability "
+               "teacher) | FedAvg + distilled (probability teacher) | logit ensemble | probability ensemble |",
+               "|" + "---|" * 7]
+    for r in probability:
+        logit = next(x for x in rows if x["seed"] == r["seed"] and x["partitioner"] == r["partitioner"])
+        teacher.append(f"| {r['seed']} | {r['best_client']:.4f} | {logit['aligned_distilled']} | {r['aligned_distilled']} "
+                       f"| {r['fedavg_distilled']} | {r['ensemble']:.4f} | {r['ensemble_probabilities']:.4f} |")
+    return ("\n".join(per_seed) + "\n\nMean ± sd over seeds " + ", ".join(map(str, ONESHOT_SEEDS)) + ":\n\n"
+            + seed_table(rows, keys) + "\n\nDirichlet(0.5) with the probability teacher (`distill-teacher="
+            "probabilities`, otherwise the same setting and clients):\n\n" + "\n".join(teacher))
+
+
 RUNNERS = {"barriers": section_barriers, "barrier-seeds": section_barrier_seeds, "many": section_many,
            "many4": section_many4, "width": section_width, "oneshot": section_oneshot,
-           "oneshot-seeds": section_oneshot_seeds, "oneshot-cifar10": section_oneshot_cifar10}
+           "oneshot-seeds": section_oneshot_seeds, "oneshot-cifar10": section_oneshot_cifar10,
+           "oneshot-cifar10-seeds": section_oneshot_cifar10_seeds}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "oneshot-cifar10"),
+    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if not s.startswith("oneshot-cifar10")),
                         help="comma-separated; times on 2 idle cores: barriers 2 min per digits pair (cifar10 "
                         "~12 min, shakespeare ~25 min), barrier-seeds 4 min plus ~1 CPU min of refinement per pair, width 2 min; at load average 6-11 (upper bounds): many "
                         "15 min, many4 5 min plus training, oneshot 24 min, oneshot-seeds 25 min; not by default: "
                         "oneshot-cifar10 (per row ~3 min CPU: 4 clients, merges, 500 distillation steps; each "
-                        "further variant 1.5-5 min CPU; 10-30 min wall per variant at load 12)")
+                        "further variant 1.5-5 min CPU; 10-30 min wall per variant at load 12), oneshot-cifar10-seeds (on the "
+                        "oneshot-cifar10 section's clients: seeds 1-2 train their clients, ~2 min CPU per seed and "
+                        "partition; then 7 distillation runs, 1.3-2.5 min CPU each)")
     parser.add_argument("--tasks", default="digits", help="barriers section: tasks (digits, cifar10, shakespeare)")
     parser.add_argument("--cifar", default="../shared/data/cifar10", help="CIFAR-10 parquet directory")
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt", help="Tiny Shakespeare file")
