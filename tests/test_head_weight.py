@@ -56,3 +56,30 @@ def test_head_weight_without_a_token_embedding_changes_nothing_and_bad_values_ar
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="head_weight"):
             weight_match(spec, ref, moved, iterations=1, head_weight=bad)
+
+
+def test_cli_head_weight_is_honoured_and_refused_with_stream(tmp_path, capsys):
+    from fedbasin.checkpoint import load_checkpoint
+    from fedbasin.cli import main
+
+    from .helpers import cli_error
+    from .test_tokenizer_data import _gpt2
+
+    ref, cand = _gpt2(tmp_path / "ref", 1, vocab=300, with_tokenizer=False), _gpt2(tmp_path / "cand", 2, vocab=300,
+                                                                                    with_tokenizer=False)
+    a, b = load_checkpoint(ref), load_checkpoint(cand)
+    standard = lambda c: c.adapter.to_standard(c.state)  # noqa: E731
+    distance = lambda x, y: max(float((x[k] - y[k]).abs().max()) for k in y)  # noqa: E731
+    for h in (1.0, 3.0):
+        out = tmp_path / f"aligned{h}"
+        assert main(["align", str(ref), str(cand), "--out", str(out), "--iterations", "3",
+                     "--head-weight", str(h)]) == 0
+        capsys.readouterr()
+        expected = weight_match(a.spec, standard(a), standard(b), iterations=3, head_weight=h).state
+        assert distance(standard(load_checkpoint(out)), expected) < 1e-6
+    assert distance(standard(load_checkpoint(tmp_path / "aligned1.0")),
+                    standard(load_checkpoint(tmp_path / "aligned3.0"))) > 1e-4
+    assert "--head-weight is not supported with --stream" in cli_error(
+        capsys, ["align", str(ref), str(cand), "--out", str(tmp_path / "s"), "--stream", "--head-weight", "2"])
+    assert "--head-weight" in cli_error(capsys, ["align", str(ref), str(cand), "--out", str(tmp_path / "s"),
+                                                 "--head-weight", "0"])
