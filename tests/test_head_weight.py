@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedbasin.alignment import apply_group, canonicalize, random_group_element, to_gauge, weight_match
+from fedbasin.alignment import (
+    apply_group,
+    canonicalize,
+    random_group_element,
+    to_gauge,
+    weight_match,
+)
 from fedbasin.alignment.matching import _Objective
 
 from .helpers import GPT, VIT, inputs, rel_err, run, spec_of, trained_like
@@ -68,8 +74,8 @@ def test_cli_head_weight_is_honoured_and_refused_with_stream(tmp_path, capsys):
     ref, cand = _gpt2(tmp_path / "ref", 1, vocab=300, with_tokenizer=False), _gpt2(tmp_path / "cand", 2, vocab=300,
                                                                                     with_tokenizer=False)
     a, b = load_checkpoint(ref), load_checkpoint(cand)
-    standard = lambda c: c.adapter.to_standard(c.state)  # noqa: E731
-    distance = lambda x, y: max(float((x[k] - y[k]).abs().max()) for k in y)  # noqa: E731
+    standard = lambda c: c.adapter.to_standard(c.state)
+    distance = lambda x, y: max(float((x[k] - y[k]).abs().max()) for k in y)
     for h in (1.0, 3.0):
         out = tmp_path / f"aligned{h}"
         assert main(["align", str(ref), str(cand), "--out", str(out), "--iterations", "3",
