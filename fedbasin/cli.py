@@ -135,6 +135,9 @@ def _matching_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-weighting", choices=("seen", "sqrt", "count"), default="sqrt",
                    help="with --seen-tokens, weight token row t by √n_t (default), n_t or 1 (n_t: its count "
                    "in the training split)")
+    g.add_argument("--head-weight", type=_positive_float, default=1.0,
+                   help="factor on the output head's weight in the matching objective (models with a token "
+                   "embedding; default 1)")
 
 
 def _refine_options(p: argparse.ArgumentParser) -> None:
@@ -346,7 +349,7 @@ def cmd_align(args) -> int:
         else:
             result = weight_match(ref.spec, _standard(ref), _standard(cand), mode=args.symmetry,
                                   iterations=args.iterations, tol=args.tol, progress=True,
-                                  token_rows=_seen_tokens(args, ref, "align"))
+                                  token_rows=_seen_tokens(args, ref, "align"), head_weight=args.head_weight)
             aligned = result.state
             summary.update(iterations=result.iterations, start=result.start,
                            initial_objective=result.initial_objective, objective=result.objective,
@@ -360,6 +363,8 @@ def cmd_align(args) -> int:
 def _stream_align(args) -> int:
     from fedbasin.checkpoint import stream_align
 
+    if args.head_weight != 1.0:
+        raise UsageError("--head-weight is not supported with --stream (layer-by-layer matching)")
     try:
         result = stream_align(args.reference, args.candidate, args.out, mode=args.symmetry,
                               iterations=args.iterations, tol=args.tol, progress=True)
@@ -394,7 +399,7 @@ def cmd_merge(args) -> int:
             result = merge(checkpoints[0].spec, states, weights=args.weights, mode=args.symmetry,
                            iterations=args.iterations, tol=args.tol, universe_iterations=args.universe_iterations,
                            align=not args.no_align, progress=True,
-                           token_rows=_seen_tokens(args, checkpoints[0], "merge"))
+                           token_rows=_seen_tokens(args, checkpoints[0], "merge"), head_weight=args.head_weight)
             merged = result.state
             summary.update(universe_change=result.universe_change, objectives=result.objectives,
                            seconds=round(result.seconds, 3))
@@ -433,7 +438,7 @@ def _refiner(args, ref, command: str):
         mode=args.symmetry, permutations=args.refine_permutations, group=args.refine_group,
         lambda_range=tuple(args.refine_lambda), schedule=args.refine_schedule, match_iterations=args.iterations,
         match_tol=args.tol, universe_iterations=getattr(args, "universe_iterations", 1),
-        token_rows=_seen_tokens(args, ref, command),
+        token_rows=_seen_tokens(args, ref, command), head_weight=args.head_weight,
         to_module_state=ref.adapter.from_standard, progress=True)
     info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy)}
     if task.tokenizer is not None:
@@ -547,7 +552,7 @@ def cmd_barrier(args) -> int:
         if args.align:
             result = weight_match(a.spec, _standard(a), _standard(b), mode=args.symmetry,
                                   iterations=args.iterations, tol=args.tol, progress=True,
-                                  token_rows=_seen_tokens(args, a, "barrier"))
+                                  token_rows=_seen_tokens(args, a, "barrier"), head_weight=args.head_weight)
             summary.update(symmetry=args.symmetry, align_seconds=round(result.seconds, 3))
             aligned = a.adapter.from_standard(result.state)
             curves["aligned"] = interpolation_curve(a.state, aligned, loss_of, points=args.points)

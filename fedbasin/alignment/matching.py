@@ -8,6 +8,10 @@ The weights w_p set how much each tensor counts; every choice gives J = 1 for a 
   counts as much as a matrix);
 * ``"uniform"``: ``w_p = 1`` — the plain L2 distance of canonical weights (J not normalised).
 
+``head_weight`` h multiplies w_p of the output head over the vocabulary (a token-indexed reader,
+:func:`token_indexed_keys`, other than the embedding), J normalised so that a perfect match still
+gives 1: the head's rows are what the loss reads directly (see docs/merging.md §2a for the effect).
+
 Each step maximises J exactly over one factor of the group, the others fixed, so the
 recorded objective never decreases:
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -266,11 +271,15 @@ def _unfold(x: torch.Tensor, axis: int) -> torch.Tensor:
 class _Objective:
     """Weights w_p and the objective J for one reference."""
 
-    def __init__(self, spec: SymmetrySpec, ref: dict, cand: dict, weighting: str):
+    def __init__(self, spec: SymmetrySpec, ref: dict, cand: dict, weighting: str, head_weight: float = 1.0):
         gains = {n.weight for n in spec.norms if n.weight}
         self.keys = sorted(k for k in spec.keys() if k not in gains)
         self.ref = ref
         self.w = {}
+        blocks = {k for a in spec.attention for lin in (a.q, a.k, a.v, a.o) for k in (lin.weight, lin.bias)}
+        blocks |= {k for m in spec.mlp for lin in (m.up, m.gate, m.down) if lin for k in (lin.weight, lin.bias)}
+        heads = token_indexed_keys(spec, ref) - set(spec.embedding_keys) - blocks
+        factor = {k: head_weight if k in heads else 1.0 for k in self.keys}
         for k in self.keys:
             if weighting == "cosine":
                 denom = float(ref[k].norm()) * float(cand[k].norm())
@@ -282,8 +291,9 @@ class _Objective:
                 self.w[k] = 1.0
             else:
                 raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-        self.norm = {"cosine": float(len(self.keys)), "rms": float(sum(ref[k].numel() for k in self.keys))}.get(
-            weighting, 1.0)
+            self.w[k] *= factor[k]
+        self.norm = {"cosine": float(sum(factor.values())),
+                     "rms": float(sum(ref[k].numel() * factor[k] for k in self.keys))}.get(weighting, 1.0)
         #: keys whose terms the caller counts through ``free`` (kept unrotated, see weight_match)
         self.implicit: set = set()
 
@@ -567,6 +577,7 @@ def weight_match(
     progress: bool = False,
     token_rows: torch.Tensor | None = None,
     release: bool = False,
+    head_weight: float = 1.0,
 ) -> MatchResult:
     """Align ``candidate`` to ``reference`` (raw state dicts of the same architecture).
 
@@ -593,11 +604,16 @@ def weight_match(
     ``release=True`` (the caller hands ``candidate`` over): the ``candidate`` dict is emptied
     once canonicalised, so its tensors go as soon as the match no longer needs them, and only
     ``canonical`` is returned (``state`` is an empty dict). Results are the same either way.
+
+    ``head_weight``: factor on the objective weight of the output head over the vocabulary
+    (see the module docstring; no effect on models without a token embedding).
     """
+    if not (math.isfinite(head_weight) and head_weight > 0):
+        raise ValueError(f"head_weight must be a finite number > 0, got {head_weight}")
     if token_rows is not None:
         return _match_on_token_rows(spec, reference, candidate, token_rows, mode=mode, iterations=iterations,
                                     tol=tol, weighting=weighting, init=init, progress=progress,
-                                    release=release)
+                                    release=release, head_weight=head_weight)
     if mode not in MODES:
         raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
     t0, cpu_t0 = time.perf_counter(), time.process_time()
@@ -612,7 +628,7 @@ def weight_match(
         given.clear()
     device = next(iter(cand_c.state.values())).device
     ref_state = {k: v.to(device) for k, v in ref_c.state.items()}
-    J = _Objective(spec, ref_state, cand_c.state, weighting)
+    J = _Objective(spec, ref_state, cand_c.state, weighting, head_weight)
     matcher = _Matcher(spec, ref_state, J, mode)
     initial, _ = J(cand_c.state)
     # tensors only the residual map moves stay unrotated until the end (see free_covariance)

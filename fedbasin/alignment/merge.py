@@ -97,12 +97,14 @@ def merge(
     token_rows: torch.Tensor | None = None,
     combine=average_states,
     release: bool = False,
+    head_weight: float = 1.0,
 ) -> MergeResult:
     """Align every model to ``states[reference]`` (then to the running universe) and average.
 
     ``align=False`` is plain weighted averaging through the same path (FedAvg). The result is
     returned in the reference's gauge and keeps the architecture (tied tensors come back untied).
-    ``token_rows``: match token-indexed rows of these ids only (see :func:`weight_match`).
+    ``token_rows``: match token-indexed rows of these ids only (see :func:`weight_match`);
+    ``head_weight``: the output head's objective weight (likewise).
     ``combine(aligned_canonical_states, weights)`` replaces the weighted mean (e.g. a robust
     aggregator that screens the aligned models first); the dicts it gets are the merge's own.
 
@@ -169,7 +171,7 @@ def merge(
             else:
                 candidate = states[k] if states[k] is not None else _restore(spec, *held.pop(k))
                 match = weight_match(spec, universe, candidate, mode=mode, iterations=iterations, tol=tol,
-                                     weighting=weighting, token_rows=token_rows,
+                                     weighting=weighting, token_rows=token_rows, head_weight=head_weight,
                                      release=release and not readable[k])
                 del candidate
                 if not readable[k]:

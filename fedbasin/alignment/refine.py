@@ -400,6 +400,7 @@ def learned_refine(
     schedule: str = "constant",
     dual: bool = False,
     selection_lambdas: tuple[float, ...] = (0.5,),
+    head_weight: float = 1.0,
 ) -> RefineResult:
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
 
@@ -483,12 +484,12 @@ def learned_refine(
         if universe_iterations > 1:
             universe = merge(spec, [reference, *candidates], [float(include_reference)] + [1.0] * len(candidates),
                              0, match_mode, match_iterations, match_tol, universe_iterations=universe_iterations,
-                             weighting=weighting, token_rows=token_rows)
+                             weighting=weighting, token_rows=token_rows, head_weight=head_weight)
             found = universe.matches
             # the reference is re-aligned to the universe too when the merge returns its match
             return (found[0], found[1:]) if len(found) > len(candidates) else (None, found)
         return None, [weight_match(spec, reference, c, mode=match_mode, iterations=match_iterations, tol=match_tol,
-                                   weighting=weighting, token_rows=token_rows) for c in candidates]
+                                   weighting=weighting, token_rows=token_rows, head_weight=head_weight) for c in candidates]
 
     def reference_of(ref_start) -> dict:
         return {k: v.detach() for k, v in (ref_start.canonical if ref_start else ref_c.state).items()}

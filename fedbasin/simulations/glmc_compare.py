@@ -84,8 +84,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--tol", type=float, default=1e-6)
     parser.add_argument("--variants", default="permutation/rms/all,permutation/rms/seen,orthogonal/rms/all,"
                         "orthogonal/rms/seen,permutation/rms/sqrt,orthogonal/rms/sqrt,orthogonal/cosine/seen,orthogonal/uniform/seen",
-                        help="fedbasin rows as MODE/WEIGHTING/ROWS, ROWS: all, or the tokens seen in training "
-                        "weighted by seen (1), sqrt (√count) or count")
+                        help="fedbasin rows as MODE/WEIGHTING/ROWS[/HEAD], ROWS: all, or the tokens seen in training "
+                        "weighted by seen (1), sqrt (√count) or count; HEAD: the output head's objective weight "
+                        "(weight_match's head_weight; default 1)")
     parser.add_argument("--circuit-variant", default="orthogonal/rms/seen",
                         help="the fedbasin alignment also evaluated on GLMC's merged architecture ('' to skip)")
     parser.add_argument("--skip-vanilla", action="store_true", help="leave out the vanilla curve")
@@ -142,10 +143,10 @@ def main(argv=None) -> dict:
     standard_a, standard_b = a.adapter.to_standard(a.state), b.adapter.to_standard(b.state)
     aligned = {}
     for variant in filter(None, args.variants.split(",")):
-        mode, weighting, rows = variant.split("/")
+        mode, weighting, rows, *head = variant.split("/")
         token_rows = None if rows == "all" else token_weights(train_ids, a.config.vocab_size, rows)
         match = weight_match(a.spec, standard_a, standard_b, mode=mode, iterations=args.iterations, tol=args.tol,
-                             weighting=weighting, token_rows=token_rows)
+                             weighting=weighting, token_rows=token_rows, head_weight=float(head[0]) if head else 1.0)
         aligned[variant] = a.adapter.from_standard(match.state)
         if not args.glmc_only:
             record(f"fedbasin {variant}", curve(aligned[variant]), match.seconds, iterations=match.iterations)
