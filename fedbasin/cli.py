@@ -158,6 +158,15 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--refine-schedule", choices=["constant", "cosine"], default="constant",
                    help="learning-rate schedule over the steps")
     g.add_argument("--refine-batch-size", type=_positive_int, default=64, help="proxy examples per step")
+    g.add_argument("--refine-eval-every", type=_positive_int, default=10,
+                   help="score the alignment on the selection split every N steps (keep-best)")
+    g.add_argument("--refine-start", choices=["weights", "activations"], default="weights",
+                   help="start from weight matching (--symmetry), or from the two models' activations on the "
+                   "proxy data: residual Procrustes, head and neuron Hungarian matching")
+    g.add_argument("--refine-vocabulary", choices=["full", "proxy", "seen"], default="full",
+                   help="text data: the training loss's softmax covers every token (full), only the tokens of "
+                   "the proxy data (proxy) or of the data's training split (seen); keep-best and reported "
+                   "losses always use the full vocabulary")
 
 
 CHECKPOINT_HELP = "checkpoint directory (fedbasin or Hugging Face GPT-2/ViT/Llama/GPT-NeoX: config.json + model.safetensors)"
@@ -424,6 +433,8 @@ def _refiner(args, ref, command: str):
     lo, hi = args.refine_lambda
     if not 0.0 <= lo <= hi <= 1.0:
         raise UsageError(f"--refine-lambda {lo} {hi}: needs 0 <= LO <= HI <= 1")
+    if args.refine_start == "activations" and args.symmetry == "permutation":
+        raise UsageError("--refine-start activations finds an orthogonal residual map: it needs --symmetry orthogonal")
     task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
                      proxy_size=args.refine_examples)
     data = proxy_streams(task.proxy, args.refine_batch_size, seed=0)
@@ -433,8 +444,8 @@ def _refiner(args, ref, command: str):
         mode=args.symmetry, permutations=args.refine_permutations, group=args.refine_group,
         lambda_range=tuple(args.refine_lambda), schedule=args.refine_schedule, match_iterations=args.iterations,
         match_tol=args.tol, universe_iterations=getattr(args, "universe_iterations", 1),
-        token_rows=_seen_tokens(args, ref, command),
-        to_module_state=ref.adapter.from_standard, progress=True)
+        token_rows=_seen_tokens(args, ref, command), start=args.refine_start, eval_every=args.refine_eval_every,
+        vocabulary=_refine_vocabulary(args, task), to_module_state=ref.adapter.from_standard, progress=True)
     info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy)}
     if task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
@@ -486,6 +497,17 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
     if text:
         _check_vocabulary(checkpoint, task, path, command, option, tokenizer)
     return task
+
+
+def _refine_vocabulary(args, task):
+    """Token ids of ``--refine-vocabulary`` (None for the full vocabulary)."""
+    if args.refine_vocabulary == "full":
+        return None
+    if not args.refine_data.startswith("text:"):
+        raise UsageError(f"--refine-vocabulary {args.refine_vocabulary} needs text data (text:FILE), "
+                         f"got --refine-data {args.refine_data}")
+    splits = [task.proxy] + ([task.train] if args.refine_vocabulary == "seen" else [])  # the proxy is cut from train
+    return torch.unique(torch.cat([t.reshape(-1) for s in splits for t in (s.inputs, s.targets)]))
 
 
 def _seen_tokens(args, checkpoint, command: str):

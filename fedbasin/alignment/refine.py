@@ -23,6 +23,7 @@ used for any decision, reports the loss of the start and of the returned alignme
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from .group import (
     per_query_head,
     plane_rotations,
 )
-from .matching import MODES, hungarian, progress_bar, weight_match
+from .matching import MODES, hungarian, progress_bar, token_indexed_keys, weight_match
 from .merge import average_states, merge
 from .spec import SymmetrySpec, check_compatible
 
@@ -400,6 +401,9 @@ def learned_refine(
     schedule: str = "constant",
     dual: bool = False,
     selection_lambdas: tuple[float, ...] = (0.5,),
+    start: str = "weights",
+    start_batches: int = 4,
+    vocabulary: torch.Tensor | None = None,
 ) -> RefineResult:
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
 
@@ -418,6 +422,15 @@ def learned_refine(
     at ``λ₀`` in this tuple (default the midpoint); more models at their centroid.
     ``dual=True`` lets the reference carry a learned transform as well (both endpoints move toward
     a shared path; the moved reference is ``reference_canonical``).
+    ``start``: ``"weights"`` (weight matching in ``mode``) or ``"activations"``
+    (:func:`~fedbasin.alignment.activations.activation_match` on the first ``start_batches`` training
+    batches, which are trained on as well; with ``mode="best"`` it competes with both weight-matching
+    starts on the selection split).
+    ``vocabulary``: token ids (language models); the *training* loss is computed as if the model's
+    vocabulary were only these tokens — embedding and output-head rows of the others are left out
+    before the transform, inputs and targets are renumbered — so the softmax costs |vocabulary|
+    instead of V per token. Keep-best and the reported losses stay exact (full vocabulary). A
+    training token outside it is refused. With every token it is the full loss.
     ``include_reference=False`` leaves the reference out of the mixture and the scored centroid
     (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
@@ -436,6 +449,14 @@ def learned_refine(
         raise ValueError(f"lambda_range must satisfy 0 <= lo <= hi <= 1, got {lambda_range!r}")
     if not selection_lambdas or not all(0.0 <= float(v) <= 1.0 for v in selection_lambdas):
         raise ValueError(f"selection_lambdas must be a non-empty tuple of values in [0, 1], got {selection_lambdas!r}")
+    if start not in ("weights", "activations"):
+        raise ValueError(f"start must be 'weights' or 'activations', got {start!r}")
+    if start == "activations" and mode == "permutation":
+        raise ValueError("start='activations' finds an orthogonal residual map: use mode 'orthogonal' or 'best'")
+    if start == "activations" and universe_iterations > 1:
+        raise ValueError("start='activations' aligns each candidate to the reference: universe_iterations must be 1")
+    if isinstance(start_batches, bool) or not isinstance(start_batches, int) or start_batches < 1:
+        raise ValueError(f"start_batches must be an integer >= 1, got {start_batches!r}")
     if dual and not include_reference:
         raise ValueError("dual=True moves the reference along the path: it needs include_reference=True")
     if not candidates:
@@ -493,8 +514,17 @@ def learned_refine(
     def reference_of(ref_start) -> dict:
         return {k: v.detach() for k, v in (ref_start.canonical if ref_start else ref_c.state).items()}
 
+    iterator = iter(batches)
+    restrict, train_tokens = _vocabulary_restriction(spec, ref_c.state, vocabulary)
     options = []
-    for match_mode in (("permutation", "orthogonal") if mode == "best" else (mode,)):
+    if start == "activations":
+        from .activations import activation_match
+
+        first = list(itertools.islice(iterator, start_batches))
+        iterator = itertools.chain(first, iterator)  # the start's batches are training batches too
+        found = [activation_match(spec, frozen, reference, c, first, to_module_state) for c in candidates]
+        options.append((centroid_loss(ref_c.state, [s.canonical for s in found], selection), "activations", None, found))
+    for match_mode in (("permutation", "orthogonal") if mode == "best" else (mode,) if start == "weights" else ()):
         ref_start, starts = matched(match_mode)
         loss = centroid_loss(reference_of(ref_start), [s.canonical for s in starts], selection)
         options.append((loss, match_mode, ref_start, starts))
@@ -505,12 +535,14 @@ def learned_refine(
     deltas = nn.ModuleList(_Delta(spec, b, permutations, init_scale=1.0, group=group) for b in movers).to(device)
     optimiser = torch.optim.Adam(deltas.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimiser, (lambda i: 1.0) if schedule == "constant" else (lambda i: 0.5 * (1 + math.cos(math.pi * i / steps))))
+        optimiser, (lambda i: 1.0) if schedule == "constant" else (lambda i: 0.5 * (1 + math.cos(math.pi * i / max(steps, 1)))))
     rng = np.random.default_rng(seed)  # private: the caller's torch RNG stream is left alone
 
-    def split_members(states):
+    def split_members(states, reference_state=ref_state):
         """(reference state, candidate states) from the moved models."""
-        return (states[0], states[1:]) if dual else (ref_state, states)
+        return (states[0], states[1:]) if dual else (reference_state, states)
+
+    train_movers, train_ref = [restrict(b) for b in movers], restrict(ref_state)
 
     best_states, best_elements = movers, [GroupElement.identity(spec) for _ in movers]
     best = initial
@@ -518,17 +550,16 @@ def learned_refine(
     if evaluation is not None:
         result.evaluation_initial_loss = centroid_loss(ref_state, base, evaluation)
     result.history.append((0, initial))
-    iterator = iter(batches)
     bar = progress_bar(steps, progress, "learned refinement", "step")
     # a single model's loss does not depend on its alignment: nothing to refine
     for step in range(1, steps + 1 if members > 1 else 1):
-        x, y = (t.to(device) for t in next(iterator))
+        x, y = (train_tokens(t.to(device)) for t in next(iterator))
         if members == 2:
             first = rng.uniform(lo, hi)
             lam = [first, 1.0 - first]
         else:
             lam = rng.dirichlet([alpha] * members).tolist()
-        moved_ref, moved = split_members([d.transform(b, tau) for d, b in zip(deltas, movers)])
+        moved_ref, moved = split_members([d.transform(b, tau) for d, b in zip(deltas, train_movers)], train_ref)
         loss = loss_fn(forward(mixture(lam, moved_ref, moved), x), y)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
@@ -558,6 +589,35 @@ def learned_refine(
                                   else centroid_loss(best_ref, result.canonical, evaluation))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _vocabulary_restriction(spec: SymmetrySpec, state: dict, vocabulary):
+    """(restrict(state), renumber(token ids)) for a training loss over ``vocabulary`` only: the
+    token-indexed rows (embedding, output head) are cut to those tokens, whose ids become
+    0 … |vocabulary|−1. Identities without a vocabulary."""
+    if vocabulary is None:
+        return (lambda s: s), (lambda t: t)
+    keys = token_indexed_keys(spec, state)
+    if not keys:
+        raise ValueError("vocabulary given but the model has no token embedding")
+    size = state[spec.embedding_keys[0]].shape[0]
+    ids = torch.as_tensor(vocabulary).reshape(-1)
+    if ids.is_floating_point() or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= size:
+        raise ValueError(f"vocabulary must be non-empty integer token ids in [0, {size})")
+    ids = torch.unique(ids.long())
+    lookup = torch.full((size,), -1, dtype=torch.long)
+    lookup[ids] = torch.arange(ids.numel())
+
+    def restrict(s: dict) -> dict:
+        return {k: v.index_select(0, ids.to(v.device)) if k in keys else v for k, v in s.items()}
+
+    def renumber(t: torch.Tensor) -> torch.Tensor:
+        out = lookup.to(t.device)[t]
+        if bool((out < 0).any()):
+            raise ValueError(f"a training batch holds token {int(t[out < 0][0])}, outside the refinement vocabulary")
+        return out
+
+    return restrict, renumber
 
 
 def refined_merge(
