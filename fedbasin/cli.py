@@ -158,6 +158,10 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--refine-schedule", choices=["constant", "cosine"], default="constant",
                    help="learning-rate schedule over the steps")
     g.add_argument("--refine-batch-size", type=_positive_int, default=64, help="proxy examples per step")
+    g.add_argument("--refine-vocabulary-samples", type=_nonnegative_int, default=0, metavar="K",
+                   help="with --refine-vocabulary proxy|seen: each step the softmax also covers K tokens drawn "
+                   "from outside it, their logits raised by log(m/K) (m outside tokens): a sampled estimate of "
+                   "the probability mass the restricted softmax drops")
     g.add_argument("--refine-eval-every", type=_positive_int, default=10,
                    help="score the alignment on the selection split every N steps (keep-best)")
     g.add_argument("--refine-start", choices=["weights", "activations"], default="weights",
@@ -445,7 +449,8 @@ def _refiner(args, ref, command: str):
         lambda_range=tuple(args.refine_lambda), schedule=args.refine_schedule, match_iterations=args.iterations,
         match_tol=args.tol, universe_iterations=getattr(args, "universe_iterations", 1),
         token_rows=_seen_tokens(args, ref, command), start=args.refine_start, eval_every=args.refine_eval_every,
-        vocabulary=_refine_vocabulary(args, task), to_module_state=ref.adapter.from_standard, progress=True)
+        vocabulary=_refine_vocabulary(args, task), vocabulary_samples=args.refine_vocabulary_samples,
+        to_module_state=ref.adapter.from_standard, progress=True)
     info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy)}
     if task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))

@@ -12,7 +12,7 @@ import torch
 
 from fedbasin.alignment import apply_group, canonicalize, learned_refine, random_group_element, to_gauge
 from fedbasin.alignment.activations import activation_match
-from fedbasin.alignment.refine import _vocabulary_restriction, proxy_streams
+from fedbasin.alignment.refine import _TrainingVocabulary, proxy_streams
 from fedbasin.data import load_task
 from fedbasin.models import build_model
 from fedbasin.training import cross_entropy
@@ -88,30 +88,54 @@ def test_restricted_vocabulary_logits_are_the_full_logits_of_those_tokens():
     spec = spec_of("gpt", GPT)
     state = trained_like("gpt", GPT, seed=1, dtype=torch.float32).state_dict()
     kept = torch.tensor([0, 2, 3, 7, 11, 12, 19, 22])
-    restrict, renumber = _vocabulary_restriction(spec, state, kept)
+    vocab = _TrainingVocabulary(spec, state, kept)
+    restrict, renumber = (lambda s: vocab.restrict(s, vocab.ids)), vocab.renumber
     x = kept[torch.randint(0, len(kept), (3, GPT["block_size"]), generator=torch.Generator().manual_seed(0))]
     full = run("gpt", GPT, state, x, torch.float32)
     small = run("gpt", dict(GPT, vocab_size=len(kept)), restrict(state), renumber(x), torch.float32)
     assert torch.equal(renumber(kept), torch.arange(len(kept)))
     assert float((small - full[..., kept]).abs().max()) < 1e-5
     every = torch.arange(GPT["vocab_size"])
-    restrict, renumber = _vocabulary_restriction(spec, state, every)
+    vocab = _TrainingVocabulary(spec, state, every)
+    restrict, renumber = (lambda s: vocab.restrict(s, vocab.ids)), vocab.renumber
     y = torch.randint(0, GPT["vocab_size"], x.shape, generator=torch.Generator().manual_seed(1))
     assert float(cross_entropy(run("gpt", GPT, restrict(state), renumber(y), torch.float32), renumber(y))) == \
         pytest.approx(float(cross_entropy(run("gpt", GPT, state, y, torch.float32), y)), rel=1e-6)
     with pytest.raises(ValueError, match="token 1, outside the refinement vocabulary"):
-        _vocabulary_restriction(spec, state, kept)[1](torch.tensor([[0, 1]]))
+        _TrainingVocabulary(spec, state, kept).renumber(torch.tensor([[0, 1]]))
 
 
 def test_refinement_with_every_token_as_vocabulary_equals_the_full_refinement():
     spec = spec_of("gpt", GPT)
     a, b = (trained_like("gpt", GPT, seed=s, dtype=torch.float32).state_dict() for s in (1, 2))
-    data = [inputs("gpt", GPT, torch.float32, seed=s) for s in range(6)]
+    g = torch.Generator().manual_seed(0)
+    data = [(x, x) for x in (torch.randint(0, 12, (4, GPT["block_size"]), generator=g) for _ in range(6))]
     results = [learned_refine(spec, build_model("gpt", GPT), a, [b], _lm_loss, iter(data * 3), data[:2], steps=8,
-                              eval_every=2, vocabulary=v) for v in (None, torch.arange(GPT["vocab_size"]))]
-    assert [loss for _, loss in results[0].history] == pytest.approx([loss for _, loss in results[1].history],
-                                                                      rel=1e-5)
+                              eval_every=2, vocabulary=v, vocabulary_samples=k)
+               for v, k in ((None, 0), (torch.arange(GPT["vocab_size"]), 0), (torch.arange(12), 100))]
+    for other in results[1:]:  # every token kept, or every token outside the vocabulary drawn
+        assert [loss for _, loss in results[0].history] == pytest.approx([loss for _, loss in other.history], rel=1e-5)
     assert results[0].best_step > 0
+
+
+def test_sampled_outside_tokens_estimate_the_dropped_mass():
+    """Each draw's corrected outside logits give an unbiased estimate of the outside tokens'
+    partition sum; drawing every outside token is the full softmax again."""
+    spec = spec_of("gpt", GPT)
+    state = trained_like("gpt", GPT, seed=1, dtype=torch.float32).state_dict()
+    kept = torch.tensor([0, 2, 3, 7, 11, 12, 19, 22])
+    z = torch.randn(GPT["vocab_size"], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    vocab = _TrainingVocabulary(spec, state, kept, samples=5, seed=0)
+    estimates = []
+    for _ in range(4000):
+        rows, correction = vocab.draw()
+        assert torch.equal(rows[:len(kept)], kept) and not bool(torch.isin(rows[len(kept):], kept).any())
+        estimates.append(float((z[rows[len(kept):]] + correction[len(kept):]).exp().sum()))
+    outside = torch.ones(GPT["vocab_size"], dtype=torch.bool)
+    outside[kept] = False
+    assert sum(estimates) / len(estimates) == pytest.approx(float(z[outside].exp().sum()), rel=0.02)
+    rows, correction = _TrainingVocabulary(spec, state, kept, samples=100).draw()
+    assert sorted(rows.tolist()) == list(range(GPT["vocab_size"])) and float(correction.abs().max()) == 0.0
 
 
 def _lm_loss(logits, targets):
@@ -176,7 +200,7 @@ def test_vocabulary_is_refused_without_token_embedding():
     spec = spec_of("vit", VIT)
     a = trained_like("vit", VIT, seed=1).state_dict()
     with pytest.raises(ValueError, match="no token embedding"):
-        _vocabulary_restriction(spec, a, torch.arange(3))
+        _TrainingVocabulary(spec, a, torch.arange(3))
 
 
 def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsys):

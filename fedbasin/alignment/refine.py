@@ -404,6 +404,7 @@ def learned_refine(
     start: str = "weights",
     start_batches: int = 4,
     vocabulary: torch.Tensor | None = None,
+    vocabulary_samples: int = 0,
 ) -> RefineResult:
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
 
@@ -431,6 +432,9 @@ def learned_refine(
     before the transform, inputs and targets are renumbered — so the softmax costs |vocabulary|
     instead of V per token. Keep-best and the reported losses stay exact (full vocabulary). A
     training token outside it is refused. With every token it is the full loss.
+    ``vocabulary_samples`` = k: each step the softmax also covers k tokens drawn from outside the
+    vocabulary, their logits raised by ``log(m/k)`` (m outside tokens): a sampled estimate of the
+    probability mass the restricted softmax would otherwise drop (:class:`_TrainingVocabulary`).
     ``include_reference=False`` leaves the reference out of the mixture and the scored centroid
     (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
@@ -515,7 +519,8 @@ def learned_refine(
         return {k: v.detach() for k, v in (ref_start.canonical if ref_start else ref_c.state).items()}
 
     iterator = iter(batches)
-    restrict, train_tokens = _vocabulary_restriction(spec, ref_c.state, vocabulary)
+    vocab = None if vocabulary is None else _TrainingVocabulary(spec, ref_c.state, vocabulary, vocabulary_samples,
+                                                                  seed + 1)
     options = []
     if start == "activations":
         from .activations import activation_match
@@ -542,7 +547,9 @@ def learned_refine(
         """(reference state, candidate states) from the moved models."""
         return (states[0], states[1:]) if dual else (reference_state, states)
 
-    train_movers, train_ref = [restrict(b) for b in movers], restrict(ref_state)
+    fixed_rows = vocab is not None and not vocab.samples  # the restricted rows never change: cut them once
+    if fixed_rows:
+        cut_movers, cut_ref = [vocab.restrict(b, vocab.ids) for b in movers], vocab.restrict(ref_state, vocab.ids)
 
     best_states, best_elements = movers, [GroupElement.identity(spec) for _ in movers]
     best = initial
@@ -553,14 +560,23 @@ def learned_refine(
     bar = progress_bar(steps, progress, "learned refinement", "step")
     # a single model's loss does not depend on its alignment: nothing to refine
     for step in range(1, steps + 1 if members > 1 else 1):
-        x, y = (train_tokens(t.to(device)) for t in next(iterator))
+        x, y = next(iterator)
+        x, y, train_movers, train_ref, correction = x.to(device), y.to(device), movers, ref_state, None
+        if vocab is not None:
+            x, y = vocab.renumber(x), vocab.renumber(y)
+            if fixed_rows:
+                train_movers, train_ref = cut_movers, cut_ref
+            else:
+                rows, correction = vocab.draw()
+                train_movers, train_ref = [vocab.restrict(b, rows) for b in movers], vocab.restrict(ref_state, rows)
         if members == 2:
             first = rng.uniform(lo, hi)
             lam = [first, 1.0 - first]
         else:
             lam = rng.dirichlet([alpha] * members).tolist()
         moved_ref, moved = split_members([d.transform(b, tau) for d, b in zip(deltas, train_movers)], train_ref)
-        loss = loss_fn(forward(mixture(lam, moved_ref, moved), x), y)
+        logits = forward(mixture(lam, moved_ref, moved), x)
+        loss = loss_fn(logits if correction is None else logits + correction.to(logits), y)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
@@ -591,33 +607,54 @@ def learned_refine(
     return result
 
 
-def _vocabulary_restriction(spec: SymmetrySpec, state: dict, vocabulary):
-    """(restrict(state), renumber(token ids)) for a training loss over ``vocabulary`` only: the
-    token-indexed rows (embedding, output head) are cut to those tokens, whose ids become
-    0 … |vocabulary|−1. Identities without a vocabulary."""
-    if vocabulary is None:
-        return (lambda s: s), (lambda t: t)
-    keys = token_indexed_keys(spec, state)
-    if not keys:
-        raise ValueError("vocabulary given but the model has no token embedding")
-    size = state[spec.embedding_keys[0]].shape[0]
-    ids = torch.as_tensor(vocabulary).reshape(-1)
-    if ids.is_floating_point() or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= size:
-        raise ValueError(f"vocabulary must be non-empty integer token ids in [0, {size})")
-    ids = torch.unique(ids.long())
-    lookup = torch.full((size,), -1, dtype=torch.long)
-    lookup[ids] = torch.arange(ids.numel())
+class _TrainingVocabulary:
+    """The token set of the *training* loss (see :func:`learned_refine`'s ``vocabulary``).
 
-    def restrict(s: dict) -> dict:
-        return {k: v.index_select(0, ids.to(v.device)) if k in keys else v for k, v in s.items()}
+    The token-indexed rows (embedding, output head; :func:`token_indexed_keys`) are cut to the
+    kept tokens, whose ids become 0 … n−1, so the model computes exactly the full model's logits
+    at those tokens. With ``samples`` = k > 0, each step also draws k of the m tokens outside the
+    vocabulary (uniformly, without replacement) and adds ``log(m/k)`` to their logits: the
+    softmax's normaliser then contains ``(m/k)·Σ_sampled e^z``, an unbiased estimate of the
+    outside tokens' share ``Σ_outside e^z`` (the uniform-proposal sampled softmax); k = m is the
+    full softmax. Inputs and targets must lie in the vocabulary (else ``ValueError``).
+    """
 
-    def renumber(t: torch.Tensor) -> torch.Tensor:
-        out = lookup.to(t.device)[t]
+    def __init__(self, spec: SymmetrySpec, state: dict, vocabulary, samples: int = 0, seed: int = 0):
+        self.keys = token_indexed_keys(spec, state)
+        if not self.keys:
+            raise ValueError("vocabulary given but the model has no token embedding")
+        size = state[spec.embedding_keys[0]].shape[0]
+        ids = torch.as_tensor(vocabulary).reshape(-1)
+        if ids.is_floating_point() or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= size:
+            raise ValueError(f"vocabulary must be non-empty integer token ids in [0, {size})")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"vocabulary_samples must be an integer >= 0, got {samples!r}")
+        self.ids = torch.unique(ids.long())
+        self.lookup = torch.full((size,), -1, dtype=torch.long)
+        self.lookup[self.ids] = torch.arange(self.ids.numel())
+        inside = torch.zeros(size, dtype=torch.bool)
+        inside[self.ids] = True
+        self.outside = torch.nonzero(~inside).flatten()
+        self.samples = min(samples, self.outside.numel())
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def draw(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(token ids of this step's rows, logit correction for them or None)."""
+        if not self.samples:
+            return self.ids, None
+        drawn = self.outside[torch.randperm(self.outside.numel(), generator=self.generator)[:self.samples]]
+        correction = torch.zeros(self.ids.numel() + self.samples)
+        correction[self.ids.numel():] = math.log(self.outside.numel() / self.samples)
+        return torch.cat([self.ids, drawn]), correction
+
+    def restrict(self, state: dict, ids: torch.Tensor) -> dict:
+        return {k: v.index_select(0, ids.to(v.device)) if k in self.keys else v for k, v in state.items()}
+
+    def renumber(self, t: torch.Tensor) -> torch.Tensor:
+        out = self.lookup.to(t.device)[t]
         if bool((out < 0).any()):
             raise ValueError(f"a training batch holds token {int(t[out < 0][0])}, outside the refinement vocabulary")
         return out
-
-    return restrict, renumber
 
 
 def refined_merge(
