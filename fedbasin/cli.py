@@ -441,7 +441,8 @@ def _refiner(args, ref, command: str):
         raise UsageError("--refine-start activations finds an orthogonal residual map: it needs --symmetry orthogonal")
     task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
                      proxy_size=args.refine_examples)
-    data = proxy_streams(task.proxy, args.refine_batch_size, seed=0)
+    # selection/report batches of 32: a language model's logits (32 × context × vocabulary) bound the peak memory
+    data = proxy_streams(task.proxy, args.refine_batch_size, seed=0, eval_batch_size=32)
     refine = functools.partial(
         learned_refine, ref.spec, build_torch_model(ref), loss_fn=cross_entropy, batches=data.batches,
         selection=data.selection, evaluation=data.evaluation, steps=args.refine_steps, lr=args.refine_lr,
