@@ -106,7 +106,8 @@ class _Statistics:
         self.sums[name] = value if name not in self.sums else self.sums[name] + value
 
     def cross(self, name, a: torch.Tensor, b: torch.Tensor) -> None:
-        """``Bᵀ A``, ``ΣA``, ``ΣB``, ``ΣA²``, ``ΣB²`` (per column) of two (N, n) activations."""
+        """``Bᵀ A``, ``ΣA``, ``ΣB``, ``ΣA²``, ``ΣB²`` (per column) and N of two (N, n) activations."""
+        self.add((name, "n"), float(a.shape[0]))
         self.add((name, "BA"), b.T @ a)
         self.add((name, "a"), a.sum(0))
         self.add((name, "b"), b.sum(0))
@@ -114,9 +115,9 @@ class _Statistics:
         self.add((name, "bb"), b.pow(2).sum(0))
 
 
-def _head_blocks(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """(N, H·d_h) → (H, N, d_h)."""
-    return x.reshape(x.shape[0], heads, -1).transpose(0, 1)
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """Activations (..., n) as float64 rows (N, n), one per token."""
+    return t.reshape(-1, t.shape[-1]).double()
 
 
 def _block_values(ba: torch.Tensor, aa: torch.Tensor, bb: torch.Tensor, heads: int) -> torch.Tensor:
@@ -192,26 +193,23 @@ def activation_match(
             x = batch[0] if isinstance(batch, (tuple, list)) else batch
             x = x.to(device)
             acts_a, acts_b = run(ref_c.state, x), run(cand_c.state, x)
-            for key, (a_in, a_out) in ((k, v) for k, v in acts_a.items() if k[0] == "norm"):
-                b_in = acts_b[key][0]
-                stats.add("residual", _normalised(b_in, layernorm).T @ _normalised(a_in, layernorm))
-                stats.add("residual_energy", _normalised(a_in, layernorm).pow(2).sum())
+            for key in (k for k in acts_a if k[0] == "norm"):  # residual stream at each norm's input
+                x_a, x_b = (_normalised(acts[key][0], layernorm) for acts in (acts_a, acts_b))
+                stats.add("residual", x_b.T @ x_a)
+                stats.add("residual_energy", x_a.pow(2).sum())
             for i, a in enumerate(spec.attention):
-                site = ("norm", recorder.qk_norm[i])
-                flat = lambda t: t.reshape(-1, t.shape[-1]).double()  # noqa: E731
-                q_a, k_a = (flat(acts_a[site][1]) @ ref_c.state[lin.weight].double().T for lin in (a.q, a.k))
-                q_b, k_b = (flat(acts_b[site][1]) @ cand_c.state[lin.weight].double().T for lin in (a.q, a.k))
-                if a.q.bias:
-                    q_a, q_b = q_a + ref_c.state[a.q.bias].double(), q_b + cand_c.state[a.q.bias].double()
-                if a.k.bias:
-                    k_a, k_b = k_a + ref_c.state[a.k.bias].double(), k_b + cand_c.state[a.k.bias].double()
-                stats.cross(("qk", i), torch.cat([q_a, k_a]), torch.cat([q_b, k_b]))
-                stats.cross(("heads", i), flat(acts_a[("heads", i)]), flat(acts_b[("heads", i)]))
+                site = ("norm", recorder.qk_norm[i])  # queries and keys from the norm output feeding them
+
+                def project(acts, state, lin):
+                    out = _rows(acts[site][1]) @ state[lin.weight].double().T
+                    return out + state[lin.bias].double() if lin.bias else out
+
+                qk_a = torch.cat([project(acts_a, ref_c.state, lin) for lin in (a.q, a.k)])
+                qk_b = torch.cat([project(acts_b, cand_c.state, lin) for lin in (a.q, a.k)])
+                stats.cross(("qk", i), qk_a, qk_b)
+                stats.cross(("heads", i), _rows(acts_a[("heads", i)]), _rows(acts_b[("heads", i)]))
             for i in range(len(spec.mlp)):
-                h_a, h_b = (acts[("hidden", i)].reshape(-1, acts[("hidden", i)].shape[-1]).double()
-                            for acts in (acts_a, acts_b))
-                stats.cross(("hidden", i), h_a, h_b)
-            stats.add("count", float(x.shape[0] * (x.shape[1] if x.dim() > 1 else 1)))
+                stats.cross(("hidden", i), _rows(acts_a[("hidden", i)]), _rows(acts_b[("hidden", i)]))
             seen += 1
     finally:
         recorder.close()
@@ -235,7 +233,7 @@ def activation_match(
         heads.append(HeadMap(perm, qk.float(), procrustes(within("heads")).float()))
     neurons = []
     for i, m in enumerate(spec.mlp):
-        n = s["count"]
+        n = s[("hidden", i), "n"]
         mean_a, mean_b = s[("hidden", i), "a"] / n, s[("hidden", i), "b"] / n
         std_a = (s[("hidden", i), "aa"] / n - mean_a**2).clamp_min(0).sqrt()
         std_b = (s[("hidden", i), "bb"] / n - mean_b**2).clamp_min(0).sqrt()
