@@ -161,6 +161,19 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--refine-schedule", choices=["constant", "cosine"], default="constant",
                    help="learning-rate schedule over the steps")
     g.add_argument("--refine-batch-size", type=_positive_int, default=64, help="proxy examples per step")
+    g.add_argument("--refine-vocabulary-samples", type=_nonnegative_int, default=0, metavar="K",
+                   help="with --refine-vocabulary proxy|seen: each step the softmax also covers K tokens drawn "
+                   "from outside it, their logits raised by log(m/K) (m outside tokens): a sampled estimate of "
+                   "the probability mass the restricted softmax drops")
+    g.add_argument("--refine-eval-every", type=_positive_int, default=10,
+                   help="score the alignment on the selection split every N steps (keep-best)")
+    g.add_argument("--refine-start", choices=["weights", "activations"], default="weights",
+                   help="start from weight matching (--symmetry), or from the two models' activations on the "
+                   "proxy data: residual Procrustes, head and neuron Hungarian matching")
+    g.add_argument("--refine-vocabulary", choices=["full", "proxy", "seen"], default="full",
+                   help="text data: the training loss's softmax covers every token (full), only the tokens of "
+                   "the proxy data (proxy) or of the data's training split (seen); keep-best and reported "
+                   "losses always use the full vocabulary")
 
 
 CHECKPOINT_HELP = "checkpoint directory (fedbasin or Hugging Face GPT-2/ViT/Llama/GPT-NeoX: config.json + model.safetensors)"
@@ -429,16 +442,21 @@ def _refiner(args, ref, command: str):
     lo, hi = args.refine_lambda
     if not 0.0 <= lo <= hi <= 1.0:
         raise UsageError(f"--refine-lambda {lo} {hi}: needs 0 <= LO <= HI <= 1")
+    if args.refine_start == "activations" and args.symmetry == "permutation":
+        raise UsageError("--refine-start activations finds an orthogonal residual map: it needs --symmetry orthogonal")
     task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
                      proxy_size=args.refine_examples)
-    data = proxy_streams(task.proxy, args.refine_batch_size, seed=0)
+    # selection/report batches of 32: a language model's logits (32 × context × vocabulary) bound the peak memory
+    data = proxy_streams(task.proxy, args.refine_batch_size, seed=0, eval_batch_size=32)
     refine = functools.partial(
         learned_refine, ref.spec, build_torch_model(ref), loss_fn=cross_entropy, batches=data.batches,
         selection=data.selection, evaluation=data.evaluation, steps=args.refine_steps, lr=args.refine_lr,
         mode=args.symmetry, permutations=args.refine_permutations, group=args.refine_group,
         lambda_range=tuple(args.refine_lambda), schedule=args.refine_schedule, match_iterations=args.iterations,
         match_tol=args.tol, universe_iterations=getattr(args, "universe_iterations", 1),
-        token_rows=_seen_tokens(args, ref, command), head_weight=args.head_weight,
+        token_rows=_seen_tokens(args, ref, command), head_weight=args.head_weight, start=args.refine_start,
+        eval_every=args.refine_eval_every, vocabulary=_refine_vocabulary(args, task),
+        vocabulary_samples=args.refine_vocabulary_samples,
         to_module_state=ref.adapter.from_standard, progress=True)
     info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy)}
     if task.tokenizer is not None:
@@ -491,6 +509,17 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
     if text:
         _check_vocabulary(checkpoint, task, path, command, option, tokenizer)
     return task
+
+
+def _refine_vocabulary(args, task):
+    """Token ids of ``--refine-vocabulary`` (None for the full vocabulary)."""
+    if args.refine_vocabulary == "full":
+        return None
+    if not args.refine_data.startswith("text:"):
+        raise UsageError(f"--refine-vocabulary {args.refine_vocabulary} needs text data (text:FILE), "
+                         f"got --refine-data {args.refine_data}")
+    splits = [task.proxy] + ([task.train] if args.refine_vocabulary == "seen" else [])  # the proxy is cut from train
+    return torch.unique(torch.cat([t.reshape(-1) for s in splits for t in (s.inputs, s.targets)]))
 
 
 def _seen_tokens(args, checkpoint, command: str):

@@ -233,6 +233,17 @@ def _polar_by_eigh(m: torch.Tensor) -> torch.Tensor | None:
     return o @ (1.5 * eye - 0.5 * (o.T @ o))
 
 
+def residual_procrustes(c: torch.Tensor, fix_ones: bool) -> torch.Tensor:
+    """Orthogonal O maximising ``tr(Oᵀ C)``; with ``fix_ones`` (LayerNorm) among those with
+    ``O·1 = 1``: ``O = 11ᵀ/d + Q R Qᵀ``, R the Procrustes map of ``Qᵀ C Q`` (Q: complement of 1)."""
+    if not fix_ones:
+        return procrustes(c)
+    d = c.shape[0]
+    q = ones_complement(d, torch.float64).to(c.device)
+    r = procrustes(q.T @ c.double() @ q)
+    return (torch.full((d, d), 1.0 / d, dtype=torch.float64, device=c.device) + q @ r @ q.T).to(c.dtype)
+
+
 def nuclear_norms(m: torch.Tensor) -> torch.Tensor:
     """``‖M‖_*`` (sum of singular values) of every matrix in the batch, computed in float64."""
     with one_thread(m.device):
@@ -415,11 +426,7 @@ class _Matcher:
             o = torch.zeros_like(c)
             o[perm.to(c.device), torch.arange(d, device=c.device)] = 1.0
             return o
-        if self.fixed_ones:
-            q = ones_complement(d, torch.float64).to(c.device)
-            r = procrustes(q.T @ c.double() @ q)
-            return (torch.full((d, d), 1.0 / d, dtype=torch.float64, device=c.device) + q @ r @ q.T).to(c.dtype)
-        return procrustes(c)
+        return residual_procrustes(c, self.fixed_ones)
 
     # -- heads ------------------------------------------------------------------------------
     def _head_factors(self, a: AttentionSpec, which: dict):

@@ -23,6 +23,7 @@ used for any decision, reports the loss of the start and of the returned alignme
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from .group import (
     per_query_head,
     plane_rotations,
 )
-from .matching import MODES, hungarian, progress_bar, weight_match
+from .matching import MODES, hungarian, progress_bar, token_indexed_keys, weight_match
 from .merge import average_states, merge
 from .spec import SymmetrySpec, check_compatible
 
@@ -401,6 +402,10 @@ def learned_refine(
     dual: bool = False,
     selection_lambdas: tuple[float, ...] = (0.5,),
     head_weight: float = 1.0,
+    start: str = "weights",
+    start_batches: int = 4,
+    vocabulary: torch.Tensor | None = None,
+    vocabulary_samples: int = 0,
 ) -> RefineResult:
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
 
@@ -419,6 +424,18 @@ def learned_refine(
     at ``λ₀`` in this tuple (default the midpoint); more models at their centroid.
     ``dual=True`` lets the reference carry a learned transform as well (both endpoints move toward
     a shared path; the moved reference is ``reference_canonical``).
+    ``start``: ``"weights"`` (weight matching in ``mode``) or ``"activations"``
+    (:func:`~fedbasin.alignment.activations.activation_match` on the first ``start_batches`` training
+    batches, which are trained on as well; with ``mode="best"`` it competes with both weight-matching
+    starts on the selection split).
+    ``vocabulary``: token ids (language models); the *training* loss is computed as if the model's
+    vocabulary were only these tokens — embedding and output-head rows of the others are left out
+    before the transform, inputs and targets are renumbered — so the softmax costs |vocabulary|
+    instead of V per token. Keep-best and the reported losses stay exact (full vocabulary). A
+    training token outside it is refused. With every token it is the full loss.
+    ``vocabulary_samples`` = k: each step the softmax also covers k tokens drawn from outside the
+    vocabulary, their logits raised by ``log(m/k)`` (m outside tokens): a sampled estimate of the
+    probability mass the restricted softmax would otherwise drop (:class:`_TrainingVocabulary`).
     ``include_reference=False`` leaves the reference out of the mixture and the scored centroid
     (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
@@ -437,6 +454,14 @@ def learned_refine(
         raise ValueError(f"lambda_range must satisfy 0 <= lo <= hi <= 1, got {lambda_range!r}")
     if not selection_lambdas or not all(0.0 <= float(v) <= 1.0 for v in selection_lambdas):
         raise ValueError(f"selection_lambdas must be a non-empty tuple of values in [0, 1], got {selection_lambdas!r}")
+    if start not in ("weights", "activations"):
+        raise ValueError(f"start must be 'weights' or 'activations', got {start!r}")
+    if start == "activations" and mode == "permutation":
+        raise ValueError("start='activations' finds an orthogonal residual map: use mode 'orthogonal' or 'best'")
+    if start == "activations" and universe_iterations > 1:
+        raise ValueError("start='activations' aligns each candidate to the reference: universe_iterations must be 1")
+    if isinstance(start_batches, bool) or not isinstance(start_batches, int) or start_batches < 1:
+        raise ValueError(f"start_batches must be an integer >= 1, got {start_batches!r}")
     if dual and not include_reference:
         raise ValueError("dual=True moves the reference along the path: it needs include_reference=True")
     if not candidates:
@@ -494,8 +519,18 @@ def learned_refine(
     def reference_of(ref_start) -> dict:
         return {k: v.detach() for k, v in (ref_start.canonical if ref_start else ref_c.state).items()}
 
+    iterator = iter(batches)
+    vocab = None if vocabulary is None else _TrainingVocabulary(spec, ref_c.state, vocabulary, vocabulary_samples,
+                                                                  seed + 1)
     options = []
-    for match_mode in (("permutation", "orthogonal") if mode == "best" else (mode,)):
+    if start == "activations":
+        from .activations import activation_match
+
+        first = list(itertools.islice(iterator, start_batches))
+        iterator = itertools.chain(first, iterator)  # the start's batches are training batches too
+        found = [activation_match(spec, frozen, reference, c, first, to_module_state) for c in candidates]
+        options.append((centroid_loss(ref_c.state, [s.canonical for s in found], selection), "activations", None, found))
+    for match_mode in (("permutation", "orthogonal") if mode == "best" else (mode,) if start == "weights" else ()):
         ref_start, starts = matched(match_mode)
         loss = centroid_loss(reference_of(ref_start), [s.canonical for s in starts], selection)
         options.append((loss, match_mode, ref_start, starts))
@@ -506,12 +541,16 @@ def learned_refine(
     deltas = nn.ModuleList(_Delta(spec, b, permutations, init_scale=1.0, group=group) for b in movers).to(device)
     optimiser = torch.optim.Adam(deltas.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimiser, (lambda i: 1.0) if schedule == "constant" else (lambda i: 0.5 * (1 + math.cos(math.pi * i / steps))))
+        optimiser, (lambda i: 1.0) if schedule == "constant" else (lambda i: 0.5 * (1 + math.cos(math.pi * i / max(steps, 1)))))
     rng = np.random.default_rng(seed)  # private: the caller's torch RNG stream is left alone
 
-    def split_members(states):
+    def split_members(states, reference_state=ref_state):
         """(reference state, candidate states) from the moved models."""
-        return (states[0], states[1:]) if dual else (ref_state, states)
+        return (states[0], states[1:]) if dual else (reference_state, states)
+
+    fixed_rows = vocab is not None and not vocab.samples  # the restricted rows never change: cut them once
+    if fixed_rows:
+        cut_movers, cut_ref = [vocab.restrict(b, vocab.ids) for b in movers], vocab.restrict(ref_state, vocab.ids)
 
     best_states, best_elements = movers, [GroupElement.identity(spec) for _ in movers]
     best = initial
@@ -519,18 +558,26 @@ def learned_refine(
     if evaluation is not None:
         result.evaluation_initial_loss = centroid_loss(ref_state, base, evaluation)
     result.history.append((0, initial))
-    iterator = iter(batches)
     bar = progress_bar(steps, progress, "learned refinement", "step")
     # a single model's loss does not depend on its alignment: nothing to refine
     for step in range(1, steps + 1 if members > 1 else 1):
-        x, y = (t.to(device) for t in next(iterator))
+        x, y = next(iterator)
+        x, y, train_movers, train_ref, correction = x.to(device), y.to(device), movers, ref_state, None
+        if vocab is not None:
+            x, y = vocab.renumber(x), vocab.renumber(y)
+            if fixed_rows:
+                train_movers, train_ref = cut_movers, cut_ref
+            else:
+                rows, correction = vocab.draw()
+                train_movers, train_ref = [vocab.restrict(b, rows) for b in movers], vocab.restrict(ref_state, rows)
         if members == 2:
             first = rng.uniform(lo, hi)
             lam = [first, 1.0 - first]
         else:
             lam = rng.dirichlet([alpha] * members).tolist()
-        moved_ref, moved = split_members([d.transform(b, tau) for d, b in zip(deltas, movers)])
-        loss = loss_fn(forward(mixture(lam, moved_ref, moved), x), y)
+        moved_ref, moved = split_members([d.transform(b, tau) for d, b in zip(deltas, train_movers)], train_ref)
+        logits = forward(mixture(lam, moved_ref, moved), x)
+        loss = loss_fn(logits if correction is None else logits + correction.to(logits), y)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
@@ -559,6 +606,56 @@ def learned_refine(
                                   else centroid_loss(best_ref, result.canonical, evaluation))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+class _TrainingVocabulary:
+    """The token set of the *training* loss (see :func:`learned_refine`'s ``vocabulary``).
+
+    The token-indexed rows (embedding, output head; :func:`token_indexed_keys`) are cut to the
+    kept tokens, whose ids become 0 … n−1, so the model computes exactly the full model's logits
+    at those tokens. With ``samples`` = k > 0, each step also draws k of the m tokens outside the
+    vocabulary (uniformly, without replacement) and adds ``log(m/k)`` to their logits: the
+    softmax's normaliser then contains ``(m/k)·Σ_sampled e^z``, an unbiased estimate of the
+    outside tokens' share ``Σ_outside e^z`` (the uniform-proposal sampled softmax); k = m is the
+    full softmax. Inputs and targets must lie in the vocabulary (else ``ValueError``).
+    """
+
+    def __init__(self, spec: SymmetrySpec, state: dict, vocabulary, samples: int = 0, seed: int = 0):
+        self.keys = token_indexed_keys(spec, state)
+        if not self.keys:
+            raise ValueError("vocabulary given but the model has no token embedding")
+        size = state[spec.embedding_keys[0]].shape[0]
+        ids = torch.as_tensor(vocabulary).reshape(-1)
+        if ids.is_floating_point() or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= size:
+            raise ValueError(f"vocabulary must be non-empty integer token ids in [0, {size})")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"vocabulary_samples must be an integer >= 0, got {samples!r}")
+        self.ids = torch.unique(ids.long())
+        self.lookup = torch.full((size,), -1, dtype=torch.long)
+        self.lookup[self.ids] = torch.arange(self.ids.numel())
+        inside = torch.zeros(size, dtype=torch.bool)
+        inside[self.ids] = True
+        self.outside = torch.nonzero(~inside).flatten()
+        self.samples = min(samples, self.outside.numel())
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def draw(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(token ids of this step's rows, logit correction for them or None)."""
+        if not self.samples:
+            return self.ids, None
+        drawn = self.outside[torch.randperm(self.outside.numel(), generator=self.generator)[:self.samples]]
+        correction = torch.zeros(self.ids.numel() + self.samples)
+        correction[self.ids.numel():] = math.log(self.outside.numel() / self.samples)
+        return torch.cat([self.ids, drawn]), correction
+
+    def restrict(self, state: dict, ids: torch.Tensor) -> dict:
+        return {k: v.index_select(0, ids.to(v.device)) if k in self.keys else v for k, v in state.items()}
+
+    def renumber(self, t: torch.Tensor) -> torch.Tensor:
+        out = self.lookup.to(t.device)[t]
+        if bool((out < 0).any()):
+            raise ValueError(f"a training batch holds token {int(t[out < 0][0])}, outside the refinement vocabulary")
+        return out
 
 
 def refined_merge(
