@@ -221,10 +221,11 @@ def test_reproduce_cifar10_seeds_section_tables_each_seed_the_mean_and_the_proba
     assert lines[7] == "| dirichlet(0.5) | 2 | 0.3200 | 0.1000 | 0.2000 | 0.3500 | 0.3000 | 0.3300 |"
     assert ("| iid | 0.310 ± 0.010 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.330 ± 0.020 | 0.300 ± 0.000 "
             "| 0.330 ± 0.000 |") in lines
-    assert reproduce.ONESHOT_CIFAR10_PROBABILITY_SEEDS == (0, 1)
-    assert lines[-3:] == ["|---|---|---|---|---|---|---|",
+    assert reproduce.ONESHOT_CIFAR10_PROBABILITY_SEEDS == (0, 1, 2)
+    assert lines[-4:] == ["|---|---|---|---|---|---|---|",
                           "| 0 | 0.3000 | 0.3100 | 0.3500 | 0.3000 | 0.3300 | 0.3600 |",
-                          "| 1 | 0.3100 | 0.3300 | 0.3600 | 0.3000 | 0.3300 | 0.3600 |"]
+                          "| 1 | 0.3100 | 0.3300 | 0.3600 | 0.3000 | 0.3300 | 0.3600 |",
+                          "| 2 | 0.3200 | 0.3500 | 0.3700 | 0.3000 | 0.3300 | 0.3600 |"]
 
 
 class Fixed(torch.nn.Module):

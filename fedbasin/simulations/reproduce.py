@@ -34,7 +34,7 @@ ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config
     ("label02aug", "KL + labels (w 0.2) + crop/flip", "distill-steps=500 distill-label-weight=0.2 distill-augment=crop-flip"),
 )
 ONESHOT_CIFAR10_SEEDS_DISTILL = ONESHOT_CIFAR10_VARIANTS[-1][2]  # the setting repeated over seeds
-ONESHOT_CIFAR10_PROBABILITY_SEEDS = (0, 1)  # Dirichlet runs with distill-teacher=probabilities (seed 2: not run)
+ONESHOT_CIFAR10_PROBABILITY_SEEDS = (0, 1, 2)  # Dirichlet runs with distill-teacher=probabilities
 ONESHOT_PROXY = "proxy-size=300 refine-steps=200 distill-steps=500"  # the server's proxy levers, §4
 ONESHOT_SEEDS = (0, 1, 2)
 SEED_PAIRS = ((0, 1), (2, 3), (4, 5))
