@@ -298,12 +298,18 @@ def _previous_universe_merge(spec, states, weights, reference, passes, **options
 
 @pytest.mark.parametrize("mode", ["orthogonal", "permutation"])
 @pytest.mark.parametrize("weights,reference", [([0.0, 1.0, 2.0, 3.0], 0), ([1.0, 2.0, 3.0, 4.0], 1)])
-def test_lean_universe_merge_equals_the_previous_universe_merge(mode, weights, reference):
+def test_lean_universe_merge_equals_the_previous_universe_merge(mode, weights, reference, monkeypatch):
     """Three universe passes: without ``release`` bitwise the previous computation; with
     ``release`` (each model kept only in its aligned form and turned back into its original
     before the next pass) the same within float32 round-off, bitwise for permutations; the
-    handed-over dicts are emptied."""
-    from fedbasin.alignment import merge
+    handed-over dicts are emptied.
+
+    Weight matching runs without maps-only sweeps here: they converge further into a flat optimum
+    where the restores' float32 round-off moves the maps (1.8e-4 in the weights after 3 passes,
+    see tests/test_universe.py), which would hide a real difference of that size."""
+    from fedbasin.alignment import matching, merge
+
+    monkeypatch.setattr(matching, "INNER_SWEEPS", 0)
 
     from .helpers import DIGITS_VIT, trained_digits_vit
 
