@@ -49,9 +49,17 @@ def test_universe_stops_when_the_merge_no_longer_moves():
     assert result.universe_change[-1] < 0.05 <= min(result.universe_change[:-1])
 
 
-def test_strategy_universe_passes_are_the_merge_universe_passes():
+def test_strategy_universe_passes_are_the_merge_universe_passes(monkeypatch):
     """AlignedFedAvg(universe_iterations=3): the round's model is the 3-pass universe merge with the
-    previous global model as first target (weight 0), and it differs from the single pass."""
+    previous global model as first target (weight 0), and it differs from the single pass.
+
+    Weight matching runs without maps-only sweeps here: they converge further into a flat optimum
+    where the strategy's lean path (released replies restored in place, block-wise averages)
+    rounds differently from merge() and the maps move by it (1.8e-4 in the weights after 3
+    passes, against 1e-6 without them)."""
+    from fedbasin.alignment import matching
+
+    monkeypatch.setattr(matching, "INNER_SWEEPS", 0)
     spec = spec_of("vit", DIGITS_VIT)
     previous = trained_digits_vit(1)
     clients = [trained_digits_vit(s) for s in (2, 3, 4)]
@@ -62,9 +70,5 @@ def test_strategy_universe_passes_are_the_merge_universe_passes():
     assert metrics["universe_passes"] == 3
     three = merge(spec, [previous, *clients], [0, *counts], universe_iterations=3)
     one = merge(spec, [previous, *clients], [0, *counts], universe_iterations=1)
-    # the strategy's lean path (released replies restored in place, block-wise averages) rounds
-    # differently from merge(); the maps-only sweeps converge further into a flat optimum where
-    # such round-off moves the maps: measured 1.8e-4 (1e-6 without maps-only sweeps), against > 1e-2
-    # for the one-pass merge
-    assert max(float((merged[k] - three.state[k]).abs().max()) for k in merged) < 2e-3
+    assert max(float((merged[k] - three.state[k]).abs().max()) for k in merged) < 1e-5
     assert max(float((merged[k] - one.state[k]).abs().max()) for k in merged) > 1e-2
