@@ -176,6 +176,54 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
                    "losses always use the full vocabulary")
 
 
+MATCHING_OPTIONS = ("symmetry", "iterations", "tol", "seen_tokens", "token_weighting", "head_weight")
+REFINE_OPTIONS = ("refine_steps", "refine_examples", "refine_lr", "refine_permutations", "refine_group",
+                  "refine_lambda", "refine_schedule", "refine_batch_size", "refine_vocabulary_samples",
+                  "refine_eval_every", "refine_start", "refine_vocabulary")
+STREAM_UNSUPPORTED = ("seen_tokens", "token_weighting", "head_weight", "tokenizer", "refine_data", *REFINE_OPTIONS)
+
+
+def _record_defaults(p: argparse.ArgumentParser) -> None:
+    """Remember the defaults of the options whose effect depends on other options."""
+    dests = {*MATCHING_OPTIONS, *STREAM_UNSUPPORTED, "universe_iterations"}
+    p.set_defaults(option_defaults={d: p.get_default(d) for d in dests if p.get_default(d) is not None})
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (list, tuple)) else value  # nargs gives lists, defaults are tuples
+
+
+def _given(args) -> set[str]:
+    """The dependent options of ``args`` set to something other than their default."""
+    defaults = args.option_defaults
+    return {d for d in vars(args) if d in defaults or d in ("seen_tokens", "tokenizer", "refine_data")
+            if getattr(args, d) is not None and _plain(getattr(args, d)) != _plain(defaults.get(d))}
+
+
+def _refuse_ineffective_options(args) -> None:
+    """An option that would be silently ignored is a usage error: every option given is honoured."""
+    if not hasattr(args, "option_defaults"):  # commands without dependent options
+        return
+    given = _given(args)
+    rules = []
+    if getattr(args, "stream", False):
+        rules.append((STREAM_UNSUPPORTED, "is not supported with --stream (layer-by-layer matching)"))
+    if getattr(args, "no_align", False):
+        rules.append(((*MATCHING_OPTIONS, "universe_iterations"), "has no effect with --no-align"))
+    if args.command == "barrier" and not args.align:
+        rules.append((MATCHING_OPTIONS, "has no effect without --align"))
+    if "refine_data" not in given:
+        rules.append((REFINE_OPTIONS, "has no effect without --refine-data"))
+        if args.command != "barrier" and "seen_tokens" not in given:
+            rules.append((("tokenizer",), "has no effect without --seen-tokens or --refine-data"))
+    if "seen_tokens" not in given:
+        rules.append((("token_weighting",), "has no effect without --seen-tokens"))
+    for dests, why in rules:
+        for dest in dests:
+            if dest in given:
+                raise UsageError(f"--{dest.replace('_', '-')} {why}")
+
+
 CHECKPOINT_HELP = "checkpoint directory (fedbasin or Hugging Face GPT-2/ViT/Llama/GPT-NeoX: config.json + model.safetensors)"
 
 
@@ -204,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layer by layer from disk, for checkpoints too large for memory (standard-layout "
                         "safetensors: Llama/Mistral/Qwen2, fedbasin); output written shard by shard")
     p.set_defaults(func=cmd_align)
+    _record_defaults(p)
 
     p = sub.add_parser("merge", formatter_class=HelpFormatter,
                        help="align every MODEL to REFERENCE and write the weighted average",
@@ -221,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     _refine_options(p)
     _matching_options(p)
     p.set_defaults(func=cmd_merge)
+    _record_defaults(p)
 
     p = sub.add_parser("barrier", formatter_class=HelpFormatter,
                        help="losses along λ·A + (1−λ)·B and the loss barrier, as JSON",
@@ -240,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="also draw the curves (vanilla, aligned) to this PNG file")
     _matching_options(p)
     p.set_defaults(func=cmd_barrier)
+    _record_defaults(p)
 
     _add_train_parser(sub)
     _add_eval_parser(sub)
@@ -376,8 +427,6 @@ def cmd_align(args) -> int:
 def _stream_align(args) -> int:
     from fedbasin.checkpoint import stream_align
 
-    if args.head_weight != 1.0:
-        raise UsageError("--head-weight is not supported with --stream (layer-by-layer matching)")
     try:
         result = stream_align(args.reference, args.candidate, args.out, mode=args.symmetry,
                               iterations=args.iterations, tol=args.tol, progress=True)
@@ -828,6 +877,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)  # usage errors: one line, EXIT_USAGE (_Parser.error)
     prog = f"fedbasin {args.command}"
     try:
+        _refuse_ineffective_options(args)
         _check_outputs(args)
         return args.func(args)
     except CliError as exc:

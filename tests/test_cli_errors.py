@@ -115,6 +115,37 @@ def test_barrier_refuses_bad_sizes(models, tmp_path, capsys, option, value):
                                     f"{option}={value}"], option, value)
 
 
+@pytest.mark.parametrize(
+    "argv, culprit, why",
+    [(["align", "--stream", "--seen-tokens", "text:t.txt"], "--seen-tokens", "not supported with --stream"),
+     (["align", "--stream", "--refine-data", "digits"], "--refine-data", "not supported with --stream"),
+     (["align", "--stream", "--head-weight", "2"], "--head-weight", "not supported with --stream"),
+     (["align", "--refine-steps", "5"], "--refine-steps", "without --refine-data"),
+     (["merge", "--refine-lambda", "0", "1"], "--refine-lambda", "without --refine-data"),
+     (["align", "--token-weighting", "count"], "--token-weighting", "without --seen-tokens"),
+     (["align", "--tokenizer", "tok"], "--tokenizer", "without --seen-tokens or --refine-data"),
+     (["merge", "--no-align", "--symmetry", "permutation"], "--symmetry", "with --no-align"),
+     (["merge", "--no-align", "--universe-iterations", "3"], "--universe-iterations", "with --no-align"),
+     (["barrier", "--seen-tokens", "text:t.txt"], "--seen-tokens", "without --align")],
+)
+def test_options_that_would_be_ignored_are_refused(models, tmp_path, capsys, argv, culprit, why):
+    """Every option given is honoured: one that the other options make ineffective is a usage error
+    naming it, before any work."""
+    command, *options = argv
+    target = ["--data", "digits"] if command == "barrier" else ["--out", tmp_path / "o"]
+    _fails(capsys, tmp_path, EXIT_USAGE, [command, models["a"], models["b"], *target, *options], culprit, why)
+
+
+def test_options_at_their_defaults_or_enabled_are_accepted(models, tmp_path, capsys):
+    """The refusal looks at what changes behaviour: a default value spelt out, or an option with
+    the one that enables it, runs."""
+    assert main(["align", models["a"], models["b"], "--out", str(tmp_path / "o"), "--iterations", "2",
+                 "--refine-lambda", "0.4", "0.6", "--token-weighting", "sqrt"]) == 0
+    assert main(["barrier", models["a"], models["b"], "--data", "digits", "--max-examples", "20", "--points", "2",
+                 "--align", "--symmetry", "permutation"]) == 0
+    capsys.readouterr()
+
+
 def test_weight_count_must_match_the_models(models, tmp_path, capsys):
     _fails(capsys, tmp_path, EXIT_USAGE, ["merge", models["a"], models["b"], "--out", tmp_path / "m",
                                           "--weights", "1,2,3"], "--weights has 3 values for 2 models")
