@@ -64,27 +64,88 @@ class DistillResult:
 TEACHERS = ("logits", "probabilities")
 
 
+def combine_logits(logits: torch.Tensor, combine: str) -> torch.Tensor:
+    """The ensemble of stacked member logits (K, ..., classes): their mean, or with
+    ``combine="probabilities"`` ``log mean_k softmax(logits_k)``."""
+    if combine == "logits":
+        return logits.mean(0)
+    return torch.logsumexp(torch.log_softmax(logits, -1), 0) - math.log(logits.shape[0])
+
+
+def _check_combine(combine: str) -> None:
+    if combine not in TEACHERS:
+        raise ValueError(f"ensemble combine={combine!r}; expected one of {', '.join(TEACHERS)}")
+
+
 class LogitEnsemble(nn.Module):
     """``logits(x) = mean_k model_k(x)``, or with ``combine="probabilities"``
     ``log mean_k softmax(model_k(x))`` (outputs with a ``.logits`` field are unwrapped)."""
 
     def __init__(self, models: list[nn.Module], combine: str = "logits"):
         super().__init__()
-        if combine not in TEACHERS:
-            raise ValueError(f"ensemble combine={combine!r}; expected one of {', '.join(TEACHERS)}")
+        _check_combine(combine)
         self.members = nn.ModuleList(models)
         self.combine = combine
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = torch.stack([_logits(m, x) for m in self.members])
-        if self.combine == "logits":
-            return logits.mean(0)
-        return torch.logsumexp(torch.log_softmax(logits, -1), 0) - math.log(len(self.members))
+        return combine_logits(torch.stack([_logits(m, x) for m in self.members]), self.combine)
+
+
+class StateEnsemble(nn.Module):
+    """:class:`LogitEnsemble` of K states of one architecture without K module copies: member k
+    is ``module`` evaluated in eval mode with ``states[k]`` (``torch.func.functional_call``; the
+    tensors are used where they are, converted to the module's dtype and device one member at a
+    time when they differ; ``module``'s own weights are not used or changed). Every state must
+    hold exactly the module's state-dict keys and shapes (as ``load_state_dict``)."""
+
+    def __init__(self, module: nn.Module, states: list[dict], combine: str = "logits"):
+        super().__init__()
+        _check_combine(combine)
+        like = module.state_dict(keep_vars=True)
+        for i, state in enumerate(states):
+            missing, unexpected = sorted(set(like) - set(state)), sorted(set(state) - set(like))
+            if missing or unexpected:
+                raise ValueError(f"teacher {i}: its state does not fit the model (missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]})")
+            for k, v in state.items():
+                if tuple(v.shape) != tuple(like[k].shape):
+                    raise ValueError(f"teacher {i}: {k} has shape {tuple(v.shape)}, the model's is "
+                                     f"{tuple(like[k].shape)}")
+        self.like = {k: (v.dtype, v.device) for k, v in like.items()}
+        self.states = states
+        self.combine = combine
+        object.__setattr__(self, "module", module)  # not a submodule: its weights are not the ensemble's
+
+    def _member(self, state: dict) -> dict:
+        return {k: v if (v.dtype, v.device) == self.like[k] else v.to(*reversed(self.like[k]))
+                for k, v in state.items()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The mean logits are summed member by member (one logit tensor in flight besides the sum,
+        bitwise :func:`combine_logits`); the mean probabilities stack the K members' logits."""
+        training = self.module.training
+        self.module.eval()
+        try:
+            logits, total = [], None
+            for state in self.states:
+                out = _logits_of(torch.func.functional_call(self.module, self._member(state), (x,),
+                                                            tie_weights=False, strict=True))
+                if self.combine != "logits":
+                    logits.append(out)
+                else:
+                    total = out if total is None else total.add_(out)
+        finally:
+            self.module.train(training)
+        return total / len(self.states) if self.combine == "logits" else combine_logits(torch.stack(logits), self.combine)
+
+
+def _logits_of(out) -> torch.Tensor:
+    """A model's output as plain logits (Hugging Face outputs carry them in ``.logits``)."""
+    return out if isinstance(out, torch.Tensor) else out.logits
 
 
 def _logits(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = module(x)
-    return out if isinstance(out, torch.Tensor) else out.logits
+    return _logits_of(module(x))
 
 
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -151,12 +212,8 @@ def ensemble_distill(
         raise ValueError(f"label_weight must be a number in [0, 1], got {label_weight!r}")
     started = time.perf_counter()
     device = next(iter(model.parameters())).device
-    members = []
-    for state in teachers:
-        member = copy.deepcopy(model)
-        member.load_state_dict(state)
-        members.append(member.requires_grad_(False))
-    ensemble = LogitEnsemble(members, combine=teacher).eval()
+    # the teachers are evaluated from their own tensors (no K module copies: server memory)
+    ensemble = StateEnsemble(model, teachers, combine=teacher)
     net = copy.deepcopy(model)
     net.load_state_dict(student)
 
@@ -166,11 +223,20 @@ def ensemble_distill(
         total = sum(float(loss_fn(_logits(net, x.to(device)), y.to(device))) * len(y) for x, y in split)
         return total / sum(len(y) for _, y in split)
 
-    def snapshot() -> dict:
-        return {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
+    def keep_best(first: bool) -> None:
+        """The student's state into ``result.state`` (CPU): a new copy the first time (the start
+        is the caller's own tensors), in place after that (one copy of the best state at a time)."""
+        if first:
+            result.state = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
+        else:
+            for k, v in net.state_dict().items():
+                result.state[k].copy_(v.detach())
 
     best = initial = split_loss(selection)
-    result = DistillResult(snapshot(), [(0, initial)], initial_loss=initial)
+    # θ₀ as the student's own tensors (in the model's dtypes, on the CPU: no copy when they are)
+    start = {k: student[k].detach().to("cpu", v.dtype) for k, v in net.state_dict().items()}
+    result = DistillResult(start, [(0, initial)], initial_loss=initial)
+    del start
     if evaluation is not None:
         result.evaluation_initial_loss = split_loss(evaluation)
     optimiser = torch.optim.Adam(net.parameters(), lr=lr)
@@ -185,22 +251,23 @@ def ensemble_distill(
                 x = augment(x, views)
             x = x.to(device)
             with torch.no_grad():
-                teacher = ensemble(x)
+                target = ensemble(x)
             net.train()
             logits = _logits(net, x)
-            loss = (1 - label_weight) * distillation_loss(logits, teacher, temperature)
+            loss = (1 - label_weight) * distillation_loss(logits, target, temperature)
             if label_weight > 0:
                 loss = loss + label_weight * loss_fn(logits, y.to(device))
-            optimiser.zero_grad(set_to_none=True)
             loss.backward()
             optimiser.step()
+            optimiser.zero_grad(set_to_none=True)  # the gradients go before the selection pass
             schedule.step()
             bar.update(1)
             if step % eval_every == 0 or step == steps:
                 value = split_loss(selection)
                 result.history.append((step, value))
                 if value < best:
-                    best, result.state, result.best_step = value, snapshot(), step
+                    keep_best(first=result.best_step == 0)
+                    best, result.best_step = value, step
                 if progress:
                     bar.set_postfix(loss=f"{loss.item():.4f}", best=f"{best:.4f}")
     result.best_loss = best
