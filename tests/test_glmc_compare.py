@@ -4,6 +4,7 @@ evaluated with the same loss code as every other row (GLMC itself is not needed 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.test_tokenizer_data import SHAKESPEARE, TOKENIZER, _gpt2
 
@@ -24,3 +25,23 @@ def test_aligned_endpoint_rows(tmp_path):
     # A as the endpoint: its own loss at λ = 0 (not B's), a flat path, no barrier
     assert rows["aligned a"]["losses"] == pytest.approx([end_a] * 3, abs=1e-6)
     assert rows["aligned a"]["barrier"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_split_option_measures_on_the_validation_slice(tmp_path):
+    """`--split validation` evaluates every row on the validation blocks (where settings are
+    chosen), not on the test slice the reported figures use."""
+    from fedbasin.checkpoint import build_torch_model, load_checkpoint
+    from fedbasin.simulations.glmc_compare import main
+    from fedbasin.simulations.gpt2_pair import mean_loss, pair_data
+
+    text = tmp_path / "excerpt.txt"
+    text.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
+    a, b = _gpt2(tmp_path / "a", 0), _gpt2(tmp_path / "b", 1)
+    common = [str(a), str(b), "--text", str(text), "--max-blocks", "3", "--points", "2", "--variants", "",
+              "--circuit-variant", ""]
+    checkpoint = load_checkpoint(a)
+    _, splits = pair_data(str(text), str(a), checkpoint.config.n_positions)
+    for split in ("test", "validation"):
+        out = main([*common, "--split", split])
+        own = mean_loss(build_torch_model(checkpoint, checkpoint.state), splits[split].subset(torch.arange(3)))
+        assert out["split"] == split and out["rows"]["vanilla"]["losses"][-1] == pytest.approx(own, abs=1e-6)

@@ -92,7 +92,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip-vanilla", action="store_true", help="leave out the vanilla curve")
     parser.add_argument("--glmc-only", action="store_true",
                         help="skip fedbasin's curves (the --circuit-variant alignment is still computed)")
-    parser.add_argument("--max-blocks", type=int, default=0, help="evaluate on the first N test blocks (0: all)")
+    parser.add_argument("--max-blocks", type=int, default=0, help="evaluate on the first N blocks of the split (0: all)")
+    parser.add_argument("--split", choices=("test", "validation"), default="test",
+                        help="where the barrier is measured: the test slice (the last 5%%) or the validation slice "
+                        "before it (choose settings there, report on test)")
     parser.add_argument("--points", type=int, default=11)
     parser.add_argument("--out", help="write the results JSON here")
     parser.add_argument("--aligned", action="append", default=[], metavar="NAME=DIR",
@@ -111,12 +114,12 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     a, b = load_checkpoint(args.a), load_checkpoint(args.b)
     _, splits = pair_data(args.text, args.tokenizer or args.a, a.config.n_positions)
-    test = splits["test"]
+    test = splits[args.split]
     if args.max_blocks:
         test = test.subset(torch.arange(min(args.max_blocks, len(test))))
     train_ids = torch.cat([splits["train"].inputs.reshape(-1), splits["train"].targets[:, -1]])
     seen = seen_tokens(train_ids)
-    results = {"a": args.a, "b": args.b, "test_blocks": len(test), "points": args.points, "seen_tokens": len(seen),
+    results = {"a": args.a, "b": args.b, "split": args.split, "test_blocks": len(test), "points": args.points, "seen_tokens": len(seen),
                "vocab": a.config.vocab_size, "machine": f"{platform.machine()} CPU, 1 thread", "rows": {}}
 
     def loss(state: dict) -> float:
