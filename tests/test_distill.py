@@ -142,7 +142,16 @@ def _tiny_gpt2(seed: int):
     return GPT2LMHeadModel(config)  # tied input/output embeddings, dropout on in train mode
 
 
-@pytest.mark.parametrize("kind", ["vit", "hf-gpt2"])
+def _tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=12,
+                                        bos_token_id=0, eos_token_id=0))  # RoPE's inv_freq: a non-persistent buffer
+
+
+@pytest.mark.parametrize("kind", ["vit", "hf-gpt2", "hf-llama"])
 @pytest.mark.parametrize("combine", ["logits", "probabilities"])
 def test_state_ensemble_equals_loaded_copies_without_using_the_modules_weights(kind, combine):
     """The teachers evaluated from their own tensors give bitwise the ensemble of loaded module
@@ -155,7 +164,7 @@ def test_state_ensemble_equals_loaded_copies_without_using_the_modules_weights(k
     if kind == "vit":
         make, x = (lambda s: build_model("vit", DIGITS_VIT, seed=s)), torch.rand(3, 1, 8, 8)
     else:
-        make, x = _tiny_gpt2, torch.randint(0, 40, (2, 12))
+        make, x = (_tiny_gpt2 if kind == "hf-gpt2" else _tiny_llama), torch.randint(0, 40, (2, 12))
     states = [make(s).state_dict() for s in (1, 2, 3)]
     states[2] = {k: v.double() for k, v in states[2].items()}
     model = make(0)

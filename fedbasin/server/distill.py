@@ -95,8 +95,9 @@ class StateEnsemble(nn.Module):
     """:class:`LogitEnsemble` of K states of one architecture without K module copies: member k
     is ``module`` evaluated in eval mode with ``states[k]`` (``torch.func.functional_call``; the
     tensors are used where they are, converted to the module's dtype and device one member at a
-    time when they differ; ``module``'s own weights are not used or changed). Every state must
-    hold exactly the module's state-dict keys and shapes (as ``load_state_dict``)."""
+    time when they differ; ``module``'s own weights are not used or changed; its non-persistent
+    buffers are). Every state must hold exactly the module's state-dict keys and shapes (as
+    ``load_state_dict``)."""
 
     def __init__(self, module: nn.Module, states: list[dict], combine: str = "logits"):
         super().__init__()
@@ -128,8 +129,9 @@ class StateEnsemble(nn.Module):
         try:
             logits, total = [], None
             for state in self.states:
+                # not strict: non-persistent buffers (e.g. RoPE's inv_freq) are the module's own, as in a copy
                 out = _logits_of(torch.func.functional_call(self.module, self._member(state), (x,),
-                                                            tie_weights=False, strict=True))
+                                                            tie_weights=False))
                 if self.combine != "logits":
                     logits.append(out)
                 else:
