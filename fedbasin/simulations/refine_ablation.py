@@ -49,7 +49,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt")
     parser.add_argument("--out", default="runs/barriers")
     parser.add_argument("--log", help="append each JSON line to this file too")
+    parser.add_argument("--previous-matcher", action="store_true",
+                        help="weight matching as its previous iteration (no maps-only sweeps, MLP weights rotated "
+                        "with every residual step: matching.INNER_SWEEPS = 0, UNROTATED_MLP = False), to compare "
+                        "with results computed before that change")
     args = parser.parse_args(argv)
+    if args.previous_matcher:
+        from fedbasin.alignment import matching
+
+        matching.INNER_SWEEPS, matching.UNROTATED_MLP = 0, False
     try:
         variants = [json.loads(v) for v in args.variant or ["{}"]]
     except json.JSONDecodeError as exc:
@@ -62,7 +70,7 @@ def main(argv=None) -> list[dict]:
     checkpoints, _ = barriers.trained_pair(args.task, spec, task, Path(args.out), False, seeds=tuple(args.seeds))
     rows = []
     for variant in variants:
-        row = {"task": args.task, "seeds": list(args.seeds),
+        row = {"task": args.task, "seeds": list(args.seeds), **({"matcher": "previous"} if args.previous_matcher else {}),
                **run_variant(checkpoints, task, eval_split, variant, args.proxy_examples)}
         line = json.dumps(row)
         print(line, flush=True)
