@@ -186,7 +186,7 @@ STREAM_UNSUPPORTED = ("seen_tokens", "token_weighting", "head_weight", "tokenize
 def _record_defaults(p: argparse.ArgumentParser) -> None:
     """Remember the defaults of the options whose effect depends on other options."""
     dests = {*MATCHING_OPTIONS, *STREAM_UNSUPPORTED, "universe_iterations"}
-    p.set_defaults(option_defaults={d: p.get_default(d) for d in dests if p.get_default(d) is not None})
+    p.set_defaults(option_defaults={d: p.get_default(d) for d in dests})
 
 
 def _plain(value):
@@ -195,9 +195,8 @@ def _plain(value):
 
 def _given(args) -> set[str]:
     """The dependent options of ``args`` set to something other than their default."""
-    defaults = args.option_defaults
-    return {d for d in vars(args) if d in defaults or d in ("seen_tokens", "tokenizer", "refine_data")
-            if getattr(args, d) is not None and _plain(getattr(args, d)) != _plain(defaults.get(d))}
+    return {d for d, default in args.option_defaults.items()
+            if getattr(args, d, None) is not None and _plain(getattr(args, d)) != _plain(default)}
 
 
 def _refuse_ineffective_options(args) -> None:
