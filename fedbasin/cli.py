@@ -486,6 +486,9 @@ def _refiner(args, ref, command: str):
     from fedbasin.alignment import learned_refine, proxy_streams
     from fedbasin.checkpoint import build_torch_model
     from fedbasin.training import cross_entropy
+    from fedbasin import heap
+
+    heap.keep_freed_blocks()  # refinement steps reuse their large blocks' pages (fedbasin.heap)
 
     lo, hi = args.refine_lambda
     if not 0.0 <= lo <= hi <= 1.0:
