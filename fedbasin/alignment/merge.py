@@ -9,6 +9,7 @@ first alignment target (e.g. the previous global model in federated rounds).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -40,11 +41,12 @@ class MergeResult:
     untied: bool = False
 
 
-def average_states(states: list[dict], weights: list[float], release: bool = False) -> dict:
+def average_states(states: list[dict], weights: list[float], release: bool = False, on_key=None) -> dict:
     """``Σ_k w_k θ_k / Σ_k w_k`` for floating tensors; other entries come from the first state.
 
     ``release=True`` (the caller hands the dicts over): each key leaves every input dict once it
     is summed, so the inputs shrink while the output grows (one model's worth at most in flight).
+    ``on_key(key, tensor)`` is called as each entry of the result is complete (see :func:`merge`).
     """
     total = float(sum(weights))
     if not math.isfinite(total) or total <= 0:
@@ -65,6 +67,8 @@ def average_states(states: list[dict], weights: list[float], release: bool = Fal
             for s in states:
                 s.pop(key, None)
         del first
+        if on_key is not None:
+            on_key(key, out[key])
     return out
 
 
@@ -107,6 +111,9 @@ def merge(
     ``head_weight``: the output head's objective weight (likewise).
     ``combine(aligned_canonical_states, weights)`` replaces the weighted mean (e.g. a robust
     aggregator that screens the aligned models first); the dicts it gets are the merge's own.
+    A ``combine`` that takes ``on_key`` is told each entry of its result as it is complete (so
+    the previous average's entry can go at once); one whose ``reads_unweighted`` attribute is
+    False gets an empty dict for a weight-0 model in passes after the first (no canonical copy).
 
     Memory: each model is canonicalised only while it is aligned (inside :func:`weight_match`),
     so a pass holds the aligned models plus one model in flight. ``release=True`` (the caller
@@ -180,20 +187,30 @@ def merge(
                 aligned.append(match.canonical)
                 del match  # (no loop variable may keep a transform alive into the next pass)
             bar.update(1)
-        for k in range(len(states)):  # only while combine runs
+        for k in range(len(states)):  # only while combine runs, and only if it reads them
             if aligned[k] is None:
-                aligned[k] = canonicalize(spec, states[k], names[k], validate=False).state
+                aligned[k] = (canonicalize(spec, states[k], names[k], validate=False).state
+                              if getattr(combine, "reads_unweighted", True) else {})
         if not last:  # the merge keeps its aligned models for the next pass: combine gets copies
             held.update((k, (aligned[k], m.transform)) for k, m in enumerate(matches)
                         if m is not None and not readable[k])
         # combine may empty what it gets: never the universe's own dict
-        new_universe = combine([dict(a) if not last or a is universe else a for a in aligned], weights)
+        inputs = [dict(a) if not last or a is universe else a for a in aligned]
+        # Uᵗ is nobody's aligned form after the first pass (in it too when the reference's raw dict
+        # is kept): each of its entries goes once compared, from it and from combine's copy of it
+        drop = [universe, *(d for d, a in zip(inputs, aligned) if a is universe)] if t > 0 or readable[reference] else []
         del aligned
+        change = _ChangeTracker(spec, universe, drop)
+        if _streams_keys(combine):
+            new_universe = combine(inputs, weights, on_key=change.entry_done)
+        else:
+            new_universe = combine(inputs, weights)
+        del inputs
         result.matches = [m for m in matches if m is not None]
         if release:
             _keep_records_only(result.matches)
         del matches
-        change = _relative_change(spec, universe, new_universe)
+        change = change.finish(new_universe)
         universe = new_universe
         result.objectives.append([m.objective for m in result.matches])
         result.universe_change.append(change)
@@ -225,13 +242,45 @@ def _restore(spec: SymmetrySpec, state: dict, g: GroupElement | None) -> dict:
     return state if g is None else apply_group(spec, state, inverse(g), in_place=True)
 
 
-def _relative_change(spec: SymmetrySpec, old: dict, new: dict, block: int = 1 << 18) -> float:
-    """``‖new − old‖ / ‖old‖`` over the spec's tensors, in float64 blocks of ``block`` values."""
-    num = den = 0.0
-    for key in sorted(spec.keys()):
-        a, b = old[key].reshape(-1), new[key].reshape(-1)
-        for start in range(0, a.numel(), block):
-            before = a[start:start + block].double()
-            num += float((b[start:start + block].double() - before).pow(2).sum())
-            den += float(before.pow(2).sum())
-    return (num / max(den, 1e-30)) ** 0.5
+def _streams_keys(combine) -> bool:
+    """Whether ``combine`` takes ``on_key`` (called as each entry of its result is complete)."""
+    try:
+        return "on_key" in inspect.signature(combine).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class _ChangeTracker:
+    """``‖Uᵗ⁺¹ − Uᵗ‖ / ‖Uᵗ‖`` over the spec's tensors, summed per key in float64 blocks of
+    ``block`` values, as ``combine`` completes the entries of Uᵗ⁺¹ (:meth:`entry_done`) or at
+    :meth:`finish`. Each entry leaves the dicts in ``drop`` (Uᵗ and its copies) once compared,
+    so Uᵗ shrinks while Uᵗ⁺¹ grows instead of both being held whole. The sum runs over the keys
+    in sorted order whatever order they came in, so the value does not depend on the combine."""
+
+    def __init__(self, spec: SymmetrySpec, old: dict, drop: list[dict], block: int = 1 << 18):
+        self.keys, self.old, self.drop, self.block = set(spec.keys()), old, drop, block
+        self.parts: dict[str, tuple[float, float]] = {}
+
+    def entry_done(self, key: str, new: torch.Tensor) -> None:
+        if key in self.keys and key not in self.parts:
+            a, b = self.old[key].reshape(-1), new.reshape(-1)
+            num = den = 0.0
+            for start in range(0, a.numel(), self.block):
+                before = a[start:start + self.block].double()
+                num += float((b[start:start + self.block].double() - before).pow(2).sum())
+                den += float(before.pow(2).sum())
+            self.parts[key] = (num, den)
+        for d in self.drop:
+            d.pop(key, None)
+
+    def finish(self, new: dict) -> float:
+        for key in self.keys - set(self.parts):
+            self.entry_done(key, new[key])
+        parts = [self.parts[key] for key in sorted(self.keys)]
+        num, den = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        return (num / max(den, 1e-30)) ** 0.5
+
+
+def _relative_change(spec: SymmetrySpec, old: dict, new: dict) -> float:
+    """``‖new − old‖ / ‖old‖`` over the spec's tensors (float64 blocks; ``old`` is kept)."""
+    return _ChangeTracker(spec, old, drop=[]).finish(new)

@@ -215,7 +215,7 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
         merge_module = importlib.import_module("fedbasin.alignment.merge")  # the package exports merge()
 
         phases = PhaseTrace(baseline, size)
-        for name in ("weight_match", "canonicalize", "_relative_change", "to_gauge"):
+        for name in ("weight_match", "canonicalize", "to_gauge"):
             phases.patch(merge_module, name)
         for name in ("merge", "cohort_outliers", "aggregate"):
             phases.patch(aligned_fedavg, name)

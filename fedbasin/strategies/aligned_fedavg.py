@@ -419,13 +419,15 @@ class AlignedFedAvg(FedAvg):
         models: the weight-0 entry (previous global model) is only the centre; the first call
         excludes cohort outliers (kept for later universe passes), then updates are clipped and
         the rest aggregated (``release``: emptying the client models' dicts key by key, which
-        the merge hands over). ``combine.metrics`` holds ``screen_seconds`` and ``num_clipped``."""
+        the merge hands over; ``on_key`` as in :func:`~fedbasin.alignment.merge.average_states`;
+        ``reads_unweighted``: whether the next call needs the centre, see ``merge``).
+        ``combine.metrics`` holds ``screen_seconds`` and ``num_clipped``."""
         kept: list[int] | None = None
 
-        def combine(states: list, weights: list) -> dict:
+        def combine(states: list, weights: list, on_key=None) -> dict:
             nonlocal kept
             t0 = time.perf_counter()
-            center = states[0] if owners[0] is None else None
+            center = states[0] if owners[0] is None and states[0] else None
             clients = [k for k, owner in enumerate(owners) if owner is not None]
             if kept is None:
                 outliers = {}
@@ -436,6 +438,7 @@ class AlignedFedAvg(FedAvg):
                 for i, reason in sorted(outliers.items()):
                     self._exclude(server_round, owners[clients[i]], reason, stage="cohort")
                 kept = [k for i, k in enumerate(clients) if i not in outliers]
+                combine.reads_unweighted = self.clip_ratio > 0  # later calls need the centre only to clip
             group, group_weights = [states[k] for k in kept], [weights[k] for k in kept]
             if self.clip_ratio > 0:
                 group, clipped = clip_updates(
@@ -444,9 +447,10 @@ class AlignedFedAvg(FedAvg):
                 combine.metrics["num_clipped"] = len(clipped)
             combine.metrics["screen_seconds"] += time.perf_counter() - t0
             return aggregate(group, group_weights, self.aggregator, self.trim_fraction,
-                             average_states, release=release)
+                             average_states, release=release, on_key=on_key)
 
         combine.metrics = {"screen_seconds": 0.0}
+        combine.reads_unweighted = True
         return combine
 
     def _exclude(self, server_round: int, node: int, reason: str, stage: str = "reply") -> None:

@@ -37,14 +37,15 @@ def float_keys(state: dict) -> list[str]:
     return [k for k, v in state.items() if v.is_floating_point()]
 
 
-def _sorted_reduce(states: list[dict], reduce, release: bool = False) -> dict:
+def _sorted_reduce(states: list[dict], reduce, release: bool = False, on_key=None) -> dict:
     """``reduce(sorted values, K)`` per coordinate of the floating entries (values sorted along
     dim 0, in float64); other entries come from the first state.
 
     Computed over blocks of whole rows of the first dimension, about ``CHUNK // K``
     coordinates each, so a float64 working copy holds about :data:`CHUNK` values, not K
     copies of a tensor; ``release=True``
-    (the caller hands the dicts over): each key leaves every input dict once reduced."""
+    (the caller hands the dicts over): each key leaves every input dict once reduced;
+    ``on_key(key, tensor)`` is called as each entry of the result is complete."""
     out = {}
     for key in list(states[0]):
         first = states[0][key]
@@ -61,6 +62,8 @@ def _sorted_reduce(states: list[dict], reduce, release: bool = False) -> dict:
             for s in states:
                 s.pop(key, None)
         del first
+        if on_key is not None:
+            on_key(key, out[key])
     return out
 
 
@@ -70,9 +73,9 @@ def _sorted_block(states: list[dict], key: str, rows: slice | None, reduce) -> t
     return reduce(torch.stack([b.double() for b in block]).sort(dim=0).values, len(states))
 
 
-def coordinate_median(states: list[dict], release: bool = False) -> dict:
+def coordinate_median(states: list[dict], release: bool = False, on_key=None) -> dict:
     """Coordinate-wise median (mean of the two middle values when the count is even)."""
-    return _sorted_reduce(states, lambda v, k: _median_rows(v), release)
+    return _sorted_reduce(states, lambda v, k: _median_rows(v), release, on_key)
 
 
 def _median_rows(x: torch.Tensor) -> torch.Tensor:
@@ -150,21 +153,22 @@ def clip_updates(states: list[dict], center: dict, ratio: float) -> tuple[list[d
     return out, clipped
 
 
-def trimmed_mean(states: list[dict], fraction: float, release: bool = False) -> dict:
+def trimmed_mean(states: list[dict], fraction: float, release: bool = False, on_key=None) -> dict:
     """Coordinate-wise mean after dropping the ``⌊fraction·K⌋`` largest and smallest values."""
     cut = min(int(fraction * len(states)), (len(states) - 1) // 2)
-    return _sorted_reduce(states, lambda v, k: v[cut : k - cut].mean(dim=0), release)
+    return _sorted_reduce(states, lambda v, k: v[cut : k - cut].mean(dim=0), release, on_key)
 
 
 def aggregate(states: list[dict], weights: list[float], how: str, trim_fraction: float, mean,
-              release: bool = False) -> dict:
-    """One of :data:`AGGREGATORS`; ``mean(states, weights, release=)`` is the weighted mean
-    (e.g. ``average_states``). ``release=True``: the caller hands the input dicts over; they are
-    emptied key by key as the result grows."""
+              release: bool = False, on_key=None) -> dict:
+    """One of :data:`AGGREGATORS`; ``mean(states, weights, release=, on_key=)`` is the weighted
+    mean (e.g. ``average_states``). ``release=True``: the caller hands the input dicts over; they
+    are emptied key by key as the result grows; ``on_key(key, tensor)``: called as each entry of
+    the result is complete."""
     if how == "mean":
-        return mean(states, weights, release=release)
+        return mean(states, weights, release=release, on_key=on_key)
     if how == "trimmed-mean":
-        return trimmed_mean(states, trim_fraction, release)
+        return trimmed_mean(states, trim_fraction, release, on_key)
     if how == "median":
-        return coordinate_median(states, release)
+        return coordinate_median(states, release, on_key)
     raise ValueError(f"aggregator must be one of {AGGREGATORS}, got {how!r}")
