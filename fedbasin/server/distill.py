@@ -241,9 +241,18 @@ def ensemble_distill(
     del start
     if evaluation is not None:
         result.evaluation_initial_loss = split_loss(evaluation)
-    optimiser = torch.optim.Adam(net.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimiser, lambda t: 0.5 * (1 + math.cos(math.pi * t / max(steps, 1))))
+    # Adam per parameter, stepped as soon as that parameter's gradient is complete (inside the
+    # backward pass, the gradient freed at once): one Adam's updates over all parameters, with
+    # one parameter's gradient alive at a time instead of all of them (server memory)
+    optimisers = {p: torch.optim.Adam([p], lr=lr) for p in net.parameters() if p.requires_grad}
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 0.5 * (1 + math.cos(math.pi * t / max(steps, 1))))
+                 for o in optimisers.values()]
+
+    def step_now(parameter: torch.Tensor) -> None:
+        optimisers[parameter].step()
+        parameter.grad = None
+
+    hooks = [p.register_post_accumulate_grad_hook(step_now) for p in optimisers]
     iterator = iter(batches)
     views = torch.Generator().manual_seed(seed)
     with tqdm(total=steps, desc="ensemble distillation", unit="step", disable=not progress, leave=False) as bar:
@@ -259,10 +268,9 @@ def ensemble_distill(
             loss = (1 - label_weight) * distillation_loss(logits, target, temperature)
             if label_weight > 0:
                 loss = loss + label_weight * loss_fn(logits, y.to(device))
-            loss.backward()
-            optimiser.step()
-            optimiser.zero_grad(set_to_none=True)  # the gradients go before the selection pass
-            schedule.step()
+            loss.backward()  # every parameter's Adam step runs in here (step_now)
+            for schedule in schedules:
+                schedule.step()
             bar.update(1)
             if step % eval_every == 0 or step == steps:
                 value = split_loss(selection)
@@ -272,6 +280,8 @@ def ensemble_distill(
                     best, result.best_step = value, step
                 if progress:
                     bar.set_postfix(loss=f"{loss.item():.4f}", best=f"{best:.4f}")
+    for hook in hooks:
+        hook.remove()
     result.best_loss = best
     if evaluation is not None:
         if result.improved:
