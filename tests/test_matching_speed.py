@@ -22,6 +22,7 @@ from fedbasin.alignment.matching import (
 from .helpers import GPT, spec_of, trained_like
 
 WIDE = dict(GPT, dim=32, depth=3, heads=4, mlp_dim=48)
+POLAR_SIZE = matching.POLAR_BY_EIGH_FROM + 44  # a residual width whose Procrustes goes through eigh
 
 
 def _pair(config, dtype=torch.float64):
@@ -98,9 +99,18 @@ def test_layer_steps_in_worker_threads_equal_the_sequential_loop(monkeypatch):
             where.append(threading.current_thread() is threading.main_thread())
             return original(self, m, state)
 
+        delta_where = []
+        original_delta = _Matcher.neuron_delta
+
+        def delta_spy(self, m, before, perm):
+            delta_where.append(threading.current_thread() is threading.main_thread())
+            return original_delta(self, m, before, perm)
+
         monkeypatch.setattr(_Matcher, "neuron_step", spy)
+        monkeypatch.setattr(_Matcher, "neuron_delta", delta_spy)
         parallel = weight_match(spec, a, b, iterations=4, tol=0)
         assert where and not any(where), "the MLP steps did not run in worker threads"
+        assert delta_where and not any(delta_where), "the MLP covariance updates did not run in worker threads"
         where.clear()
         monkeypatch.setattr(matching, "per_layer", lambda step, layers, device: [step(x) for x in layers])
         sequential = weight_match(spec, a, b, iterations=4, tol=0)
@@ -202,6 +212,26 @@ def test_head_maps_are_the_head_steps_maps_when_heads_stay(case):
         assert torch.equal(full.perm, torch.arange(a.num_heads)) and torch.equal(maps.perm, full.perm)
         assert maps.qk.shape[0] == a.kv_heads
         assert torch.allclose(maps.qk, full.qk, atol=1e-9) and torch.allclose(maps.ov, full.ov, atol=1e-9)
+
+
+@pytest.mark.parametrize("d", [3, 40, POLAR_SIZE])
+def test_residual_procrustes_fixing_ones_equals_the_dense_complement_basis(d):
+    """LayerNorm's residual map (O·1 = 1) from the Householder reflection equals
+    ``11ᵀ/d + Q R Qᵀ`` with the dense QR basis Q of the complement of 1, and attains the maximum
+    of tr(Oᵀ C) over that group (``‖QᵀCQ‖_* + 1ᵀC1/d``)."""
+    from fedbasin.alignment.group import ones_complement
+    from fedbasin.alignment.matching import residual_procrustes
+
+    c = torch.randn(d, d, generator=torch.Generator().manual_seed(d), dtype=torch.float64)
+    q = ones_complement(d)
+    expected = torch.full((d, d), 1.0 / d, dtype=torch.float64) + q @ procrustes(q.T @ c @ q) @ q.T
+    o = residual_procrustes(c, fix_ones=True)
+    ones = torch.ones(d, dtype=torch.float64)
+    assert torch.allclose(o, expected, atol=1e-10)
+    assert torch.allclose(o @ ones, ones, atol=1e-12)
+    assert torch.allclose(o.T @ o, torch.eye(d, dtype=torch.float64), atol=1e-12)
+    best = torch.linalg.svdvals(q.T @ c @ q).sum() + ones @ c @ ones / d
+    assert torch.trace(o.T @ c) == pytest.approx(float(best), rel=1e-12)
 
 
 @pytest.mark.parametrize("conditioning", [1.0, 1e3, 1e-6])

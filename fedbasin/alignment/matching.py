@@ -51,7 +51,6 @@ from .group import (
     apply_group,
     compose,
     contract_axis,
-    ones_complement,
     rotary_planes,
 )
 from .spec import AttentionSpec, MLPSpec, SymmetrySpec, check_compatible
@@ -210,8 +209,7 @@ def procrustes(m: torch.Tensor, value: bool = False):
     with ``value`` also the maximum ``‖M‖_* = Σ σ``. A single large M (the residual map) goes
     through :func:`_polar_by_eigh` when it is well conditioned."""
     if not value and m.dim() == 2 and m.shape[0] == m.shape[1] >= POLAR_BY_EIGH_FROM:
-        with one_thread(m.device):
-            o = _polar_by_eigh(m.double())
+        o = _polar_by_eigh(m.double())
         if o is not None:
             return o.to(m.dtype)
     with one_thread(m.device):
@@ -224,8 +222,12 @@ def _polar_by_eigh(m: torch.Tensor) -> torch.Tensor | None:
     """``U Vᵀ`` of ``M = U Σ Vᵀ`` (float64, square) as ``M V Σ⁻¹ Vᵀ`` from ``Mᵀ M = V Σ² Vᵀ``: one
     symmetric eigendecomposition instead of an SVD (768×768, one thread: 0.07 against 0.17 CPU s),
     then one Newton–Schulz step ``O (3I − OᵀO) / 2`` that squares the orthogonality error.
-    None (use the SVD) if ``σ_min < 1e-4 σ_max``: the round-off of Σ⁻¹ grows like (σ_max/σ_min)²."""
-    lam, v = torch.linalg.eigh(m.T @ m)
+    None (use the SVD) if ``σ_min < 1e-4 σ_max``: the round-off of Σ⁻¹ grows like (σ_max/σ_min)².
+    Only the eigendecomposition runs single-threaded (:func:`one_thread`); the products use every
+    BLAS thread."""
+    gram = m.T @ m
+    with one_thread(m.device):
+        lam, v = torch.linalg.eigh(gram)
     if not bool(lam[0] > 1e-8 * lam[-1]):
         return None
     o = ((m @ v) * lam.rsqrt()) @ v.T
@@ -238,10 +240,23 @@ def residual_procrustes(c: torch.Tensor, fix_ones: bool) -> torch.Tensor:
     ``O·1 = 1``: ``O = 11ᵀ/d + Q R Qᵀ``, R the Procrustes map of ``Qᵀ C Q`` (Q: complement of 1)."""
     if not fix_ones:
         return procrustes(c)
+    # Q = columns 2..d of the Householder reflection H (symmetric, orthogonal) with H e₁ = 1/√d:
+    # Qᵀ C Q is the lower-right block of H C H and O = H diag(1, R) H — rank-one updates, O(d²),
+    # instead of four d×d×d products with a dense basis (any orthonormal Q gives the same O)
     d = c.shape[0]
-    q = ones_complement(d, torch.float64).to(c.device)
-    r = procrustes(q.T @ c.double() @ q)
-    return (torch.full((d, d), 1.0 / d, dtype=torch.float64, device=c.device) + q @ r @ q.T).to(c.dtype)
+    u = torch.full((d,), d ** -0.5, dtype=torch.float64, device=c.device)
+    u[0] -= 1.0
+    beta = 2.0 / float(u @ u)
+
+    def reflect_both_sides(x: torch.Tensor) -> torch.Tensor:  # H X H
+        x = x - beta * torch.outer(u, u @ x)
+        return x - beta * torch.outer(x @ u, u)
+
+    hch = reflect_both_sides(c.double())
+    block = torch.zeros_like(hch)
+    block[0, 0] = 1.0
+    block[1:, 1:] = procrustes(hch[1:, 1:])
+    return reflect_both_sides(block).to(c.dtype)
 
 
 def nuclear_norms(m: torch.Tensor) -> torch.Tensor:
@@ -678,15 +693,23 @@ def weight_match(
         """Apply layer i's map of ``factor`` (``heads`` or ``neurons``) in turn, each kept only if J
         does not fall."""
         nonlocal point, neurons
+        moves = [factor == "heads" or layer_map.scale is not None
+                 or not bool((layer_map.perm == torch.arange(layer_map.perm.numel())).all()) for layer_map in maps]
+        deltas = [None] * len(maps)
+        if factor == "neurons" and neurons is not None and disjoint:
+            # the change of the unrotated MLP weights' C, per layer in parallel: a layer's weights
+            # are the same now as when its step is applied (no other layer's step touches them)
+            with matcher.clock("mlp.apply"):
+                deltas = per_layer(lambda i, state=point.state: matcher.neuron_delta(spec.mlp[i], state, maps[i].perm)
+                                   if moves[i] else None, list(range(len(maps))), device)
         with matcher.clock("heads.apply" if factor == "heads" else "mlp.apply"), one_thread(device):
             for i, layer_map in enumerate(maps):
-                if factor == "neurons" and layer_map.scale is None and bool(
-                        (layer_map.perm == torch.arange(layer_map.perm.numel())).all()):
+                if not moves[i]:
                     continue  # the identity: nothing moves
                 step = GroupElement.identity(spec)
                 getattr(step, factor)[i] = layer_map
-                delta = None
-                if factor == "neurons" and neurons is not None:  # neuron steps are permutations
+                delta, deltas[i] = deltas[i], None
+                if factor == "neurons" and neurons is not None and delta is None:  # neuron steps are permutations
                     delta = matcher.neuron_delta(spec.mlp[i], point.state, layer_map.perm)
                 before = point
                 point = point.try_step(inner, J, step, fixed(delta))
