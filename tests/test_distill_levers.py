@@ -190,8 +190,9 @@ def test_further_rounds_continue_only_the_named_merges_and_bad_names_are_refused
 
 def test_reproduce_cifar10_seeds_section_tables_each_seed_the_mean_and_the_probability_teacher(tmp_path):
     """Seed 0 from the oneshot-cifar10 section's file of the same setting, seeds 1-2 one file per
-    partition, the probability-teacher Dirichlet runs one file per seed (all read, not recomputed,
-    when present): a line per partition and seed, mean ± sd per partition, and the teachers side by side."""
+    partition, the probability-teacher runs one file per seed and partition (all read, not
+    recomputed, when present): a line per partition and seed, mean ± sd per partition, and the
+    teachers side by side with their own mean ± sd."""
     import argparse
     import json
 
@@ -212,9 +213,9 @@ def test_reproduce_cifar10_seeds_section_tables_each_seed_the_mean_and_the_proba
             if seed:
                 (section / f"seed{seed}_{partition}.json").write_text(
                     json.dumps({"rows": [row(label, seed, 0.31 + seed / 50)]}))
-        if seed in reproduce.ONESHOT_CIFAR10_PROBABILITY_SEEDS:
-            (section / f"prob_seed{seed}_dirichlet.json").write_text(
-                json.dumps({"rows": [row("dirichlet(0.5)", seed, 0.35 + seed / 100)]}))
+            if seed in reproduce.ONESHOT_CIFAR10_PROBABILITY_SEEDS:
+                (section / f"prob_seed{seed}_{partition}.json").write_text(
+                    json.dumps({"rows": [row(label, seed, 0.35 + seed / 100)]}))
     text = reproduce.section_oneshot_cifar10_seeds(argparse.Namespace(cifar="unused", rerun=False), section)
     lines = text.splitlines()
     assert lines[2] == "| iid | 0 | 0.3000 | 0.1000 | 0.2000 | 0.3100 | 0.3000 | 0.3300 |"
@@ -222,10 +223,20 @@ def test_reproduce_cifar10_seeds_section_tables_each_seed_the_mean_and_the_proba
     assert ("| iid | 0.310 ± 0.010 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.330 ± 0.020 | 0.300 ± 0.000 "
             "| 0.330 ± 0.000 |") in lines
     assert reproduce.ONESHOT_CIFAR10_PROBABILITY_SEEDS == (0, 1, 2)
-    assert lines[-4:] == ["|---|---|---|---|---|---|---|",
-                          "| 0 | 0.3000 | 0.3100 | 0.3500 | 0.3000 | 0.3300 | 0.3600 |",
-                          "| 1 | 0.3100 | 0.3300 | 0.3600 | 0.3000 | 0.3300 | 0.3600 |",
-                          "| 2 | 0.3200 | 0.3500 | 0.3700 | 0.3000 | 0.3300 | 0.3600 |"]
+    teachers = lines.index("| partition | seed | best client | aligned + distilled (logit teacher) | aligned + "
+                           "distilled (probability teacher) | FedAvg + distilled (probability teacher) | logit "
+                           "ensemble | probability ensemble |")
+    assert lines[teachers + 2:teachers + 8] == [
+        "| iid | 0 | 0.3000 | 0.3100 | 0.3500 | 0.3000 | 0.3300 | 0.3600 |",
+        "| iid | 1 | 0.3100 | 0.3300 | 0.3600 | 0.3000 | 0.3300 | 0.3600 |",
+        "| iid | 2 | 0.3200 | 0.3500 | 0.3700 | 0.3000 | 0.3300 | 0.3600 |",
+        "| dirichlet(0.5) | 0 | 0.3000 | 0.3100 | 0.3500 | 0.3000 | 0.3300 | 0.3600 |",
+        "| dirichlet(0.5) | 1 | 0.3100 | 0.3300 | 0.3600 | 0.3000 | 0.3300 | 0.3600 |",
+        "| dirichlet(0.5) | 2 | 0.3200 | 0.3500 | 0.3700 | 0.3000 | 0.3300 | 0.3600 |"]
+    assert lines[-4:] == ["| partition | best client | aligned + distilled | FedAvg + distilled | probability ensemble |",
+                          "|---|---|---|---|---|",
+                          "| iid | 0.310 ± 0.010 | 0.360 ± 0.010 | 0.300 ± 0.000 | 0.360 ± 0.000 |",
+                          "| dirichlet(0.5) | 0.310 ± 0.010 | 0.360 ± 0.010 | 0.300 ± 0.000 | 0.360 ± 0.000 |"]
 
 
 class Fixed(torch.nn.Module):

@@ -34,7 +34,7 @@ ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config
     ("label02aug", "KL + labels (w 0.2) + crop/flip", "distill-steps=500 distill-label-weight=0.2 distill-augment=crop-flip"),
 )
 ONESHOT_CIFAR10_SEEDS_DISTILL = ONESHOT_CIFAR10_VARIANTS[-1][2]  # the setting repeated over seeds
-ONESHOT_CIFAR10_PROBABILITY_SEEDS = (0, 1, 2)  # Dirichlet runs with distill-teacher=probabilities
+ONESHOT_CIFAR10_PROBABILITY_SEEDS = (0, 1, 2)  # runs with distill-teacher=probabilities, both partitions
 ONESHOT_PROXY = "proxy-size=300 refine-steps=200 distill-steps=500"  # the server's proxy levers, §4
 ONESHOT_SEEDS = (0, 1, 2)
 SEED_PAIRS = ((0, 1), (2, 3), (4, 5))
@@ -171,10 +171,11 @@ def section_oneshot_seeds(args, out: Path) -> str:
 
 def seed_table(rows: list[dict], keys: tuple[str, ...]) -> str:
     """One line per partition of one-shot ``rows`` (one row per seed and partition): mean ± sd
-    over the seeds of every column in ``keys``."""
+    over the seeds of every column in ``keys`` (in the order of ``oneshot.COLUMNS``)."""
     from fedbasin.simulations import oneshot
 
-    keys = [(k, title) for k, title, _ in oneshot.COLUMNS if k in keys]
+    titles = [(k, title) for k, title, _ in oneshot.COLUMNS] + [("ensemble_probabilities", "probability ensemble")]
+    keys = [(k, title) for k, title in titles if k in keys]
     lines = ["| partition | " + " | ".join(title for _, title in keys) + " |", "|" + "---|" * (len(keys) + 1)]
     for partition in dict.fromkeys(r["partitioner"] for r in rows):
         group = [r for r in rows if r["partitioner"] == partition]
@@ -213,9 +214,9 @@ def section_oneshot_cifar10(args, out: Path) -> str:
 def section_oneshot_cifar10_seeds(args, out: Path) -> str:
     """The CIFAR-10 one-shot rows of :data:`ONESHOT_CIFAR10_SEEDS_DISTILL` over seeds 0-2 (seed 0:
     the oneshot-cifar10 section's run of that setting; seeds 1 and 2: one run per seed and
-    partition on the same clients cache): per-seed accuracies and mean ± sd; then the Dirichlet
-    rows of :data:`ONESHOT_CIFAR10_PROBABILITY_SEEDS` again with the probability teacher
-    (``distill-teacher=probabilities``)."""
+    partition on the same clients cache): per-seed accuracies and mean ± sd; then the rows of
+    :data:`ONESHOT_CIFAR10_PROBABILITY_SEEDS` again with the probability teacher
+    (``distill-teacher=probabilities``), both partitions, with their mean ± sd."""
     from fedbasin.simulations import oneshot
 
     cifar10 = out.parent / "oneshot-cifar10"
@@ -232,25 +233,30 @@ def section_oneshot_cifar10_seeds(args, out: Path) -> str:
         for partition in ("iid", "dirichlet"):
             rows += [{**r, "seed": seed} for r in run(out / f"seed{seed}_{partition}.json",
                                                       f"{setting} seed={seed}", partition)]
-    for seed in ONESHOT_CIFAR10_PROBABILITY_SEEDS:
-        probability += [{**r, "seed": seed} for r in run(out / f"prob_seed{seed}_dirichlet.json",
-                                                         f"{setting} distill-teacher=probabilities seed={seed}",
-                                                         "dirichlet")]
+    for partition in ("iid", "dirichlet"):
+        for seed in ONESHOT_CIFAR10_PROBABILITY_SEEDS:
+            probability += [{**r, "seed": seed} for r in run(out / f"prob_seed{seed}_{partition}.json",
+                                                             f"{setting} distill-teacher=probabilities seed={seed}",
+                                                             partition)]
     keys = ("best_client", "fedavg", "aligned_orthogonal", "aligned_distilled", "fedavg_distilled", "ensemble")
     titles = " | ".join(title for k, title, _ in oneshot.COLUMNS if k in keys)
     per_seed = [f"| partition | seed | {titles} |", "|" + "---|" * (len(keys) + 2)]
     for r in sorted(rows, key=lambda r: (r["partitioner"] != "iid", r["seed"])):
         per_seed.append(f"| {r['partitioner']} | {r['seed']} | " + " | ".join(f"{float(r[k]):.4f}" for k in keys) + " |")
-    teacher = ["| seed | best client | aligned + distilled (logit teacher) | aligned + distilled (probability "
-               "teacher) | FedAvg + distilled (probability teacher) | logit ensemble | probability ensemble |",
-               "|" + "---|" * 7]
+    teacher = ["| partition | seed | best client | aligned + distilled (logit teacher) | aligned + distilled "
+               "(probability teacher) | FedAvg + distilled (probability teacher) | logit ensemble | probability "
+               "ensemble |", "|" + "---|" * 8]
     for r in probability:
         logit = next(x for x in rows if x["seed"] == r["seed"] and x["partitioner"] == r["partitioner"])
-        teacher.append(f"| {r['seed']} | {r['best_client']:.4f} | {logit['aligned_distilled']} | {r['aligned_distilled']} "
-                       f"| {r['fedavg_distilled']} | {r['ensemble']:.4f} | {r['ensemble_probabilities']:.4f} |")
+        teacher.append(f"| {r['partitioner']} | {r['seed']} | {r['best_client']:.4f} | {logit['aligned_distilled']} "
+                       f"| {r['aligned_distilled']} | {r['fedavg_distilled']} | {r['ensemble']:.4f} "
+                       f"| {r['ensemble_probabilities']:.4f} |")
+    probability_keys = ("best_client", "aligned_distilled", "fedavg_distilled", "ensemble_probabilities")
     return ("\n".join(per_seed) + "\n\nMean ± sd over seeds " + ", ".join(map(str, ONESHOT_SEEDS)) + ":\n\n"
-            + seed_table(rows, keys) + "\n\nDirichlet(0.5) with the probability teacher (`distill-teacher="
-            "probabilities`, otherwise the same setting and clients):\n\n" + "\n".join(teacher))
+            + seed_table(rows, keys) + "\n\nWith the probability teacher (`distill-teacher=probabilities`, otherwise "
+            "the same setting and clients):\n\n" + "\n".join(teacher) + "\n\nMean ± sd over seeds "
+            + ", ".join(map(str, ONESHOT_CIFAR10_PROBABILITY_SEEDS)) + ", probability teacher:\n\n"
+            + seed_table(probability, probability_keys))
 
 
 RUNNERS = {"barriers": section_barriers, "barrier-seeds": section_barrier_seeds, "many": section_many,
