@@ -100,6 +100,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", help="write the results JSON here")
     parser.add_argument("--aligned", action="append", default=[], metavar="NAME=DIR",
                         help="also evaluate the plain path from A to this endpoint already aligned to A")
+    parser.add_argument("--aligned-on-glmc", action="store_true",
+                        help="also evaluate every --aligned endpoint on GLMC's merged architecture (needs --glmc-path)")
     parser.add_argument("--glmc-learned-steps", type=int, default=0, help="GLMC's learned matching steps (0: skip)")
     parser.add_argument("--glmc-batch-size", type=int, default=64)
     parser.add_argument("--glmc-lr", type=float, default=3e-4, help="AdamW learning rate (GLMC's default 3e-4)")
@@ -107,6 +109,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--glmc-rows", default="permutation,orthogonal",
                         help="GLMC weight-matching rows to run (comma-separated; empty: none)")
     args = parser.parse_args(argv)
+    if args.aligned_on_glmc and not (args.aligned and args.glmc_path):
+        raise SystemExit("glmc_compare: --aligned-on-glmc needs --aligned NAME=DIR and --glmc-path")
     for item in args.aligned:
         name, sep, path = item.partition("=")
         if not (name and sep and (Path(path) / "config.json").is_file()):
@@ -179,6 +183,9 @@ def main(argv=None) -> dict:
                     raise SystemExit(f"glmc_compare: --circuit-variant {args.circuit_variant} is not in --variants")
                 save_checkpoint(path, "gpt2", a.config, state, kind="hf")
                 runs.append((f"fedbasin {args.circuit_variant} on GLMC's merged architecture", False, str(path), 0))
+            if args.aligned_on_glmc:
+                runs += [(f"aligned {name} on GLMC's merged architecture", False, path, 0)
+                         for name, _, path in (item.partition("=") for item in args.aligned)]
             for name, perm, model1, iterations in runs:
                 steps = args.glmc_learned_steps if name.startswith("GLMC learned") else 0
                 out = run_glmc(args, blocks, perm, model1, iterations, train_steps=steps)
