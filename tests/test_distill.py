@@ -122,6 +122,60 @@ def test_server_option_distils_the_round_merge(serverapp_identity):
     assert evaluate(model, task.test)["accuracy"] > 0.5
 
 
+def test_cached_teacher_outputs_replace_the_client_weights_and_give_the_same_global_model(serverapp_identity):
+    """With ``distill.prepare`` (the ServerApp's distiller) the strategy distils from the clients'
+    outputs cached before the merge, not from their weights: the distiller gets TeacherOutputs
+    of the clients the screening kept, and the round's global model is bitwise the one distilled
+    from the weights (prepare removed), crop/flip views and labels included."""
+    config = resolve_run_config({"proxy-size": 300, "distill-steps": 4, "distill-lr": 0.003,  # a cache within budget
+                                 "distill-augment": "crop-flip", "distill-label-weight": 0.2,
+                                 "distill-teacher": "probabilities",
+                                 "model.dim": 16, "model.depth": 1, "model.heads": 2, "model.mlp-dim": 32})
+    task = load_task("digits", seed=0, proxy_size=300)
+    model = build_model("vit", DIGITS_VIT)
+    spec = fedbasin_adapter("vit", model.config).spec
+    states = [trained_digits_vit(seed) for seed in range(3)]
+    options = {"independent_init": True, "min_train_nodes": 3, "min_available_nodes": 3}
+    seen = []
+
+    def distiller(keep_prepare: bool):
+        distill = make_distiller(model, task, config)
+
+        def recorded(merged, clients):
+            seen.append([type(c).__name__ for c in clients])
+            return distill(merged, clients)
+        if keep_prepare:
+            recorded.prepare = distill.prepare
+        return recorded
+
+    cached, metrics = one_shot_round(AlignedFedAvg(spec, distill=distiller(True), **options), states)
+    assert metrics["distill_best_step"] > 0  # the students moved: equal results are not both the merge
+    weights, _ = one_shot_round(AlignedFedAvg(spec, distill=distiller(False), **options), states)
+    assert seen == [["TeacherOutputs"] * 3, ["dict"] * 3]
+    for key, value in weights.to_torch_state_dict().items():
+        assert torch.equal(cached.to_torch_state_dict()[key], value), key
+
+
+def test_teacher_output_cache_budget_and_refusals():
+    """The cache is refused (None: keep the weights) when it would exceed its budget; cached
+    outputs must cover every step of the run and cannot be mixed with states."""
+    from fedbasin.server.distill import cache_teacher_outputs
+
+    teachers = [build_model("vit", DIGITS_VIT, seed=s).state_dict() for s in range(2)]
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.rand(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(3)]
+    model = build_model("vit", DIGITS_VIT)
+    cached = cache_teacher_outputs(model, teachers, iter(batches), 3)
+    assert cached is not None and [len(t.logits) for t in cached] == [3, 3]
+    assert cache_teacher_outputs(model, teachers, iter(batches), 3, budget_bytes=2 * 3 * 4 * 10 * 4 - 1) is None
+    assert cache_teacher_outputs(model, teachers, iter(batches), 3, budget_bytes=2 * 3 * 4 * 10 * 4) is not None
+    with pytest.raises(ValueError, match="cover \\[3\\] steps, the run takes 2"):
+        ensemble_distill(model, teachers[0], cached, cross_entropy, iter(batches), batches[:1], steps=2)
+    with pytest.raises(ValueError, match="not a mix"):
+        ensemble_distill(model, teachers[0], [cached[0], teachers[1]], cross_entropy, iter(batches), batches[:1],
+                         steps=3)
+
+
 def test_distillation_without_proxy_data_is_refused(capsys, tmp_path):
     with pytest.raises(ValueError, match=r"distill-steps=5 needs proxy-size >= 10 \(got 0\)"):
         resolve_run_config({"distill-steps": 5})

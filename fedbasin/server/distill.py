@@ -121,24 +121,73 @@ class StateEnsemble(nn.Module):
         return {k: v if (v.dtype, v.device) == self.like[k] else v.to(*reversed(self.like[k]))
                 for k, v in state.items()}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The mean logits are summed member by member (one logit tensor in flight besides the sum,
-        bitwise :func:`combine_logits`); the mean probabilities stack the K members' logits."""
+    def members(self, x: torch.Tensor):
+        """Each member's logits on ``x``, one at a time (eval mode)."""
         training = self.module.training
         self.module.eval()
         try:
-            logits, total = [], None
             for state in self.states:
                 # not strict: non-persistent buffers (e.g. RoPE's inv_freq) are the module's own, as in a copy
-                out = _logits_of(torch.func.functional_call(self.module, self._member(state), (x,),
-                                                            tie_weights=False))
-                if self.combine != "logits":
-                    logits.append(out)
-                else:
-                    total = out if total is None else total.add_(out)
+                yield _logits_of(torch.func.functional_call(self.module, self._member(state), (x,), tie_weights=False))
         finally:
             self.module.train(training)
-        return total / len(self.states) if self.combine == "logits" else combine_logits(torch.stack(logits), self.combine)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ensemble_of(self.members(x), self.combine)
+
+
+def ensemble_of(member_logits, combine: str) -> torch.Tensor:
+    """The ensemble of the members' logits given one at a time: the mean logits summed member by
+    member (one logit tensor in flight besides the sum; bitwise :func:`combine_logits`), the mean
+    probabilities from the stacked members."""
+    if combine != "logits":
+        return combine_logits(torch.stack(list(member_logits)), combine)
+    total, count = None, 0
+    for out in member_logits:
+        total, count = (out.clone() if total is None else total.add_(out)), count + 1
+    return total / count
+
+
+@dataclass
+class TeacherOutputs:
+    """One teacher's logits on every transfer batch of a distillation run, in order
+    (:func:`cache_teacher_outputs`): a teacher that costs steps × batch × outputs values instead of
+    a model, so its weights can go before the run."""
+
+    logits: list[torch.Tensor]
+
+
+def transfer_batches(batches: Iterable[Batch], steps: int, augment=None, seed: int = 0):
+    """The ``steps`` transfer batches of a distillation run: ``(x, y)`` drawn in order from
+    ``batches``, each ``x`` replaced by ``augment(x, generator)`` with one generator seeded
+    ``seed`` — the same views whoever replays the same draws."""
+    iterator = iter(batches)
+    views = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = next(iterator)
+        yield (x if augment is None else augment(x, views)), y
+
+
+def cache_teacher_outputs(model: nn.Module, teachers: list[dict], batches: Iterable[Batch], steps: int,
+                          augment=None, seed: int = 0, budget_bytes: int | None = None) -> list[TeacherOutputs] | None:
+    """Every teacher's logits on the transfer batches that :func:`ensemble_distill` with the same
+    ``batches``, ``steps``, ``augment`` and ``seed`` will draw, or None when they would take more
+    than ``budget_bytes`` (default: half the teachers' weights; then keep the weights). The
+    distillation from them is bitwise the one from the weights."""
+    if not teachers or steps <= 0:
+        return None
+    ensemble = StateEnsemble(model, teachers)
+    device = next(iter(model.parameters())).device
+    if budget_bytes is None:
+        budget_bytes = sum(v.numel() * v.element_size() for t in teachers for v in t.values()) // 2
+    outputs: list[list[torch.Tensor]] = [[] for _ in teachers]
+    with torch.no_grad():
+        for step, (x, _) in enumerate(transfer_batches(batches, steps, augment, seed)):
+            for member, out in zip(outputs, ensemble.members(x.to(device))):
+                member.append(out)
+            if step == 0 and out.numel() * out.element_size() * steps * len(teachers) > budget_bytes:
+                return None
+    return [TeacherOutputs(logits) for logits in outputs]
 
 
 def _logits_of(out) -> torch.Tensor:
@@ -200,9 +249,10 @@ def ensemble_distill(
     """Distil the mean-logit ensemble of ``teachers`` into ``student`` (see the module doc).
 
     model: any module of the architecture (copied; its own weights are not used or changed);
-    batches: an endless (or long enough) iterable of proxy ``(inputs, targets)`` training batches
-    (targets used only when ``label_weight > 0``); selection / evaluation: lists of batches
-    disjoint from them; ``seed`` seeds ``augment``'s random views; ``teacher``: how the
+    teachers: their states, or their :class:`TeacherOutputs` cached by :func:`cache_teacher_outputs`
+    for this run; batches: an endless (or long enough) iterable of proxy ``(inputs, targets)``
+    training batches (targets used only when ``label_weight > 0``); selection / evaluation: lists of
+    batches disjoint from them; ``seed`` seeds ``augment``'s random views; ``teacher``: how the
     ensemble combines the teachers (:class:`LogitEnsemble`'s ``combine``).
     """
     if not teachers:
@@ -214,8 +264,15 @@ def ensemble_distill(
         raise ValueError(f"label_weight must be a number in [0, 1], got {label_weight!r}")
     started = time.perf_counter()
     device = next(iter(model.parameters())).device
+    cached = all(isinstance(t, TeacherOutputs) for t in teachers)
+    if not cached and any(isinstance(t, TeacherOutputs) for t in teachers):
+        raise ValueError("teachers must be all states or all cached outputs, not a mix")
+    if cached and any(len(t.logits) != steps for t in teachers):
+        raise ValueError(f"cached teacher outputs cover {sorted({len(t.logits) for t in teachers})} steps, "
+                         f"the run takes {steps}")
+    _check_combine(teacher)
     # the teachers are evaluated from their own tensors (no K module copies: server memory)
-    ensemble = StateEnsemble(model, teachers, combine=teacher)
+    ensemble = None if cached else StateEnsemble(model, teachers, combine=teacher)
     net = copy.deepcopy(model)
     net.load_state_dict(student)
 
@@ -253,16 +310,13 @@ def ensemble_distill(
         parameter.grad = None
 
     hooks = [p.register_post_accumulate_grad_hook(step_now) for p in optimisers]
-    iterator = iter(batches)
-    views = torch.Generator().manual_seed(seed)
+    transfer = transfer_batches(batches, steps, augment, seed)
     with tqdm(total=steps, desc="ensemble distillation", unit="step", disable=not progress, leave=False) as bar:
-        for step in range(1, steps + 1):
-            x, y = next(iterator)
-            if augment is not None:
-                x = augment(x, views)
+        for step, (x, y) in enumerate(transfer, start=1):
             x = x.to(device)
             with torch.no_grad():
-                target = ensemble(x)
+                target = (ensemble_of((t.logits[step - 1].to(device) for t in teachers), teacher) if cached
+                          else ensemble(x))
             net.train()
             logits = _logits(net, x)
             loss = (1 - label_weight) * distillation_loss(logits, target, temperature)

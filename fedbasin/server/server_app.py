@@ -38,7 +38,7 @@ from fedbasin.config import (
     resolve_run_config,
     task_from_config,
 )
-from fedbasin.server.distill import ensemble_distill, random_crop_flip
+from fedbasin.server.distill import TeacherOutputs, cache_teacher_outputs, ensemble_distill, random_crop_flip
 from fedbasin.server.outputs import RunOutputs
 from fedbasin.strategies import AlignedFedAvg
 from fedbasin.training import resolve_device
@@ -103,10 +103,10 @@ def make_distiller(model, task, config: dict, adapter=None):
     adapter = adapter or model_adapter(task, model)[1]
     augment = distill_augment(task, config)
 
-    def distill(merged: dict, clients: list[dict]):
+    def distill(merged: dict, clients: list):
         data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
-        result = ensemble_distill(model, adapter.from_standard(merged),
-                                  [adapter.from_standard(c) for c in clients], task.loss_fn,
+        teachers = [c if isinstance(c, TeacherOutputs) else adapter.from_standard(c) for c in clients]
+        result = ensemble_distill(model, adapter.from_standard(merged), teachers, task.loss_fn,
                                   data.batches, data.selection, data.evaluation,
                                   steps=config["distill-steps"], lr=config["distill-lr"],
                                   temperature=config["distill-temperature"],
@@ -116,6 +116,14 @@ def make_distiller(model, task, config: dict, adapter=None):
         result.state = adapter.to_standard(result.state)
         return result
 
+    def prepare(clients: list[dict]):
+        """The clients' outputs on the transfer batches ``distill`` will draw, so that their
+        weights can go during the merge; None when that cache would exceed half their weights."""
+        data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
+        return cache_teacher_outputs(model, [adapter.from_standard(c) for c in clients], data.batches,
+                                     config["distill-steps"], augment=augment, seed=config["seed"])
+
+    distill.prepare = prepare
     return distill
 
 

@@ -1,7 +1,7 @@
 """Server memory of ``AlignedFedAvg.aggregate_train`` with K client replies of a model of size S.
 
     python -m fedbasin.simulations.bench_server_memory [--clients 2 4 8] [--iterations 2]
-        [--universe P] [--aggregator mean|trimmed-mean|median] [--distill-steps N] [--trace]
+        [--universe P] [--aggregator mean|trimmed-mean|median] [--distill-steps N [--distill-weights]] [--trace]
 
 Model: a fedbasin GPT, GPT-2-like in shape but smaller (width 384, 6 layers, 6 heads, MLP 1536,
 vocabulary 8192, 256 positions, untied, float32: 17.0 M parameters, S = 65 MiB). Each K runs
@@ -24,7 +24,8 @@ RSS during the call above the baseline; ``target`` — K + 3 (issue 9). The warm
 a running server has loaded after its first round (BLAS/LAPACK buffers and library pages,
 about 30 MiB, independent of the model); ``warmup_mib`` is that growth, so the peak above the
 cold process is ``peak + warmup_mib / S``. ``--universe``, ``--aggregator`` and ``--distill-steps``
-set the strategy's ``universe_iterations``, ``aggregator`` and ``distill`` (:func:`_distiller`);
+set the strategy's ``universe_iterations``, ``aggregator`` and ``distill`` (:func:`_distiller`: teachers
+cached as outputs before the merge, as the ServerApp's, or with ``--distill-weights`` kept as weights);
 ``--trace`` also prints the RSS at entry, peak and exit of every alignment, canonicalisation,
 screening, aggregation and distillation call (:class:`PhaseTrace`). Prints one JSON line per K
 and a Markdown table. The children fix glibc's mmap threshold at 64 KiB first, as the
@@ -35,6 +36,7 @@ ServerApp does (``fedbasin.heap``: freed model-sized blocks go back to the kerne
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -95,6 +97,7 @@ class PhaseTrace:
         return round((nbytes - self.baseline) / self.size, 2)
 
     def wrap(self, name: str, function):
+        @functools.wraps(function)  # keeps the function's attributes (e.g. a distiller's prepare)
         def traced(*args, **kwargs):
             row = {"phase": name, "depth": len(self.open)}
             self.rows.append(row)  # in call order
@@ -127,7 +130,7 @@ def _warm_up() -> None:
     torch.linalg.svd(torch.randn(SHAPE["dim"], SHAPE["dim"], dtype=torch.float64))
 
 
-def _distiller(spec, steps: int):
+def _distiller(spec, steps: int, cache: bool = True):
     """``distill(merged, clients)`` as the ServerApp builds it (:func:`ensemble_distill`), on
     random-token proxy batches (4 × 64 tokens or the context length, seed 0; two training batches, one selection
     batch). The architecture module it copies is built once, as the ServerApp does (one more model
@@ -138,7 +141,7 @@ def _distiller(spec, steps: int):
     import torch.nn.functional as F
 
     from fedbasin.models import build_model
-    from fedbasin.server.distill import ensemble_distill
+    from fedbasin.server.distill import cache_teacher_outputs, ensemble_distill
 
     model = build_model("gpt", SHAPE, seed=0)
     g = torch.Generator().manual_seed(0)
@@ -148,15 +151,21 @@ def _distiller(spec, steps: int):
     def loss_fn(logits, targets):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    def distill(merged: dict, clients: list[dict]):
+    def distill(merged: dict, clients: list):
         return ensemble_distill(model, merged, clients, loss_fn, itertools.cycle(batches[:2]), batches[2:],
                                 steps=steps, eval_every=steps)
 
+    def prepare(clients: list[dict]):  # as the ServerApp's: the clients' outputs, their weights go in the merge
+        return cache_teacher_outputs(model, clients, itertools.cycle(batches[:2]), steps)
+
+    if cache:
+        distill.prepare = prepare
     return distill
 
 
 def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: bool = True,
-            universe: int = 1, aggregator: str = "mean", trace: bool = False, distill_steps: int = 0) -> dict:
+            universe: int = 1, aggregator: str = "mean", trace: bool = False, distill_steps: int = 0,
+            distill_weights: bool = False) -> dict:
     """One ``aggregate_train`` with ``clients`` replies, in this process (see the module docstring);
     ``fixed_mmap``: glibc's mmap threshold fixed first, as the ServerApp does (``heap.fix_mmap_threshold``)."""
     fixed_mmap = fixed_mmap and heap.fix_mmap_threshold()
@@ -197,7 +206,7 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
         def get_node_ids(self):
             return nodes
 
-    distill = _distiller(spec, distill_steps) if distill_steps else None
+    distill = _distiller(spec, distill_steps, cache=not distill_weights) if distill_steps else None
     strategy = AlignedFedAvg(spec, iterations=iterations, min_train_nodes=clients,
                              min_available_nodes=clients, universe_iterations=universe, aggregator=aggregator,
                              distill=distill)
@@ -237,6 +246,7 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
         "warmup_mib": round((baseline - cold) / 2**20, 1), "peak_is_exact": exact,
         "consume_replies": consume, "mmap_threshold_fixed": fixed_mmap, "universe_iterations": universe,
         "universe_passes": metrics["universe_passes"], "aggregator": aggregator, "distill_steps": distill_steps,
+        "distill_teachers": "weights" if distill_weights else "cached outputs",
         **({"phases": phases.rows} if phases is not None else {}),
     }
 
@@ -254,6 +264,8 @@ def main(argv=None) -> int:
     parser.add_argument("--aggregator", default="mean", help="mean, trimmed-mean or median")
     parser.add_argument("--distill-steps", type=int, default=0, metavar="N",
                         help="ensemble distillation of the clients into the merge, N steps on random tokens")
+    parser.add_argument("--distill-weights", action="store_true",
+                        help="distil from the clients' weights kept through the merge (no cached outputs)")
     parser.add_argument("--trace", action="store_true",
                         help="also print the peak RSS of every phase (alignment, screening, aggregation)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
@@ -262,7 +274,7 @@ def main(argv=None) -> int:
         print(json.dumps(measure(args.child, args.iterations, consume=not args.keep_replies,
                                  fixed_mmap=not args.dynamic_mmap, universe=args.universe,
                                  aggregator=args.aggregator, trace=args.trace,
-                                 distill_steps=args.distill_steps)))
+                                 distill_steps=args.distill_steps, distill_weights=args.distill_weights)))
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     rows = []
@@ -272,6 +284,7 @@ def main(argv=None) -> int:
                                "--universe", str(args.universe), "--aggregator", args.aggregator,
                                *(["--trace"] if args.trace else []), "--distill-steps", str(args.distill_steps),
                                *(["--keep-replies"] if args.keep_replies else []),
+                               *(["--distill-weights"] if args.distill_weights else []),
                                *(["--dynamic-mmap"] if args.dynamic_mmap else [])],
                               env=env, capture_output=True, text=True, check=False)
         if done.returncode:

@@ -69,7 +69,9 @@ class AlignedFedAvg(FedAvg):
         refined, canonical client models are averaged instead of the weight-matched ones.
     distill : callable, optional
         Run after every merge: ``distill(merged_state, client_states)`` with the clients the
-        cohort screening kept, returning a result with ``state`` (the new global model),
+        cohort screening kept (when ``distill.prepare(client_states)`` exists it runs before the
+        merge, and what it returns, one teacher per client, replaces the states unless None),
+        returning a result with ``state`` (the new global model),
         ``initial_loss``, ``best_loss`` and ``best_step`` (the ServerApp binds the model and its
         proxy split into it: ensemble distillation, ``fedbasin.server.distill``).
     max_abs_weight : float
@@ -369,8 +371,14 @@ class AlignedFedAvg(FedAvg):
         self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list
     ) -> tuple[dict, dict]:
         """The aligned merge, then ``distill`` (when given) from the clients the screening kept."""
-        # the merge empties states and their dicts: the teachers keep their own dicts of the tensors
-        teachers = [(n, dict(s)) for n, s in zip(nodes, states)] if self.distill is not None else []
+        # the merge empties states and their dicts: the teachers are the clients' outputs cached
+        # before it (distill.prepare, when there is one and the cache is small enough), so that
+        # their weights go during the merge, else their own dicts of the tensors, kept through it
+        prepare = getattr(self.distill, "prepare", None)
+        cached = prepare(states) if prepare is not None else None
+        teachers = ([] if self.distill is None else list(zip(nodes, cached)) if cached is not None
+                    else [(n, dict(s)) for n, s in zip(nodes, states)])
+        del cached
         merged, metrics = self._aligned_merge(server_round, previous, nodes, states, weights)
         if self.distill is None:
             return merged, metrics
