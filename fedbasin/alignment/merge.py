@@ -280,7 +280,3 @@ class _ChangeTracker:
         num, den = sum(p[0] for p in parts), sum(p[1] for p in parts)
         return (num / max(den, 1e-30)) ** 0.5
 
-
-def _relative_change(spec: SymmetrySpec, old: dict, new: dict) -> float:
-    """``‖new − old‖ / ‖old‖`` over the spec's tensors (float64 blocks; ``old`` is kept)."""
-    return _ChangeTracker(spec, old, drop=[]).finish(new)
