@@ -183,7 +183,7 @@ def cache_teacher_outputs(model: nn.Module, teachers: list[dict], batches: Itera
     outputs: list[list[torch.Tensor]] = [[] for _ in teachers]
     with torch.no_grad():
         for step, (x, _) in enumerate(transfer_batches(batches, steps, augment, seed)):
-            for member, out in zip(outputs, ensemble.members(x.to(device))):
+            for out, member in zip(ensemble.members(x.to(device)), outputs):  # members first: it runs to its end
                 member.append(out)
             if step == 0 and out.numel() * out.element_size() * steps * len(teachers) > budget_bytes:
                 return None
