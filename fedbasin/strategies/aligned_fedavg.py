@@ -374,11 +374,12 @@ class AlignedFedAvg(FedAvg):
         # the merge empties states and their dicts: the teachers are the clients' outputs cached
         # before it (distill.prepare, when there is one and the cache is small enough), so that
         # their weights go during the merge, else their own dicts of the tensors, kept through it
-        prepare = getattr(self.distill, "prepare", None)
-        cached = prepare(states) if prepare is not None else None
-        teachers = ([] if self.distill is None else list(zip(nodes, cached)) if cached is not None
-                    else [(n, dict(s)) for n, s in zip(nodes, states)])
-        del cached
+        teachers = []
+        if self.distill is not None:
+            prepare = getattr(self.distill, "prepare", None)
+            cached = prepare(states) if prepare is not None else None
+            teachers = list(zip(nodes, cached if cached is not None else [dict(s) for s in states]))
+            del cached
         merged, metrics = self._aligned_merge(server_round, previous, nodes, states, weights)
         if self.distill is None:
             return merged, metrics
