@@ -98,17 +98,22 @@ def one_shot_round(strategy, states):
     return strategy.aggregate_train(1, replies)
 
 
+def digits_round():
+    """(task with 300 proxy images, the ViT module, its spec, three trained clients, strategy
+    options for a one-shot round of independently initialised clients)."""
+    model = build_model("vit", DIGITS_VIT)
+    return (load_task("digits", seed=0, proxy_size=300), model, fedbasin_adapter("vit", model.config).spec,
+            [trained_digits_vit(seed) for seed in range(3)],
+            {"independent_init": True, "min_train_nodes": 3, "min_available_nodes": 3})
+
+
 def test_server_option_distils_the_round_merge(serverapp_identity):
     """``distill-steps`` > 0: the ServerApp's strategy distils the aligned merge of round 1; the
     round's arrays load into the model and have a lower proxy-selection loss than the merge of the
     same round without distillation; the metrics report it."""
     config = resolve_run_config({"proxy-size": 300, "distill-steps": 40, "distill-lr": 0.003,
                                  "model.dim": 16, "model.depth": 1, "model.heads": 2, "model.mlp-dim": 32})
-    task = load_task("digits", seed=0, proxy_size=300)
-    model = build_model("vit", DIGITS_VIT)
-    spec = fedbasin_adapter("vit", model.config).spec
-    states = [trained_digits_vit(seed) for seed in range(3)]
-    options = {"independent_init": True, "min_train_nodes": 3, "min_available_nodes": 3}
+    task, model, spec, states, options = digits_round()
     plain, _ = one_shot_round(AlignedFedAvg(spec, **options), states)
     distilled, metrics = one_shot_round(
         AlignedFedAvg(spec, distill=make_distiller(model, task, config), **options), states)
@@ -131,11 +136,7 @@ def test_cached_teacher_outputs_replace_the_client_weights_and_give_the_same_glo
                                  "distill-augment": "crop-flip", "distill-label-weight": 0.2,
                                  "distill-teacher": "probabilities",
                                  "model.dim": 16, "model.depth": 1, "model.heads": 2, "model.mlp-dim": 32})
-    task = load_task("digits", seed=0, proxy_size=300)
-    model = build_model("vit", DIGITS_VIT)
-    spec = fedbasin_adapter("vit", model.config).spec
-    states = [trained_digits_vit(seed) for seed in range(3)]
-    options = {"independent_init": True, "min_train_nodes": 3, "min_available_nodes": 3}
+    task, model, spec, states, options = digits_round()
     seen = []
 
     def distiller(keep_prepare: bool):
