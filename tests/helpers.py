@@ -86,27 +86,40 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 DIGITS_VIT = dict(image_size=8, patch_size=2, channels=1, num_classes=10, dim=16, depth=1, heads=2, mlp_dim=32)
 
 
+class _Float64Inputs(torch.nn.Module):
+    """``module(x.double())``: a float64 module fed the float32 batches of a data split."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x.double())
+
+
 @functools.lru_cache(maxsize=None)
 def _trained_digits_vit(seed: int) -> dict:
     from fedbasin.data import load_task
     from fedbasin.training import train
 
-    model = build_model("vit", DIGITS_VIT, seed=seed)
+    model = build_model("vit", DIGITS_VIT, seed=seed).double()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same weights at any OMP_NUM_THREADS (see trained_digits_vit)
     try:
-        train(model, load_task("digits", seed=0).train, epochs=12, lr=1e-2, seed=seed)
+        train(_Float64Inputs(model), load_task("digits", seed=0).train, epochs=12, lr=1e-2, seed=seed)
     finally:
         torch.set_num_threads(threads)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().float() for k, v in model.state_dict().items()}
 
 
 def trained_digits_vit(seed: int) -> dict:
-    """A tiny ViT (float32) really trained on scikit-learn digits from its own init and batch order
-    (12 epochs, ~2 s, test accuracy ~0.7-0.76); trained once per test session, a fresh copy per call.
-    Trained on one thread: 12 epochs at lr 1e-2 amplify the rounding differences of multi-threaded
-    reductions into a different pair (2 threads: vanilla barrier of seeds 1/2 2.01 instead of 2.89),
-    so the measured figures the tests rely on hold at any thread count."""
+    """A tiny ViT really trained on scikit-learn digits from its own init and batch order (12
+    epochs, ~3 s), returned in float32; trained once per test session, a fresh copy per call.
+    Trained in float64 on one thread: 12 epochs at lr 1e-2 amplify rounding differences about
+    10⁹-fold (a 1e-13 relative change of the initial weights moves the trained ones by 1.3e-4), so
+    in float32 the CPU type, BLAS build or thread count decides which pair the tests get (an
+    AVX2 machine failed bounds measured on an AVX-512 one); in float64 those differences (~1e-16)
+    stay far below anything a test measures, and the figures the tests rely on hold on any machine."""
     return {k: v.clone() for k, v in _trained_digits_vit(seed).items()}
 
 

@@ -110,7 +110,7 @@ def digits_round():
 def test_server_option_distils_the_round_merge(serverapp_identity):
     """``distill-steps`` > 0: the ServerApp's strategy distils the aligned merge of round 1; the
     round's arrays load into the model and have a lower proxy-selection loss than the merge of the
-    same round without distillation; the metrics report it."""
+    same round without distillation, and a higher test accuracy; the metrics report it."""
     config = resolve_run_config({"proxy-size": 300, "distill-steps": 40, "distill-lr": 0.003,
                                  "model.dim": 16, "model.depth": 1, "model.heads": 2, "model.mlp-dim": 32})
     task, model, spec, states, options = digits_round()
@@ -124,7 +124,12 @@ def test_server_option_distils_the_round_merge(serverapp_identity):
     assert metrics["distill_best_step"] > 0
     model.load_state_dict(distilled.to_torch_state_dict())
     assert selection_loss(model.state_dict(), selection) == pytest.approx(metrics["distill_selection_loss"], rel=1e-4)
-    assert evaluate(model, task.test)["accuracy"] > 0.5
+    distilled_accuracy = evaluate(model, task.test)["accuracy"]
+    model.load_state_dict(plain.to_torch_state_dict())
+    plain_accuracy = evaluate(model, task.test)["accuracy"]
+    # measured: 0.27 -> 0.49; with the scalar ATen kernels (ATEN_CPU_CAPABILITY=default) the
+    # float32 alignment lands elsewhere, 0.46 -> 0.66
+    assert distilled_accuracy > plain_accuracy + 0.1
 
 
 def test_cached_teacher_outputs_replace_the_client_weights_and_give_the_same_global_model(serverapp_identity):

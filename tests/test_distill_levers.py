@@ -40,9 +40,9 @@ def setting():
 def test_the_label_term_enters_the_objective_and_lowers_the_proxy_cross_entropy(setting):
     """w = 0: the proxy labels play no part (from the collapsed average of three clients,
     scrambled labels give the identical student); w = 1: the teachers play no part (other
-    teachers give the identical student). From a trained client, pure distillation cannot lower
-    the cross-entropy on the labelled transfer images (keep-best returns the start), the mixed
-    objective lowers it and the supervised one lowers it most."""
+    teachers give the identical student). From a trained client, on the labelled transfer images
+    (also the keep-best split here, so no run ends above its start), the mixed objective lowers the
+    cross-entropy more than pure distillation and the supervised one lowers it most."""
     teachers, transfer = setting
     average = average_states(teachers, [1.0] * 3)
     scrambled = [(x, torch.roll(y, 1)) for x, y in transfer]
@@ -54,9 +54,10 @@ def test_the_label_term_enters_the_objective_and_lowers_the_proxy_cross_entropy(
     other_teachers = distill(client, teachers[:1], transfer, label_weight=1.0)
     assert all(torch.equal(runs[1.0].state[k], other_teachers.state[k]) for k in client)
     ce = {w: mean_loss(r.state, transfer) for w, r in runs.items()}
-    # measured: 0.780 (start, returned by w = 0), 0.773 (w = 0.5), 0.710 (w = 1)
-    assert runs[0.0].best_step == 0 and ce[0.0] == pytest.approx(mean_loss(client, transfer))
-    assert ce[1.0] < ce[0.5] - 0.03 and ce[0.5] < ce[0.0] - 0.003, ce
+    # measured: 0.733 (w = 0), 0.681 (w = 0.5), 0.674 (w = 1); with the scalar ATen kernels
+    # (ATEN_CPU_CAPABILITY=default) 0.726, 0.677, 0.665
+    assert ce[0.0] <= mean_loss(client, transfer) + 1e-6
+    assert ce[1.0] < ce[0.5] < ce[0.0] - 0.02, ce
     with pytest.raises(ValueError, match=r"label_weight must be a number in \[0, 1\], got 1.5"):
         distill(client, teachers, transfer, label_weight=1.5)
 
@@ -304,3 +305,28 @@ def test_distillation_follows_the_chosen_teacher_and_the_run_config_reaches_it(s
     by_config = [make_distiller(build_model("vit", DIGITS_VIT), digits, {**config, "distill-teacher": combine})(
         start, teachers).state["head.weight"] for combine in ("logits", "probabilities")]
     assert not torch.equal(*by_config)
+
+
+def test_reproduce_cifar10_long_distillation_section_reads_every_seed_and_partition(tmp_path):
+    """The longer-distillation section reads one results file per seed and partition (computed
+    only when missing), on the run config it names, and tables them with their mean ± sd."""
+    import argparse
+    import json
+
+    from fedbasin.simulations import reproduce
+
+    assert "distill-steps=3000" in reproduce.ONESHOT_CIFAR10_LONG
+    section = tmp_path / "oneshot-cifar10-long"
+    section.mkdir()
+    for seed in reproduce.ONESHOT_SEEDS:
+        for partition, label in (("iid", "iid"), ("dirichlet", "dirichlet(0.5)")):
+            row = {"partitioner": label, "best_client": 0.30 + seed / 100, "fedavg": 0.1, "aligned_orthogonal": 0.2,
+                   "aligned_distilled": f"{0.36 + seed / 100:.4f}", "fedavg_distilled": "0.3500",
+                   "ensemble_probabilities": 0.37, "aligned_distilled_summary": {"seconds": 290.4}}
+            (section / f"seed{seed}_{partition}.json").write_text(json.dumps({"rows": [row]}))
+    lines = reproduce.section_oneshot_cifar10_long(argparse.Namespace(cifar="unused", rerun=False),
+                                                   section).splitlines()
+    assert lines[2] == "| iid | 0 | 0.3000 | 0.1000 | 0.2000 | 0.3600 | 0.3500 | 0.3700 | 290 |"
+    assert lines[7] == "| dirichlet(0.5) | 2 | 0.3200 | 0.1000 | 0.2000 | 0.3800 | 0.3500 | 0.3700 | 290 |"
+    assert lines[-1] == ("| dirichlet(0.5) | 0.310 ± 0.010 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.370 ± 0.010 "
+                         "| 0.350 ± 0.000 | 0.370 ± 0.000 |")

@@ -263,10 +263,11 @@ def test_one_shot_comparison_smoke(tmp_path, capsys):
     for key in ("best_client", "fedavg", "aligned_permutation", "aligned_orthogonal", "ensemble"):
         assert all(0.0 <= r[key] <= 1.0 for r in rows)
     iid = rows[0]  # two independently initialised clients: averaging ruins them, aligning less so
-    # (seed 0 measured: FedAvg 0.28, permutation 0.40, orthogonal 0.42, best client 0.69, ensemble 0.84;
-    # the 0.67 / 0.69 recorded here before came from merging a client already overwritten by FedAvg)
-    assert iid["aligned_orthogonal"] > iid["fedavg"] + 0.1
-    assert iid["aligned_permutation"] > iid["fedavg"] + 0.1
+    # (seed 0 measured: FedAvg 0.34, permutation 0.46, orthogonal 0.46, best client 0.79, ensemble 0.84;
+    # with the scalar ATen kernels, ATEN_CPU_CAPABILITY=default, the float32 clients differ: FedAvg
+    # 0.37, aligned 0.49 / 0.49; seeds 1-3: aligned ahead of FedAvg by 0.17-0.27)
+    assert iid["aligned_orthogonal"] > iid["fedavg"] + 0.05
+    assert iid["aligned_permutation"] > iid["fedavg"] + 0.05
     assert iid["ensemble"] > iid["best_client"] > iid["aligned_orthogonal"]
     assert iid["best_client"] >= max(r["fedavg"] for r in rows)
     assert "| aligned (orth) |" in capsys.readouterr().out

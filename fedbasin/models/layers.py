@@ -122,7 +122,10 @@ class Block(nn.Module):
 
 
 def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Seeded GPT-2-style init: weights ~ N(0, std²), biases 0, norm gains 1."""
+    """Seeded GPT-2-style init: weights ~ N(0, std²), biases 0, norm gains 1. The normal draws
+    are made in float64 and rounded to the parameter's dtype: float32 draws go through vectorised
+    transcendental kernels whose last bits depend on the CPU (AVX2 vs AVX-512 vs scalar), so the
+    same seed would give slightly different models on different machines."""
     generator = torch.Generator().manual_seed(seed)
     norms = {id(m) for m in model.modules() if isinstance(m, (nn.LayerNorm, RMSNorm))}
     with torch.no_grad():
@@ -133,4 +136,4 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 elif name == "bias":
                     p.zero_()
                 else:
-                    p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * std)
+                    p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64) * std)

@@ -25,7 +25,7 @@ from fedbasin.data import load_task
 from fedbasin.simulations import barriers
 
 SECTIONS = ("barriers", "barrier-seeds", "many", "many4", "width", "oneshot", "oneshot-seeds", "oneshot-cifar10",
-            "oneshot-cifar10-seeds")
+            "oneshot-cifar10-seeds", "oneshot-cifar10-long")
 ONESHOT_CIFAR10 = "max-train-examples=12000 proxy-size=500 local-epochs=10"  # the clients; the server's options:
 ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config), every one on the same cached clients
     ("kl", "KL, 500 steps", "distill-steps=500"),
@@ -35,6 +35,9 @@ ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config
 )
 ONESHOT_CIFAR10_SEEDS_DISTILL = ONESHOT_CIFAR10_VARIANTS[-1][2]  # the setting repeated over seeds
 ONESHOT_CIFAR10_PROBABILITY_SEEDS = (0, 1, 2)  # runs with distill-teacher=probabilities, both partitions
+# the seeds' setting distilled six times longer with the probability teacher (500 steps stop short: merging §8)
+ONESHOT_CIFAR10_LONG = ("distill-steps=3000 distill-label-weight=0.2 distill-augment=crop-flip "
+                        "distill-teacher=probabilities")
 ONESHOT_PROXY = "proxy-size=300 refine-steps=200 distill-steps=500"  # the server's proxy levers, §4
 ONESHOT_SEEDS = (0, 1, 2)
 SEED_PAIRS = ((0, 1), (2, 3), (4, 5))
@@ -259,10 +262,38 @@ def section_oneshot_cifar10_seeds(args, out: Path) -> str:
             + seed_table(probability, probability_keys))
 
 
+def section_oneshot_cifar10_long(args, out: Path) -> str:
+    """The CIFAR-10 one-shot rows of :data:`ONESHOT_CIFAR10_LONG` over seeds 0-2 and both
+    partitions (one run per seed and partition; the clients cache is the oneshot-cifar10 section's,
+    so the clients are those of the oneshot-cifar10-seeds rows on the same machine): per-seed
+    accuracies and mean ± sd."""
+    from fedbasin.simulations import oneshot
+
+    clients = out.parent / "oneshot-cifar10" / "clients"
+    rows = []
+    for seed in ONESHOT_SEEDS:
+        for partition in ("iid", "dirichlet"):
+            path = out / f"seed{seed}_{partition}.json"
+            argv = ["--data", f"cifar10:{args.cifar}", "--partitioners", partition, "--out", str(path),
+                    "--clients-cache", str(clients), "--run-config",
+                    f"{ONESHOT_CIFAR10} {ONESHOT_CIFAR10_LONG} seed={seed}"]
+            rows += [{**r, "seed": seed} for r in _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]]
+    keys = ("best_client", "fedavg", "aligned_orthogonal", "aligned_distilled", "fedavg_distilled",
+            "ensemble_probabilities")
+    lines = ["| partition | seed | best client | FedAvg | aligned (orth) | aligned + distilled | FedAvg + distilled "
+             "| probability ensemble | distill s (aligned, wall) |", "|" + "---|" * 9]
+    for r in sorted(rows, key=lambda r: (r["partitioner"] != "iid", r["seed"])):
+        lines.append(f"| {r['partitioner']} | {r['seed']} | " + " | ".join(f"{float(r[k]):.4f}" for k in keys)
+                     + f" | {r['aligned_distilled_summary']['seconds']:.0f} |")
+    return ("\n".join(lines) + "\n\nMean ± sd over seeds " + ", ".join(map(str, ONESHOT_SEEDS)) + ":\n\n"
+            + seed_table(rows, keys))
+
+
 RUNNERS = {"barriers": section_barriers, "barrier-seeds": section_barrier_seeds, "many": section_many,
            "many4": section_many4, "width": section_width, "oneshot": section_oneshot,
            "oneshot-seeds": section_oneshot_seeds, "oneshot-cifar10": section_oneshot_cifar10,
-           "oneshot-cifar10-seeds": section_oneshot_cifar10_seeds}
+           "oneshot-cifar10-seeds": section_oneshot_cifar10_seeds,
+           "oneshot-cifar10-long": section_oneshot_cifar10_long}
 
 
 def main(argv=None) -> dict:
@@ -275,7 +306,8 @@ def main(argv=None) -> dict:
                         "oneshot-cifar10 (per row ~3 min CPU: 4 clients, merges, 500 distillation steps; each "
                         "further variant 1.5-5 min CPU; 10-30 min wall per variant at load 12), oneshot-cifar10-seeds (on the "
                         "oneshot-cifar10 section's clients: seeds 1-2 train their clients, ~2 min CPU per seed and "
-                        "partition; then 7 distillation runs, 1.3-2.5 min CPU each)")
+                        "partition; then 7 distillation runs, 1.3-2.5 min CPU each), oneshot-cifar10-long (its own clients per "
+                        "seed and partition, ~3 min CPU each, then two 3000-step distillations, ~5 min CPU each)")
     parser.add_argument("--tasks", default="digits", help="barriers section: tasks (digits, cifar10, shakespeare)")
     parser.add_argument("--cifar", default="../shared/data/cifar10", help="CIFAR-10 parquet directory")
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt", help="Tiny Shakespeare file")
