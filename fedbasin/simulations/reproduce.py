@@ -280,8 +280,8 @@ def section_oneshot_cifar10_long(args, out: Path) -> str:
             rows += [{**r, "seed": seed} for r in _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]]
     keys = ("best_client", "fedavg", "aligned_orthogonal", "aligned_distilled", "fedavg_distilled",
             "ensemble_probabilities")
-    lines = ["| partition | seed | best client | FedAvg | aligned (orth) | aligned + distilled | FedAvg + distilled "
-             "| probability ensemble | distill s (aligned, wall) |", "|" + "---|" * 9]
+    lines = [("| partition | seed | best client | FedAvg | aligned (orth) | aligned + distilled | FedAvg + distilled "
+              "| probability ensemble | distill s (aligned, wall) |"), "|" + "---|" * 9]
     for r in sorted(rows, key=lambda r: (r["partitioner"] != "iid", r["seed"])):
         lines.append(f"| {r['partitioner']} | {r['seed']} | " + " | ".join(f"{float(r[k]):.4f}" for k in keys)
                      + f" | {r['aligned_distilled_summary']['seconds']:.0f} |")
