@@ -214,6 +214,25 @@ def section_oneshot_cifar10(args, out: Path) -> str:
     return "\n".join(lines)
 
 
+def cifar10_oneshot_rows(args, cifar10: Path, path: Path, run_config: str,
+                         partitions: str = "iid,dirichlet") -> list[dict]:
+    """The rows of one CIFAR-10 one-shot run with the settings of :data:`ONESHOT_CIFAR10` and
+    ``run_config``, on the clients cache of the oneshot-cifar10 section (``cifar10``: its
+    directory), computed only when ``path`` is missing (or ``--rerun``)."""
+    from fedbasin.simulations import oneshot
+
+    argv = ["--data", f"cifar10:{args.cifar}", "--partitioners", partitions, "--out", str(path),
+            "--clients-cache", str(cifar10 / "clients"), "--run-config", f"{ONESHOT_CIFAR10} {run_config}"]
+    return _cached(path, args.rerun, lambda: oneshot.main(argv))["rows"]
+
+
+def per_seed_lines(rows: list[dict], keys: tuple[str, ...], extra=lambda row: []) -> list[str]:
+    """One table line per run, IID first, then by seed: the accuracies in ``keys``, then the cells
+    ``extra(row)``."""
+    return [f"| {r['partitioner']} | {r['seed']} | " + " | ".join([f"{float(r[k]):.4f}" for k in keys] + extra(r))
+            + " |" for r in sorted(rows, key=lambda r: (r["partitioner"] != "iid", r["seed"]))]
+
+
 def section_oneshot_cifar10_seeds(args, out: Path) -> str:
     """The CIFAR-10 one-shot rows of :data:`ONESHOT_CIFAR10_SEEDS_DISTILL` over seeds 0-2 (seed 0:
     the oneshot-cifar10 section's run of that setting; seeds 1 and 2: one run per seed and
@@ -225,9 +244,7 @@ def section_oneshot_cifar10_seeds(args, out: Path) -> str:
     cifar10 = out.parent / "oneshot-cifar10"
 
     def run(path: Path, run_config: str, partitions: str = "iid,dirichlet") -> list[dict]:
-        argv = ["--data", f"cifar10:{args.cifar}", "--partitioners", partitions, "--out", str(path),
-                "--clients-cache", str(cifar10 / "clients"), "--run-config", f"{ONESHOT_CIFAR10} {run_config}"]
-        return _cached(path, args.rerun, lambda: oneshot.main(argv))["rows"]
+        return cifar10_oneshot_rows(args, cifar10, path, run_config, partitions)
 
     setting = ONESHOT_CIFAR10_SEEDS_DISTILL
     rows = [{**r, "seed": 0} for r in run(cifar10 / f"{ONESHOT_CIFAR10_VARIANTS[-1][0]}.json", setting)]
@@ -243,9 +260,7 @@ def section_oneshot_cifar10_seeds(args, out: Path) -> str:
                                                              partition)]
     keys = ("best_client", "fedavg", "aligned_orthogonal", "aligned_distilled", "fedavg_distilled", "ensemble")
     titles = " | ".join(title for k, title, _ in oneshot.COLUMNS if k in keys)
-    per_seed = [f"| partition | seed | {titles} |", "|" + "---|" * (len(keys) + 2)]
-    for r in sorted(rows, key=lambda r: (r["partitioner"] != "iid", r["seed"])):
-        per_seed.append(f"| {r['partitioner']} | {r['seed']} | " + " | ".join(f"{float(r[k]):.4f}" for k in keys) + " |")
+    per_seed = [f"| partition | seed | {titles} |", "|" + "---|" * (len(keys) + 2)] + per_seed_lines(rows, keys)
     teacher = ["| partition | seed | best client | aligned + distilled (logit teacher) | aligned + distilled "
                "(probability teacher) | FedAvg + distilled (probability teacher) | logit ensemble | probability "
                "ensemble |", "|" + "---|" * 8]
@@ -267,24 +282,17 @@ def section_oneshot_cifar10_long(args, out: Path) -> str:
     partitions (one run per seed and partition; the clients cache is the oneshot-cifar10 section's,
     so the clients are those of the oneshot-cifar10-seeds rows on the same machine): per-seed
     accuracies and mean ± sd."""
-    from fedbasin.simulations import oneshot
-
-    clients = out.parent / "oneshot-cifar10" / "clients"
     rows = []
     for seed in ONESHOT_SEEDS:
         for partition in ("iid", "dirichlet"):
-            path = out / f"seed{seed}_{partition}.json"
-            argv = ["--data", f"cifar10:{args.cifar}", "--partitioners", partition, "--out", str(path),
-                    "--clients-cache", str(clients), "--run-config",
-                    f"{ONESHOT_CIFAR10} {ONESHOT_CIFAR10_LONG} seed={seed}"]
-            rows += [{**r, "seed": seed} for r in _cached(path, args.rerun, lambda argv=argv: oneshot.main(argv))["rows"]]
+            rows += [{**r, "seed": seed} for r in cifar10_oneshot_rows(
+                args, out.parent / "oneshot-cifar10", out / f"seed{seed}_{partition}.json",
+                f"{ONESHOT_CIFAR10_LONG} seed={seed}", partition)]
     keys = ("best_client", "fedavg", "aligned_orthogonal", "aligned_distilled", "fedavg_distilled",
             "ensemble_probabilities")
     lines = [("| partition | seed | best client | FedAvg | aligned (orth) | aligned + distilled | FedAvg + distilled "
               "| probability ensemble | distill s (aligned, wall) |"), "|" + "---|" * 9]
-    for r in sorted(rows, key=lambda r: (r["partitioner"] != "iid", r["seed"])):
-        lines.append(f"| {r['partitioner']} | {r['seed']} | " + " | ".join(f"{float(r[k]):.4f}" for k in keys)
-                     + f" | {r['aligned_distilled_summary']['seconds']:.0f} |")
+    lines += per_seed_lines(rows, keys, lambda r: [f"{r['aligned_distilled_summary']['seconds']:.0f}"])
     return ("\n".join(lines) + "\n\nMean ± sd over seeds " + ", ".join(map(str, ONESHOT_SEEDS)) + ":\n\n"
             + seed_table(rows, keys))
 
