@@ -83,6 +83,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def max_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two state dicts over ``b``'s keys (in float64)."""
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in b)
+
+
 DIGITS_VIT = dict(image_size=8, patch_size=2, channels=1, num_classes=10, dim=16, depth=1, heads=2, mlp_dim=32)
 
 

@@ -12,16 +12,12 @@ import torch
 from fedbasin.alignment import average_states, canonicalize, merge, to_gauge, weight_match
 from fedbasin.alignment.width import embed, merge_heterogeneous
 
-from .helpers import cli_error, DIGITS_VIT, VIT, spec_of, trained_digits_vit, trained_like
+from .helpers import cli_error, DIGITS_VIT, VIT, max_diff, spec_of, trained_digits_vit, trained_like
 
 
 def weighted_mean(states: list[dict], weights: list[float]) -> dict:
     """Σ_k w_k θ_k / Σ_k w_k, written out here (independent of the library's average_states)."""
     return {k: sum(w * s[k].double() for w, s in zip(weights, states)) / sum(weights) for k in states[0]}
-
-
-def max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in b)
 
 
 def test_aligned_merge_is_the_weighted_average_of_the_aligned_models():

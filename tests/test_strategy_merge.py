@@ -19,8 +19,8 @@ from fedbasin.alignment import (
 )
 from fedbasin.strategies import AlignedFedAvg
 
-from .helpers import DIGITS_VIT, VIT, spec_of, trained_digits_vit
-from .test_merge_weights import max_diff, weighted_mean
+from .helpers import DIGITS_VIT, VIT, max_diff, spec_of, trained_digits_vit
+from .test_merge_weights import weighted_mean
 from .test_strategy import NODES, reply, serverapp_identity, strategy_for  # noqa: F401  (autouse fixture)
 
 COUNTS = [10, 30, 60]

@@ -26,7 +26,7 @@ from fedbasin.alignment.width import (
     width_factor,
 )
 
-from .helpers import inputs, rel_err, run, spec_of, trained_like
+from .helpers import inputs, max_diff, rel_err, run, spec_of, trained_like
 
 BASE = {
     "vit": dict(image_size=8, patch_size=4, channels=1, num_classes=5, depth=2),
@@ -53,10 +53,6 @@ def pair_id(p) -> str:
     family, (small, _) = p
     return "-".join([family, small["norm"][:3], small["activation"], small.get("position", ""),
                      "bias" if small["bias"] else "nobias"]).replace("--", "-")
-
-
-def max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
 def setup(p, seed=1):
