@@ -71,15 +71,16 @@ def test_digits_test_split_is_pinned_and_independent_of_the_seed():
         assert not set(seen) & set(test) and len(seen) + len(test) == 1797
 
 
-def write_cifar_like(path: Path, n: int, seed: int) -> None:
-    """A parquet file with the hub's CIFAR-10 features (``img``: Image, ``label``: ClassLabel)."""
+def write_cifar_like(path: Path, n: int, seed: int, by_class: bool = False) -> None:
+    """A parquet file with the hub's CIFAR-10 features (``img``: Image, ``label``: ClassLabel);
+    ``by_class``: rows stored ordered by label (as in the shared copy)."""
     from datasets import ClassLabel, Dataset, Features, Image
 
     rng = np.random.default_rng(seed)
     images = [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8) for _ in range(n)]
     features = Features({"img": Image(), "label": ClassLabel(num_classes=10)})
     Dataset.from_dict(
-        {"img": images, "label": [i % 10 for i in range(n)]}, features=features
+        {"img": images, "label": [i * 10 // n if by_class else i % 10 for i in range(n)]}, features=features
     ).to_parquet(str(path))
 
 
@@ -104,11 +105,25 @@ def test_cifar10_from_local_parquet(tmp_path):
         load_task(f"cifar10:{tmp_path / 'nothing'}")
 
 
+def test_cifar10_test_split_stored_by_class_is_mixed(tmp_path):
+    """Evaluation subsets are test-split prefixes: each must sample every class, with the split's
+    examples unchanged."""
+    write_cifar_like(tmp_path / "train.parquet", 40, 0)
+    write_cifar_like(tmp_path / "test.parquet", 200, 1, by_class=True)
+    test = load_task(f"cifar10:{tmp_path}").test
+    assert (test.targets[:50].bincount(minlength=10) > 0).all()
+    assert test.targets.bincount(minlength=10).tolist() == [20] * 10
+    assert torch.equal(load_task(f"cifar10:{tmp_path}", seed=3).test.inputs, test.inputs)  # fixed order
+
+
 @pytest.mark.skipif(not (SHARED_CIFAR / "test.parquet").is_file(), reason="no local CIFAR-10 copy")
 def test_shared_cifar10_copy_is_shuffled_before_partitioning():
     task = load_task(f"cifar10:{SHARED_CIFAR / 'test.parquet'}", max_train_examples=2000)
     assert len(task.train) == 2000  # rows are stored ordered by class; a slice must still mix them
     assert (task.partition(4, 0).targets.bincount(minlength=10) > 0).all()
+    # the barrier table scores the first 2,000 test images: all ten classes, none below 150
+    test = load_task(f"cifar10:{SHARED_CIFAR}").test
+    assert test.targets[:2000].bincount(minlength=10).min() >= 150
 
 
 def test_text_task_char_level(tmp_path):

@@ -12,7 +12,8 @@ Source strings::
                          model), else character-level tokens
     text:hub:ID          a Hugging Face hub dataset with a ``text`` column (train split)
 
-Test splits are fixed per source: a source's own test split, the text's last 10%, or a random
+Test splits are fixed per source: a source's own test split (CIFAR-10: in an order shuffled with
+:data:`TEST_SPLIT_SEED`, so that a prefix samples every class), the text's last 10%, or a random
 20% drawn with :data:`TEST_SPLIT_SEED` whatever the run's ``seed`` — so models trained with
 different seeds are always scored on examples none of them has seen.
 """
@@ -208,8 +209,12 @@ def _cifar10(path: str, test_fraction: float) -> Task:
         return Split(images, torch.from_numpy(columns["label"]).long(), _normalize_cifar)
 
     train = to_split(splits["train"])
-    test = to_split(splits["test"]) if "test" in splits else None
-    if test is None:
+    if "test" in splits:
+        # copies may store rows ordered by class: a fixed shuffle makes every prefix (an evaluation
+        # subset) a sample of all classes; the split's examples are unchanged
+        test = to_split(splits["test"])
+        test = test.subset(torch.randperm(len(test), generator=torch.Generator().manual_seed(TEST_SPLIT_SEED)))
+    else:
         train, test = train.split(test_fraction, TEST_SPLIT_SEED)
     overrides = {"image_size": 32, "patch_size": 4, "channels": 3, "num_classes": 10}
     return Task("cifar10", "vit", overrides, train, test)
