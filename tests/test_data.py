@@ -79,9 +79,8 @@ def write_cifar_like(path: Path, n: int, seed: int, by_class: bool = False) -> N
     rng = np.random.default_rng(seed)
     images = [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8) for _ in range(n)]
     features = Features({"img": Image(), "label": ClassLabel(num_classes=10)})
-    Dataset.from_dict(
-        {"img": images, "label": [i * 10 // n if by_class else i % 10 for i in range(n)]}, features=features
-    ).to_parquet(str(path))
+    labels = [i * 10 // n if by_class else i % 10 for i in range(n)]
+    Dataset.from_dict({"img": images, "label": labels}, features=features).to_parquet(str(path))
 
 
 def test_cifar10_from_local_parquet(tmp_path):

@@ -77,11 +77,11 @@ REFINE_OLD = dict(steps=200, proxy_examples=512, lr=1e-2, group="orthogonal", mo
 # (CIFAR-10, scored on all ten classes since 2026-11-25: 600 cosine steps at lr 5e-3 on 8,000 proxy examples,
 # selection at the midpoint every 100 steps: 0.027 / 0.025 / 0.022 on refinement seeds 0 / 1 / 2 in 112-114 CPU s;
 # lr 1e-2 gave 0.028 / 0.038 / 0.030, and 2,000 examples 0.062-0.064, the transforms fitting their 1,200
-# training examples; the
-# character GPT: a cosine schedule, the invertible group and λ ~ U(0.2, 0.6), where its curves peak: 0.084 / 0.086
-# on refinement seeds 0 / 1 against 0.100 / 0.089 with U(0.4, 0.6), 106 CPU s)
+# training examples; the character GPT: a cosine schedule, the invertible group and λ ~ U(0.2, 0.6), where its
+# curves peak: 0.084 / 0.086 on refinement seeds 0 / 1 against 0.100 / 0.089 with U(0.4, 0.6), 106 CPU s)
 REFINE_BY_TASK = {"digits": dict(REFINE_DEFAULTS, steps=2000, lr=3e-3),
-                  "cifar10": dict(REFINE_OLD, steps=600, proxy_examples=8000, lr=5e-3, schedule="cosine", eval_every=100),
+                  "cifar10": dict(REFINE_OLD, steps=600, proxy_examples=8000, lr=5e-3, schedule="cosine",
+                                  eval_every=100),
                   "shakespeare": dict(REFINE_OLD, steps=350, proxy_examples=2000, schedule="cosine", eval_every=25,
                                       group="invertible", lambda_range=(0.2, 0.6))}
 
