@@ -62,7 +62,8 @@ def test_chunked_cohort_screening_equals_the_whole_model_statistics(monkeypatch,
 def test_benchmark_measures_one_aggregation(monkeypatch):
     from fedbasin.simulations import bench_server_memory as bench
 
-    monkeypatch.setattr(bench, "SHAPE", {"vocab_size": 50, "block_size": 8, "dim": 16, "depth": 1, "heads": 2, "mlp_dim": 32})
+    monkeypatch.setitem(bench.SHAPES, "small",
+                        {"vocab_size": 50, "block_size": 8, "dim": 16, "depth": 1, "heads": 2, "mlp_dim": 32})
     row = bench.measure(3, iterations=1)
     assert row["clients"] == 3 and row["target"] == 6 and row["params"] > 0
     assert row["peak"] >= row["held"] - 0.5  # the peak is measured over the same baseline

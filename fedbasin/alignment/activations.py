@@ -27,12 +27,13 @@ and down-projections (found through the adapter's ``from_standard`` key translat
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
+
+from fedbasin.models.weights import weightless_copy
 
 from .canonical import canonicalize, to_gauge
 from .group import GroupElement, HeadMap, NeuronMap, apply_group
@@ -176,7 +177,7 @@ def activation_match(
     ref_c = canonicalize(spec, reference, "reference", validate=False)
     cand_c = canonicalize(spec, candidate, "candidate", validate=False)
     device = next(iter(ref_c.state.values())).device
-    frozen = copy.deepcopy(model).to(device).eval()
+    frozen = weightless_copy(model, device).eval()  # the states bring the weights
     recorder = _Recorder(spec, frozen, module_state)
     layernorm = spec.norm_kind == "layernorm"
     stats = _Statistics()

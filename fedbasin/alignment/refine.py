@@ -22,7 +22,6 @@ used for any decision, reports the loss of the start and of the returned alignme
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import time
@@ -32,6 +31,8 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 from torch import nn
+
+from fedbasin.models.weights import weightless_copy
 
 from .canonical import canonicalize, to_gauge
 from .group import (
@@ -474,7 +475,7 @@ def learned_refine(
         check_compatible(spec, reference, c, ("reference", f"candidate {i}"))
     ref_c = canonicalize(spec, reference, "reference", validate=False)
     device = next(iter(ref_c.state.values())).device
-    frozen = copy.deepcopy(model).to(device).eval()  # buffers (e.g. RoPE tables) follow the weights
+    frozen = weightless_copy(model, device).eval()  # the states bring the weights; RoPE tables follow them
     for p in frozen.parameters():
         p.requires_grad_(False)
     members = len(candidates) + int(include_reference)

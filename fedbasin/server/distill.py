@@ -19,7 +19,6 @@ than its start on that split; an optional *evaluation* split is only reported.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +30,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fedbasin.alignment.refine import check_step_options, keep_best_record
+from fedbasin.models.weights import check_fits, weight_groups
+from fedbasin.scratch import ScratchTensors
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -104,14 +105,7 @@ class StateEnsemble(nn.Module):
         _check_combine(combine)
         like = module.state_dict(keep_vars=True)
         for i, state in enumerate(states):
-            missing, unexpected = sorted(set(like) - set(state)), sorted(set(state) - set(like))
-            if missing or unexpected:
-                raise ValueError(f"teacher {i}: its state does not fit the model (missing {missing[:3]}, "
-                                 f"unexpected {unexpected[:3]})")
-            for k, v in state.items():
-                if tuple(v.shape) != tuple(like[k].shape):
-                    raise ValueError(f"teacher {i}: {k} has shape {tuple(v.shape)}, the model's is "
-                                     f"{tuple(like[k].shape)}")
+            check_fits(like, state, f"teacher {i}")
         self.like = {k: (v.dtype, v.device) for k, v in like.items()}
         self.states = states
         self.combine = combine
@@ -148,13 +142,11 @@ def ensemble_of(member_logits, combine: str) -> torch.Tensor:
     return total / count
 
 
-@dataclass
-class TeacherOutputs:
+class TeacherOutputs(ScratchTensors):
     """One teacher's logits on every transfer batch of a distillation run, in order
-    (:func:`cache_teacher_outputs`): a teacher that costs steps × batch × outputs values instead of
-    a model, so its weights can go before the run."""
-
-    logits: list[torch.Tensor]
+    (:func:`cache_teacher_outputs`; ``self[step]``, ``len(self)``): a teacher that costs
+    steps × batch × outputs values of disk (an anonymous scratch file, :mod:`fedbasin.scratch`)
+    instead of a model in memory, so its weights can go before the run."""
 
 
 def transfer_batches(batches: Iterable[Batch], steps: int, augment=None, seed: int = 0):
@@ -169,10 +161,12 @@ def transfer_batches(batches: Iterable[Batch], steps: int, augment=None, seed: i
 
 
 def cache_teacher_outputs(model: nn.Module, teachers: list[dict], batches: Iterable[Batch], steps: int,
-                          augment=None, seed: int = 0, budget_bytes: int | None = None) -> list[TeacherOutputs] | None:
+                          augment=None, seed: int = 0, budget_bytes: int | None = None,
+                          scratch_dir: str | None = None) -> list[TeacherOutputs] | None:
     """Every teacher's logits on the transfer batches that :func:`ensemble_distill` with the same
-    ``batches``, ``steps``, ``augment`` and ``seed`` will draw, or None when they would take more
-    than ``budget_bytes`` (default: half the teachers' weights; then keep the weights). The
+    ``batches``, ``steps``, ``augment`` and ``seed`` will draw, kept on disk in ``scratch_dir``
+    (default: the system's temporary directory), or None when they would take more than
+    ``budget_bytes`` (default: half the teachers' weights; then keep the weights). The
     distillation from them is bitwise the one from the weights."""
     if not teachers or steps <= 0:
         return None
@@ -180,14 +174,14 @@ def cache_teacher_outputs(model: nn.Module, teachers: list[dict], batches: Itera
     device = next(iter(model.parameters())).device
     if budget_bytes is None:
         budget_bytes = sum(v.numel() * v.element_size() for t in teachers for v in t.values()) // 2
-    outputs: list[list[torch.Tensor]] = [[] for _ in teachers]
+    outputs = [TeacherOutputs(scratch_dir) for _ in teachers]
     with torch.no_grad():
         for step, (x, _) in enumerate(transfer_batches(batches, steps, augment, seed)):
             for out, member in zip(ensemble.members(x.to(device)), outputs):  # members first: it runs to its end
+                if step == 0 and out.numel() * out.element_size() * steps * len(teachers) > budget_bytes:
+                    return None
                 member.append(out)
-            if step == 0 and out.numel() * out.element_size() * steps * len(teachers) > budget_bytes:
-                return None
-    return [TeacherOutputs(logits) for logits in outputs]
+    return outputs
 
 
 def _logits_of(out) -> torch.Tensor:
@@ -200,11 +194,21 @@ def _logits(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``T² · KL(softmax(teacher/T) ‖ softmax(student/T))``, mean over every predicted position."""
-    s = student.reshape(-1, student.shape[-1]) / temperature
-    t = teacher.reshape(-1, teacher.shape[-1]) / temperature
-    kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean")
-    return kl * temperature**2
+    """``T² · KL(softmax(teacher/T) ‖ softmax(student/T))``, mean over every predicted position,
+    as ``T² · (Σ p_t log p_t − Σ p_t log p_s) / N``: the teacher's side without gradient and no
+    output-sized temporary beyond the teacher's probabilities and the student's log-probabilities
+    (a language model's logits are large: server memory)."""
+    s = student.reshape(-1, student.shape[-1])
+    t = teacher.detach().reshape(-1, teacher.shape[-1])
+    if temperature != 1:
+        s, t = s / temperature, t / temperature
+    with torch.no_grad():
+        log_p_t = F.log_softmax(t, -1)
+        p_t = log_p_t.exp()
+        teacher_term = torch.dot(p_t.reshape(-1), log_p_t.reshape(-1))
+        del log_p_t, t
+    cross = torch.dot(p_t.reshape(-1), F.log_softmax(s, -1).reshape(-1))
+    return (teacher_term - cross) * (temperature**2 / s.shape[0])
 
 
 def random_crop_flip(pad: int = 4, flip: bool = True) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
@@ -228,6 +232,36 @@ def random_crop_flip(pad: int = 4, flip: bool = True) -> Callable[[torch.Tensor,
     return augment
 
 
+ADAM_SLICE = 1 << 22  # elements per Adam update (a multiple of every SIMD width): 16 MiB of float32
+
+
+def _sliced_adam(parameter: torch.Tensor, lr: float) -> tuple[torch.optim.Adam, list[torch.Tensor]]:
+    """An Adam over ``parameter`` cut into slices of :data:`ADAM_SLICE` elements (views of its
+    storage; the parameter itself when it is smaller or not contiguous), and the slices."""
+    if parameter.numel() <= ADAM_SLICE or not parameter.is_contiguous():
+        slices = [parameter]
+    else:
+        flat = parameter.detach().view(-1)
+        slices = [flat[i:i + ADAM_SLICE] for i in range(0, flat.numel(), ADAM_SLICE)]
+    return torch.optim.Adam(slices, lr=lr), slices
+
+
+def trainable_state(model: nn.Module, state: dict, in_place: bool) -> tuple[dict, list[str]]:
+    """``state`` as the tensors that :func:`torch.func.functional_call` trains in ``model``'s place:
+    in the module's dtypes and device, the state's own storage when ``in_place`` and they already
+    are (else copies), trainable where the module's parameter is, tied where the module's tensors
+    are (one tensor for every key of a tied parameter). Returns it and its distinct keys."""
+    check_fits(model.state_dict(keep_vars=True), state, "student")
+    live: dict[str, torch.Tensor] = {}
+    own_keys = []
+    for keys, v in weight_groups(model):
+        tensor = state[keys[0]].detach().to(v.device, v.dtype, copy=not in_place)
+        tensor.requires_grad_(isinstance(v, nn.Parameter) and v.requires_grad)
+        own_keys.append(keys[0])
+        live.update(dict.fromkeys(keys, tensor))
+    return live, own_keys
+
+
 def ensemble_distill(
     model: nn.Module,
     student: dict,
@@ -245,15 +279,24 @@ def ensemble_distill(
     augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
     seed: int = 0,
     teacher: str = "logits",
+    in_place: bool = False,
+    scratch_dir: str | None = None,
 ) -> DistillResult:
     """Distil the mean-logit ensemble of ``teachers`` into ``student`` (see the module doc).
 
-    model: any module of the architecture (copied; its own weights are not used or changed);
+    model: any module of the architecture (evaluated with the student's tensors through
+    ``torch.func.functional_call``; its own weights are not used or changed);
     teachers: their states, or their :class:`TeacherOutputs` cached by :func:`cache_teacher_outputs`
     for this run; batches: an endless (or long enough) iterable of proxy ``(inputs, targets)``
     training batches (targets used only when ``label_weight > 0``); selection / evaluation: lists of
     batches disjoint from them; ``seed`` seeds ``augment``'s random views; ``teacher``: how the
     ensemble combines the teachers (:class:`LogitEnsemble`'s ``combine``).
+
+    Memory: the student is trained on a copy, or with ``in_place`` on its own tensors (when they
+    are in the model's dtypes and device; the caller's ``student`` then holds the result). The
+    best state seen when it is not the live one (θ₀ too, when ``in_place``) is kept on disk in
+    ``scratch_dir`` (:mod:`fedbasin.scratch`), not in memory; Adam steps each parameter inside the
+    backward pass, so one gradient is alive at a time.
     """
     if not teachers:
         raise ValueError("ensemble distillation needs at least one teacher")
@@ -267,81 +310,104 @@ def ensemble_distill(
     cached = all(isinstance(t, TeacherOutputs) for t in teachers)
     if not cached and any(isinstance(t, TeacherOutputs) for t in teachers):
         raise ValueError("teachers must be all states or all cached outputs, not a mix")
-    if cached and any(len(t.logits) != steps for t in teachers):
-        raise ValueError(f"cached teacher outputs cover {sorted({len(t.logits) for t in teachers})} steps, "
+    if cached and any(len(t) != steps for t in teachers):
+        raise ValueError(f"cached teacher outputs cover {sorted({len(t) for t in teachers})} steps, "
                          f"the run takes {steps}")
     _check_combine(teacher)
     # the teachers are evaluated from their own tensors (no K module copies: server memory)
     ensemble = None if cached else StateEnsemble(model, teachers, combine=teacher)
-    net = copy.deepcopy(model)
-    net.load_state_dict(student)
+    live, own_keys = trainable_state(model, student, in_place)
+    training = model.training
+
+    def student_logits(x: torch.Tensor) -> torch.Tensor:
+        return _logits_of(torch.func.functional_call(model, live, (x,)))
 
     @torch.no_grad()
     def split_loss(split: list[Batch]) -> float:
-        net.eval()
-        total = sum(float(loss_fn(_logits(net, x.to(device)), y.to(device))) * len(y) for x, y in split)
+        model.eval()
+        total = sum(float(loss_fn(student_logits(x.to(device)), y.to(device))) * len(y) for x, y in split)
         return total / sum(len(y) for _, y in split)
 
-    def keep_best(first: bool) -> None:
-        """The student's state into ``result.state`` (CPU): a new copy the first time (the start
-        is the caller's own tensors), in place after that (one copy of the best state at a time)."""
-        if first:
-            result.state = {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
-        else:
-            for k, v in net.state_dict().items():
-                result.state[k].copy_(v.detach())
+    best_copy = ScratchTensors(scratch_dir)  # the best state seen, while the live one moves on
+
+    def keep_best() -> None:
+        best_copy.clear()
+        for key in own_keys:
+            best_copy.append(live[key])
 
     best = initial = split_loss(selection)
-    # θ₀ as the student's own tensors (in the model's dtypes, on the CPU: no copy when they are)
-    start = {k: student[k].detach().to("cpu", v.dtype) for k, v in net.state_dict().items()}
-    result = DistillResult(start, [(0, initial)], initial_loss=initial)
-    del start
+    result = DistillResult({}, [(0, initial)], initial_loss=initial)
     if evaluation is not None:
         result.evaluation_initial_loss = split_loss(evaluation)
+    if in_place:
+        keep_best()  # θ₀ exists nowhere else
     # Adam per parameter, stepped as soon as that parameter's gradient is complete (inside the
     # backward pass, the gradient freed at once): one Adam's updates over all parameters, with
-    # one parameter's gradient alive at a time instead of all of them (server memory)
-    optimisers = {p: torch.optim.Adam([p], lr=lr) for p in net.parameters() if p.requires_grad}
+    # one parameter's gradient alive at a time instead of all of them, and each parameter stepped
+    # in slices of ADAM_SLICE elements, so that Adam's temporaries are a slice's, not a large
+    # embedding's (server memory; element-wise, so bitwise the same updates)
+    optimisers = {id(live[k]): _sliced_adam(live[k], lr) for k in own_keys if live[k].requires_grad}
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 0.5 * (1 + math.cos(math.pi * t / max(steps, 1))))
-                 for o in optimisers.values()]
+                 for o, _ in optimisers.values()]
 
     def step_now(parameter: torch.Tensor) -> None:
-        optimisers[parameter].step()
+        optimiser, slices = optimisers[id(parameter)]
+        gradient = parameter.grad.reshape(-1) if len(slices) > 1 else parameter.grad
+        for i, piece in enumerate(slices):
+            piece.grad = gradient[i * ADAM_SLICE:(i + 1) * ADAM_SLICE] if len(slices) > 1 else gradient
+        optimiser.step()
+        for piece in slices:
+            piece.grad = None
         parameter.grad = None
 
-    hooks = [p.register_post_accumulate_grad_hook(step_now) for p in optimisers]
+    hooks = [live[k].register_post_accumulate_grad_hook(step_now) for k in own_keys if live[k].requires_grad]
     transfer = transfer_batches(batches, steps, augment, seed)
-    with tqdm(total=steps, desc="ensemble distillation", unit="step", disable=not progress, leave=False) as bar:
-        for step, (x, y) in enumerate(transfer, start=1):
-            x = x.to(device)
-            with torch.no_grad():
-                target = (ensemble_of((t.logits[step - 1].to(device) for t in teachers), teacher) if cached
-                          else ensemble(x))
-            net.train()
-            logits = _logits(net, x)
-            loss = (1 - label_weight) * distillation_loss(logits, target, temperature)
-            if label_weight > 0:
-                loss = loss + label_weight * loss_fn(logits, y.to(device))
-            loss.backward()  # every parameter's Adam step runs in here (step_now)
-            for schedule in schedules:
-                schedule.step()
-            bar.update(1)
-            if step % eval_every == 0 or step == steps:
-                value = split_loss(selection)
-                result.history.append((step, value))
-                if value < best:
-                    keep_best(first=result.best_step == 0)
-                    best, result.best_step = value, step
-                if progress:
-                    bar.set_postfix(loss=f"{loss.item():.4f}", best=f"{best:.4f}")
-    for hook in hooks:
-        hook.remove()
+    try:
+        with tqdm(total=steps, desc="ensemble distillation", unit="step", disable=not progress, leave=False) as bar:
+            for step, (x, y) in enumerate(transfer, start=1):
+                x = x.to(device)
+                model.train()
+                logits = student_logits(x)
+                with torch.no_grad():  # the teachers after the student: one logit tensor fewer in its forward
+                    target = (ensemble_of((t[step - 1].to(device) for t in teachers), teacher) if cached
+                              else ensemble(x))
+                loss = (1 - label_weight) * distillation_loss(logits, target, temperature)
+                if label_weight > 0:
+                    loss = loss + label_weight * loss_fn(logits, y.to(device))
+                loss.backward()  # every parameter's Adam step runs in here (step_now)
+                del logits, loss, target
+                for schedule in schedules:
+                    schedule.step()
+                bar.update(1)
+                if step % eval_every == 0 or step == steps:
+                    value = split_loss(selection)
+                    result.history.append((step, value))
+                    if value < best:
+                        best, result.best_step = value, step
+                        if step < steps:  # at the last step the live state is the best one
+                            keep_best()
+                    if progress:
+                        bar.set_postfix(best=f"{best:.4f}")
+    finally:
+        for hook in hooks:
+            hook.remove()
+        optimisers.clear()  # Adam's moments go before the best state comes back
+        schedules.clear()
+        model.train(training)
     result.best_loss = best
-    if evaluation is not None:
-        if result.improved:
-            net.load_state_dict(result.state)
-            result.evaluation_loss = split_loss(evaluation)
-        else:
-            result.evaluation_loss = result.evaluation_initial_loss
+    if result.improved or in_place:
+        if result.best_step != steps:  # the live state moved past the best one: bring it back
+            with torch.no_grad():
+                for i, key in enumerate(own_keys):
+                    live[key].copy_(best_copy[i])
+        state = live
+        if evaluation is not None:
+            result.evaluation_loss = split_loss(evaluation) if result.improved else result.evaluation_initial_loss
+    else:
+        state = student  # θ₀: the caller's own tensors, untouched
+        result.evaluation_loss = result.evaluation_initial_loss
+    best_copy.close()
+    # (in the model's dtypes, on the CPU: no copy when they are)
+    result.state = {k: state[k].detach().to("cpu", v.dtype) for k, v in model.state_dict().items()}
     result.seconds = time.perf_counter() - started
     return result

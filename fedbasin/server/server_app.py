@@ -38,7 +38,13 @@ from fedbasin.config import (
     resolve_run_config,
     task_from_config,
 )
-from fedbasin.server.distill import TeacherOutputs, cache_teacher_outputs, ensemble_distill, random_crop_flip
+from fedbasin.models.weights import check_fits, holding_weights, release_weights
+from fedbasin.server.distill import (
+    TeacherOutputs,
+    cache_teacher_outputs,
+    ensemble_distill,
+    random_crop_flip,
+)
 from fedbasin.server.outputs import RunOutputs
 from fedbasin.strategies import AlignedFedAvg
 from fedbasin.training import resolve_device
@@ -91,28 +97,34 @@ def make_refiner(spec, model, task, config: dict, to_module_state=None):
     )
 
 
-def make_distiller(model, task, config: dict, adapter=None):
+def make_distiller(model, task, config: dict, adapter=None, in_place: bool = False):
     """``distill(merged, clients)``: ensemble distillation of the clients' mean logits into the
     merged model on the proxy split (the same training / selection / evaluation parts as
     :func:`make_refiner`; keep-best on the selection split). States come and go in the spec's
     standard layout; ``adapter`` (default: the model's, :func:`~fedbasin.config.model_adapter`)
-    translates them to the model's own keys and back."""
+    translates them to the model's own keys and back. With ``in_place`` the merged state is the
+    student, trained in place (no copy of the model: the ServerApp's strategy discards it for the
+    result); otherwise it is left as it was. ``model``
+    may have released its weights (:func:`~fedbasin.models.weights.release_weights`): each call
+    lends it the states it runs, on the run config's device."""
     if task.proxy is None:
         raise ValueError(f"run-config distill-steps={config['distill-steps']} needs proxy data: "
                          f"{task.name} has no proxy split (set proxy-size >= 10)")
     adapter = adapter or model_adapter(task, model)[1]
     augment = distill_augment(task, config)
+    device = resolve_device(config["device"])
 
     def distill(merged: dict, clients: list):
         data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
         teachers = [c if isinstance(c, TeacherOutputs) else adapter.from_standard(c) for c in clients]
-        result = ensemble_distill(model, adapter.from_standard(merged), teachers, task.loss_fn,
-                                  data.batches, data.selection, data.evaluation,
-                                  steps=config["distill-steps"], lr=config["distill-lr"],
-                                  temperature=config["distill-temperature"],
-                                  label_weight=config["distill-label-weight"], augment=augment,
-                                  teacher=config["distill-teacher"],
-                                  seed=config["seed"])
+        with holding_weights(model, adapter.from_standard(merged), device) as student:
+            result = ensemble_distill(model, student, teachers, task.loss_fn,
+                                      data.batches, data.selection, data.evaluation,
+                                      steps=config["distill-steps"], lr=config["distill-lr"],
+                                      temperature=config["distill-temperature"],
+                                      label_weight=config["distill-label-weight"], augment=augment,
+                                      teacher=config["distill-teacher"],
+                                      seed=config["seed"], in_place=in_place)
         result.state = adapter.to_standard(result.state)
         return result
 
@@ -120,8 +132,10 @@ def make_distiller(model, task, config: dict, adapter=None):
         """The clients' outputs on the transfer batches ``distill`` will draw, so that their
         weights can go during the merge; None when that cache would exceed half their weights."""
         data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
-        return cache_teacher_outputs(model, [adapter.from_standard(c) for c in clients], data.batches,
-                                     config["distill-steps"], augment=augment, seed=config["seed"])
+        teachers = [adapter.from_standard(c) for c in clients]
+        with holding_weights(model, teachers[0], device):
+            return cache_teacher_outputs(model, teachers, data.batches, config["distill-steps"], augment=augment,
+                                         seed=config["seed"])
 
     distill.prepare = prepare
     return distill
@@ -178,7 +192,7 @@ def run_server(grid: Grid, config: dict) -> dict:
         outputs = RunOutputs(config["out-dir"], family, model.config, config,
                              extra_files=causal_lm.save_tokenizer(task))
         spec = adapter.spec
-        distill = ({"distill": make_distiller(model, task, config, adapter)}
+        distill = ({"distill": make_distiller(model, task, config, adapter, in_place=True)}
                    if config["distill-steps"] > 0 else {})
         strategy = AlignedFedAvg(
             spec,
@@ -203,21 +217,26 @@ def run_server(grid: Grid, config: dict) -> dict:
     num_rounds = config["num-server-rounds"]
     device = resolve_device(config["device"])
     first_round = 1
+    initial_state = model.state_dict()
     if resumed is not None:
         last, state = resumed
+        check_fits(initial_state, state, f"checkpoint of round {last}")
         for server_round in outputs.unrecorded_rounds(last):
             try:
-                model.load_state_dict(load_checkpoint(outputs.checkpoint_dir(server_round)).state)
+                saved = load_checkpoint(outputs.checkpoint_dir(server_round)).state
+                check_fits(model.state_dict(), saved, f"checkpoint of round {server_round}")
             except (OSError, ValueError, RuntimeError) as error:
                 log(WARNING, "resume: round %d has no record and its checkpoint does not load "
                     "(%s); it stays without one", server_round, error)
                 continue
-            test = task.evaluate(model, "test", device, eval_batch)
+            with holding_weights(model, saved, device):
+                test = task.evaluate(model, "test", device, eval_batch)
+            del saved
             outputs.record(server_round, None, {"test_loss": test["loss"],
                                                 "test_accuracy": test["accuracy"], "rebuilt": True})
             log(INFO, "resume: round %d had no record; rebuilt its test metrics from %s",
                 server_round, outputs.checkpoint_dir(server_round))
-        model.load_state_dict(state)
+        initial_state, state = state, None
         first_round = last + 1
         log(INFO, "resuming after round %d from %s", last, outputs.checkpoint_dir(last))
         if last >= num_rounds:
@@ -225,7 +244,11 @@ def run_server(grid: Grid, config: dict) -> dict:
             return outputs.results
     elif removed:
         log(INFO, "fresh run (overwrite=true): removed %s from %s", removed, outputs.dir)
-
+    initial_arrays = ArrayRecord(adapter.to_standard(initial_state))
+    del initial_state
+    # the module keeps the architecture; every state run through it lends its own tensors
+    # (holding_weights): the server holds no model copy of its own between rounds
+    release_weights(model)
     exchanges = time_exchanges(grid)
     round_started = time.perf_counter()
 
@@ -234,8 +257,10 @@ def run_server(grid: Grid, config: dict) -> dict:
         nonlocal round_started
         seconds, round_started = time.perf_counter() - round_started, time.perf_counter()
         eval_started = time.perf_counter()
-        model.load_state_dict(adapter.from_standard(arrays.to_torch_state_dict()))
-        test = task.evaluate(model, "test", device, eval_batch)
+        with holding_weights(model, adapter.from_standard(arrays.to_torch_state_dict()), device) as held:
+            test = task.evaluate(model, "test", device, eval_batch)
+            state = {k: v.detach() for k, v in held.items()}
+        del held
         metrics = {"test_loss": test["loss"], "test_accuracy": test["accuracy"]}
         timing = {f"{kind}_exchange_seconds": s for kind, s in exchanges.items()}
         timing["server_eval_seconds"] = time.perf_counter() - eval_started
@@ -248,7 +273,7 @@ def run_server(grid: Grid, config: dict) -> dict:
             for key, name in (("excluded", "excluded"), ("capped", "capped"), ("failed", "failure")):
                 if screening.get(key):
                     extra[name] = screening[key]
-            outputs.record(server_round, model.state_dict(), {**metrics, **extra})
+            outputs.record(server_round, state, {**metrics, **extra})
             log(
                 INFO,
                 "round %d: test accuracy %.4f, test loss %.4f",
@@ -258,16 +283,17 @@ def run_server(grid: Grid, config: dict) -> dict:
             )
         return MetricRecord(metrics)
 
-    strategy.start(
+    result = strategy.start(
         grid,
-        initial_arrays=ArrayRecord(adapter.to_standard(model.state_dict())),
+        initial_arrays=initial_arrays,
         num_rounds=num_rounds,
         train_config=ConfigRecord(config),
         evaluate_config=ConfigRecord(config),
         evaluate_fn=evaluate,
         first_round=first_round,
     )
-    check_final_model(outputs, model.state_dict())  # evaluate() loaded the final global model
+    del initial_arrays
+    check_final_model(outputs, adapter.from_standard(result.arrays.to_torch_state_dict()))
     return outputs.results
 
 

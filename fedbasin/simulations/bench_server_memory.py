@@ -2,9 +2,12 @@
 
     python -m fedbasin.simulations.bench_server_memory [--clients 2 4 8] [--iterations 2]
         [--universe P] [--aggregator mean|trimmed-mean|median] [--distill-steps N [--distill-weights]] [--trace]
+        [--shape small|gpt2-small]
 
 Model: a fedbasin GPT, GPT-2-like in shape but smaller (width 384, 6 layers, 6 heads, MLP 1536,
-vocabulary 8192, 256 positions, untied, float32: 17.0 M parameters, S = 65 MiB). Each K runs
+vocabulary 8192, 256 positions, untied, float32: 17.0 M parameters, S = 65 MiB), or with
+``--shape gpt2-small`` GPT-2-small's shape (width 768, 12 layers, 12 heads, MLP 3072, vocabulary
+50257, 1024 positions, untied: 163 M parameters, S = 622 MiB). Each K runs
 in a fresh process: it builds the broadcast ``ArrayRecord`` (the initialisation, seed 0, plus
 Gaussian noise of std 0.01, seed 0, so that its norm gains are not 1, as after training) and K
 reply messages (the broadcast weights plus independent Gaussian noise, std 0.01, seed k;
@@ -27,7 +30,7 @@ cold process is ``peak + warmup_mib / S``. ``--universe``, ``--aggregator`` and 
 set the strategy's ``universe_iterations``, ``aggregator`` and ``distill`` (:func:`_distiller`: teachers
 cached as outputs before the merge, as the ServerApp's, or with ``--distill-weights`` kept as weights);
 ``--trace`` also prints the RSS at entry, peak and exit of every alignment, canonicalisation,
-screening, aggregation and distillation call (:class:`PhaseTrace`). Prints one JSON line per K
+screening, aggregation, teacher-output caching (``prepare``) and distillation call (:class:`PhaseTrace`). Prints one JSON line per K
 and a Markdown table. The children fix glibc's mmap threshold at 64 KiB first, as the
 ServerApp does (``fedbasin.heap``: freed model-sized blocks go back to the kernel at once);
 ``--dynamic-mmap`` measures glibc's default.
@@ -47,7 +50,9 @@ import time
 
 from fedbasin import heap
 
-SHAPE = {"vocab_size": 8192, "block_size": 256, "dim": 384, "depth": 6, "heads": 6, "mlp_dim": 1536}
+SHAPES = {"small": {"vocab_size": 8192, "block_size": 256, "dim": 384, "depth": 6, "heads": 6, "mlp_dim": 1536},
+          "gpt2-small": {"vocab_size": 50257, "block_size": 1024, "dim": 768, "depth": 12, "heads": 12,
+                         "mlp_dim": 3072}}
 
 
 def _status(field: str) -> int:
@@ -115,48 +120,63 @@ class PhaseTrace:
         setattr(module, name, self.wrap(label or name, getattr(module, name)))
 
 
-def _warm_up() -> None:
-    """Align and average two tiny models once: loads the linear-algebra libraries' buffers and
-    code pages that any server holds after its first round (not part of a round's cost)."""
+def _warm_up(shape: dict, distill: bool = False) -> None:
+    """Align and average two tiny models once (with ``distill``, also distil one into the other
+    for two steps): loads the linear-algebra libraries' buffers and code pages (and torch.optim's
+    and autograd's, about 70 MiB) that any such server holds after its first round (not part
+    of a round's cost)."""
     import torch
 
     from fedbasin.alignment import fedbasin_adapter, merge
     from fedbasin.models import build_model
+    from fedbasin.server.distill import ensemble_distill
 
     tiny = {"vocab_size": 64, "block_size": 8, "dim": 32, "depth": 2, "heads": 2, "mlp_dim": 1536}
     models = [build_model("gpt", tiny, seed=seed) for seed in (0, 1)]
     states = [{k: v.detach() for k, v in m.state_dict().items()} for m in models]
     merge(fedbasin_adapter("gpt", models[0].config).spec, states, iterations=1)
-    torch.linalg.svd(torch.randn(SHAPE["dim"], SHAPE["dim"], dtype=torch.float64))
+    torch.linalg.svd(torch.randn(shape["dim"], shape["dim"], dtype=torch.float64))
+    if distill:
+        tokens = torch.randint(0, tiny["vocab_size"], (2, 2, tiny["block_size"] + 1),
+                               generator=torch.Generator().manual_seed(0))
+        batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+        ensemble_distill(models[0], states[0], states[1:], _token_loss, iter(batches), batches, steps=2,
+                         eval_every=1)
 
 
-def _distiller(spec, steps: int, cache: bool = True):
+def _token_loss(logits, targets):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _distiller(shape: dict, steps: int, cache: bool = True):
     """``distill(merged, clients)`` as the ServerApp builds it (:func:`ensemble_distill`), on
     random-token proxy batches (4 × 64 tokens or the context length, seed 0; two training batches, one selection
-    batch). The architecture module it copies is built once, as the ServerApp does (one more model
-    held before the call)."""
+    batch). As in the ServerApp, the architecture module has released its weights
+    (:func:`~fedbasin.models.weights.release_weights`) and holds the states it runs for the call
+    only; the merge is the student, trained in place."""
     import itertools
 
     import torch
-    import torch.nn.functional as F
 
     from fedbasin.models import build_model
+    from fedbasin.models.weights import holding_weights, release_weights
     from fedbasin.server.distill import cache_teacher_outputs, ensemble_distill
 
-    model = build_model("gpt", SHAPE, seed=0)
+    model = release_weights(build_model("gpt", shape, seed=0))
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, SHAPE["vocab_size"], (3, 4, min(64, SHAPE["block_size"]) + 1), generator=g)
+    tokens = torch.randint(0, shape["vocab_size"], (3, 4, min(64, shape["block_size"]) + 1), generator=g)
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
 
-    def loss_fn(logits, targets):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
     def distill(merged: dict, clients: list):
-        return ensemble_distill(model, merged, clients, loss_fn, itertools.cycle(batches[:2]), batches[2:],
-                                steps=steps, eval_every=steps)
+        with holding_weights(model, merged) as student:
+            return ensemble_distill(model, student, clients, _token_loss, itertools.cycle(batches[:2]), batches[2:],
+                                    steps=steps, eval_every=steps, in_place=True)
 
     def prepare(clients: list[dict]):  # as the ServerApp's: the clients' outputs, their weights go in the merge
-        return cache_teacher_outputs(model, clients, itertools.cycle(batches[:2]), steps)
+        with holding_weights(model, clients[0]):
+            return cache_teacher_outputs(model, clients, itertools.cycle(batches[:2]), steps)
 
     if cache:
         distill.prepare = prepare
@@ -165,7 +185,7 @@ def _distiller(spec, steps: int, cache: bool = True):
 
 def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: bool = True,
             universe: int = 1, aggregator: str = "mean", trace: bool = False, distill_steps: int = 0,
-            distill_weights: bool = False) -> dict:
+            distill_weights: bool = False, shape: str = "small") -> dict:
     """One ``aggregate_train`` with ``clients`` replies, in this process (see the module docstring);
     ``fixed_mmap``: glibc's mmap threshold fixed first, as the ServerApp does (``heap.fix_mmap_threshold``)."""
     fixed_mmap = fixed_mmap and heap.fix_mmap_threshold()
@@ -179,12 +199,12 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
 
     _release()
     cold = _status("VmRSS")
-    _warm_up()
+    _warm_up(SHAPES[shape], distill=distill_steps > 0)
     _release()
     baseline = _status("VmRSS")
     for name, value in (("_run_id", 1), ("_task_id", 1), ("_node_id", 0)):
         setattr(TaskIdentity, name, value)  # what a ServerApp process sets before sending
-    model = build_model("gpt", SHAPE, seed=0)
+    model = build_model("gpt", SHAPES[shape], seed=0)
     spec = fedbasin_adapter("gpt", model.config).spec
     g = torch.Generator().manual_seed(0)
     state = {k: v.detach() + 0.01 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
@@ -206,7 +226,7 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
         def get_node_ids(self):
             return nodes
 
-    distill = _distiller(spec, distill_steps, cache=not distill_weights) if distill_steps else None
+    distill = _distiller(SHAPES[shape], distill_steps, cache=not distill_weights) if distill_steps else None
     strategy = AlignedFedAvg(spec, iterations=iterations, min_train_nodes=clients,
                              min_available_nodes=clients, universe_iterations=universe, aggregator=aggregator,
                              distill=distill)
@@ -230,6 +250,8 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
             phases.patch(aligned_fedavg, name)
         if strategy.distill is not None:
             strategy.distill = phases.wrap("distill", strategy.distill)
+            if hasattr(strategy.distill, "prepare"):
+                strategy.distill.prepare = phases.wrap("prepare", strategy.distill.prepare)
     started, cpu_started = time.perf_counter(), time.process_time()
     merged, metrics = strategy.aggregate_train(1, replies)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
@@ -268,20 +290,24 @@ def main(argv=None) -> int:
                         help="distil from the clients' weights kept through the merge (no cached outputs)")
     parser.add_argument("--trace", action="store_true",
                         help="also print the peak RSS of every phase (alignment, screening, aggregation)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                        help="the model: 'small' (17.0 M parameters, the default) or 'gpt2-small' (GPT-2-small's "
+                        "shape untied, 163 M)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
         print(json.dumps(measure(args.child, args.iterations, consume=not args.keep_replies,
                                  fixed_mmap=not args.dynamic_mmap, universe=args.universe,
                                  aggregator=args.aggregator, trace=args.trace,
-                                 distill_steps=args.distill_steps, distill_weights=args.distill_weights)))
+                                 distill_steps=args.distill_steps, distill_weights=args.distill_weights,
+                                 shape=args.shape)))
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     rows = []
     for k in args.clients:
         done = subprocess.run([sys.executable, "-m", "fedbasin.simulations.bench_server_memory",
                                "--child", str(k), "--iterations", str(args.iterations),
-                               "--universe", str(args.universe), "--aggregator", args.aggregator,
+                               "--universe", str(args.universe), "--aggregator", args.aggregator, "--shape", args.shape,
                                *(["--trace"] if args.trace else []), "--distill-steps", str(args.distill_steps),
                                *(["--keep-replies"] if args.keep_replies else []),
                                *(["--distill-weights"] if args.distill_weights else []),
