@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
@@ -374,3 +376,28 @@ def test_distillation_in_place_without_improvement_gives_back_the_start_bitwise(
     assert result.best_step == 0
     for k, v in start.items():
         assert torch.equal(student[k], v) and torch.equal(result.state[k], v), k
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_broadcast_waits_on_disk_during_distillation_and_comes_back_intact(serverapp_identity, fails):
+    """While the strategy distils, the round's broadcast ``ArrayRecord`` (which Flower's loop keeps
+    through the round) is empty, its bytes in a scratch file; afterwards it holds the same arrays
+    in the same order, also when the distillation raises (the round then fails and keeps it)."""
+    _, model, spec, states, options = digits_round()
+    broadcast = ArrayRecord(states[0])
+    before = [(k, a.dtype, a.shape, a.stype, a.data) for k, a in broadcast.items()]
+    seen = []
+
+    def distill(merged, clients):
+        seen.append(len(broadcast))
+        if fails:
+            raise RuntimeError("distillation broke")
+        return types.SimpleNamespace(state=merged, initial_loss=1.0, best_loss=1.0, best_step=0)
+
+    strategy = AlignedFedAvg(spec, distill=distill, **options)
+    list(strategy.configure_train(1, broadcast, ConfigRecord(), StubGrid(NODES)))
+    replies = [reply(n, ArrayRecord(s), num_examples=100) for n, s in zip(NODES, states)]
+    merged, _ = strategy.aggregate_train(1, replies)
+    assert seen == [0]
+    assert [(k, a.dtype, a.shape, a.stype, a.data) for k, a in broadcast.items()] == before
+    assert (merged is None) == fails

@@ -28,6 +28,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from fedbasin.alignment import SymmetrySpec, average_states, canonicalize, merge, refined_merge
+from fedbasin.scratch import arrays_on_disk
 from fedbasin.strategies.robust import (
     AGGREGATORS,
     aggregate,
@@ -384,7 +385,10 @@ class AlignedFedAvg(FedAvg):
         if self.distill is None:
             return merged, metrics
         excluded = self._cohort_excluded(server_round)
-        result = self.distill(merged, [state for node, state in teachers if node not in excluded])
+        # the broadcast model (Flower's loop holds it for this round) waits on disk while the
+        # student trains, and comes back whatever happens (server memory: one model fewer)
+        with arrays_on_disk(previous):
+            result = self.distill(merged, [state for node, state in teachers if node not in excluded])
         log(INFO, "round %d: ensemble distillation, selection proxy loss %.4f -> %.4f (step %d)",
             server_round, result.initial_loss, result.best_loss, result.best_step)
         return result.state, {**metrics, "distill_selection_loss_start": result.initial_loss,
