@@ -4,7 +4,8 @@ The file is created in ``directory`` (default: the system's temporary directory,
 unlinked at once: it has no name, nothing is left behind when the process ends or is killed, and
 its space is freed when the :class:`ScratchTensors` is. Tensors are stored as their raw bytes
 (any dtype, bitwise) and read back one at a time into fresh CPU memory (plain reads, no mapping:
-the page cache holds the bytes, not the process).
+the page cache holds the bytes, not the process); :func:`arrays_on_disk` does the same for a
+Flower ``ArrayRecord``'s raw bytes.
 """
 
 from __future__ import annotations

@@ -85,7 +85,6 @@ def holding_weights(module: nn.Module, state: dict, device=None) -> Iterator[dic
     module holds its previous tensors again (its non-persistent buffers stay on ``device``)."""
     groups = weight_groups(module)
     check_fits(module.state_dict(keep_vars=True), state, "state")
-    previous = [(keys, value) for keys, value in groups]
     if device is not None:
         _non_persistent_buffers_to(module, device)
     held = {}
@@ -99,6 +98,6 @@ def holding_weights(module: nn.Module, state: dict, device=None) -> Iterator[dic
                 held[key] = tensor
         yield held
     finally:
-        for keys, value in previous:
+        for keys, value in groups:  # the module's own tensors, as they were
             for key in keys:
                 _put(module, key, value)
