@@ -352,9 +352,10 @@ def ensemble_distill(
 
     def step_now(parameter: torch.Tensor) -> None:
         optimiser, slices = optimisers[id(parameter)]
-        gradient = parameter.grad.reshape(-1) if len(slices) > 1 else parameter.grad
-        for i, piece in enumerate(slices):
-            piece.grad = gradient[i * ADAM_SLICE:(i + 1) * ADAM_SLICE] if len(slices) > 1 else gradient
+        if slices[0] is not parameter:  # the gradient, cut as the parameter was
+            gradient = parameter.grad.reshape(-1)
+            for i, piece in enumerate(slices):
+                piece.grad = gradient[i * ADAM_SLICE:(i + 1) * ADAM_SLICE]
         optimiser.step()
         for piece in slices:
             piece.grad = None
