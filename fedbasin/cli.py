@@ -121,6 +121,21 @@ def _weights(text: str) -> list[float]:
     return values
 
 
+def _device_option(p) -> None:
+    p.add_argument("--device", default="auto", help="where the work runs: auto (CUDA when available) | cpu | "
+                   "cuda | cuda:N (assignment problems are solved on the CPU)")
+
+
+def _device(args) -> torch.device:
+    """``--device`` resolved (one-line error when it is not usable here)."""
+    from fedbasin.training import resolve_device
+
+    try:
+        return resolve_device(args.device)
+    except ValueError as exc:
+        raise UsageError(f"--{exc}") from None
+
+
 def _matching_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("weight matching")
     g.add_argument("--symmetry", choices=["orthogonal", "permutation"], default="orthogonal",
@@ -247,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint directory")
     _matching_options(p)
     _refine_options(p)
+    _device_option(p)
     p.add_argument("--stream", action="store_true",
                    help="layer by layer from disk, for checkpoints too large for memory (standard-layout "
                         "safetensors: Llama/Mistral/Qwen2, fedbasin); output written shard by shard")
@@ -268,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-align", action="store_true", help="plain weighted averaging (no alignment)")
     _refine_options(p)
     _matching_options(p)
+    _device_option(p)
     p.set_defaults(func=cmd_merge)
     _record_defaults(p)
 
@@ -288,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--align", action="store_true", help="align B to A first; report vanilla and aligned curves")
     p.add_argument("--plot", metavar="PNG", help="also draw the curves (vanilla, aligned) to this PNG file")
     _matching_options(p)
+    _device_option(p)
     p.set_defaults(func=cmd_barrier)
     _record_defaults(p)
 
@@ -315,8 +333,10 @@ def _load(path: str, role: str):
         raise InputError(f"{role} {path}: {exc}") from None
 
 
-def _standard(checkpoint) -> dict:
-    return checkpoint.adapter.to_standard(checkpoint.state)
+def _standard(checkpoint, device: torch.device | None = None) -> dict:
+    """The checkpoint's state in its spec's standard layout, on ``device`` (default: where it is)."""
+    state = checkpoint.adapter.to_standard(checkpoint.state)
+    return state if device is None else {k: v.to(device) for k, v in state.items()}
 
 
 def _same_architecture(reference, other, role: str, path: str) -> None:
@@ -374,7 +394,7 @@ def check_file_output(out: str, option: str) -> None:
 def _save(out: str, reference, standard_state: dict) -> None:
     from fedbasin.checkpoint import save_checkpoint
 
-    state = reference.adapter.from_standard(standard_state)
+    state = {k: v.cpu() for k, v in reference.adapter.from_standard(standard_state).items()}
     created = _missing_ancestors(Path(out))
     try:
         save_checkpoint(out, reference.family, reference.config, state, kind=reference.kind)
@@ -399,6 +419,7 @@ def cmd_align(args) -> int:
 
     if getattr(args, "stream", False):
         return _stream_align(args)
+    device = _device(args)
     ref, cand = _load(args.reference, "reference"), _load(args.candidate, "candidate")
     _same_architecture(ref, cand, "candidate", args.candidate)
     summary = {"command": "align", "reference": args.reference, "candidate": args.candidate, "out": args.out,
@@ -406,11 +427,11 @@ def cmd_align(args) -> int:
     try:
         if args.refine_data:
             refine, info = _refiner(args, ref, "align")
-            result = refine(_standard(ref), [_standard(cand)])
+            result = refine(_standard(ref, device), [_standard(cand, device)])
             aligned = result.states[0]
             summary["refinement"] = {**info, **result.summary()}
         else:
-            result = weight_match(ref.spec, _standard(ref), _standard(cand), mode=args.symmetry,
+            result = weight_match(ref.spec, _standard(ref, device), _standard(cand, device), mode=args.symmetry,
                                   iterations=args.iterations, tol=args.tol, progress=True,
                                   token_rows=_seen_tokens(args, ref, "align"), head_weight=args.head_weight)
             aligned = result.state
@@ -428,7 +449,7 @@ def _stream_align(args) -> int:
 
     try:
         result = stream_align(args.reference, args.candidate, args.out, mode=args.symmetry,
-                              iterations=args.iterations, tol=args.tol, progress=True)
+                              iterations=args.iterations, tol=args.tol, device=_device(args), progress=True)
     except (FileNotFoundError, KeyError, ValueError) as exc:
         raise InputError(str(exc)) from None
     return _emit({
@@ -441,6 +462,7 @@ def _stream_align(args) -> int:
 def cmd_merge(args) -> int:
     from fedbasin.alignment import merge
 
+    device = _device(args)
     paths = [args.reference, *args.models]
     checkpoints = [_load(p, "reference" if i == 0 else "model") for i, p in enumerate(paths)]
     for path, ckpt in zip(paths[1:], checkpoints[1:]):
@@ -451,7 +473,7 @@ def cmd_merge(args) -> int:
         raise UsageError("--refine-data needs alignment (drop --no-align)")
     summary = {"command": "merge", "models": paths, "weights": args.weights or [1.0] * len(paths), "out": args.out,
                "symmetry": None if args.no_align else args.symmetry}
-    states = [_standard(c) for c in checkpoints]
+    states = [_standard(c, device) for c in checkpoints]
     try:
         if args.refine_data:
             merged, info = _refined_merge(args, checkpoints, states)
@@ -615,6 +637,7 @@ def cmd_barrier(args) -> int:
     from fedbasin.alignment import interpolation_curve, weight_match
     from fedbasin.checkpoint import build_torch_model
 
+    device = _device(args)
     a, b = _load(args.a, "model A"), _load(args.b, "model B")
     _same_architecture(a, b, "model B", args.b)
     task = _task_for(a, args.data, args.tokenizer, args.a, "barrier", "--data")
@@ -625,16 +648,16 @@ def cmd_barrier(args) -> int:
                "examples": len(split), "aligned": bool(args.align)}
 
     def loss_of(state: dict) -> float:
-        return task.evaluate(_Logits(build_torch_model(a, state)), split)["loss"]
+        return task.evaluate(_Logits(build_torch_model(a, state)), split, device=device)["loss"]
 
     try:
         curves = {"vanilla": interpolation_curve(a.state, b.state, loss_of, points=args.points)}
         if args.align:
-            result = weight_match(a.spec, _standard(a), _standard(b), mode=args.symmetry,
+            result = weight_match(a.spec, _standard(a, device), _standard(b, device), mode=args.symmetry,
                                   iterations=args.iterations, tol=args.tol, progress=True,
                                   token_rows=_seen_tokens(args, a, "barrier"), head_weight=args.head_weight)
             summary.update(symmetry=args.symmetry, align_seconds=round(result.seconds, 3))
-            aligned = a.adapter.from_standard(result.state)
+            aligned = a.adapter.from_standard({k: v.cpu() for k, v in result.state.items()})  # A's side
             curves["aligned"] = interpolation_curve(a.state, aligned, loss_of, points=args.points)
     except ValueError as exc:
         raise InputError(str(exc)) from None
@@ -699,7 +722,7 @@ def _add_train_parser(sub) -> None:
     budget.add_argument("--weight-decay", type=_nonnegative_float, default=0.01, help="AdamW weight decay")
     budget.add_argument("--max-train-examples", type=_nonnegative_int, metavar="N",
                         help="train on the first N examples of the (seed-0 shuffled) training split; 0: all")
-    budget.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N")
+    _device_option(budget)
     shape = p.add_argument_group("model shape (default: the data's recipe)")
     shape.add_argument("--dim", type=_positive_int, help="residual width")
     shape.add_argument("--depth", type=_positive_int, help="Transformer blocks")
@@ -727,7 +750,7 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--max-examples", type=_nonnegative_int, default=0, metavar="N", help="score the first N examples only; 0: all")
     p.add_argument("--tokenizer", metavar="DIR", help="text only: the Hugging Face tokenizer the model was trained with")
     p.add_argument("--batch-size", type=_positive_int, default=512, help="examples per forward pass")
-    p.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N")
+    _device_option(p)
     p.set_defaults(func=cmd_eval)
 
 
@@ -807,10 +830,11 @@ def cmd_train(args) -> int:
 
     from fedbasin.atomic import atomic_write
     from fedbasin.checkpoint import save_checkpoint
-    from fedbasin.training import RECIPES, resolve_device, train
+    from fedbasin.training import RECIPES, train
 
     out = Path(args.out)
     _refuse_overwrite(out, args.overwrite)
+    device = _device(args)
     kind = args.data.partition(":")[0]
     recipe = RECIPES.get(kind, RECIPES["digits"])  # an unknown source fails in load_task just below
     max_train = recipe["max_train_examples"] if args.max_train_examples is None else args.max_train_examples
@@ -819,7 +843,6 @@ def cmd_train(args) -> int:
     module, ckpt_kind, family, config = _new_model(args, task, recipe)
     epochs, lr, batch_size = (recipe[k] if getattr(args, k) is None else getattr(args, k)
                               for k in ("epochs", "lr", "batch_size"))
-    device = resolve_device(args.device)
     print(f"fedbasin train: {args.model or task.family} on {task.name} ({len(task.train)} examples, "
           f"{epochs} epochs, seed {args.seed}, {device})", file=sys.stderr)
     t0 = time.perf_counter()
@@ -852,8 +875,8 @@ def cmd_eval(args) -> int:
     import time
 
     from fedbasin.checkpoint import build_torch_model
-    from fedbasin.training import resolve_device
 
+    device = _device(args)
     ckpt = _load(args.checkpoint, "checkpoint")
     fields = _data_fields(ckpt)
     task = _task_for(ckpt, args.data, args.tokenizer, args.checkpoint, "eval", "--data")
@@ -866,7 +889,7 @@ def cmd_eval(args) -> int:
     if args.max_examples and len(split) > args.max_examples:
         split = split.subset(torch.arange(args.max_examples))
     t0 = time.perf_counter()
-    metrics = task.evaluate(_Logits(build_torch_model(ckpt)), split, device=resolve_device(args.device),
+    metrics = task.evaluate(_Logits(build_torch_model(ckpt)), split, device=device,
                             batch_size=args.batch_size)
     return _emit({"command": "eval", "checkpoint": args.checkpoint, "kind": ckpt.kind, "family": ckpt.family,
                   "data": args.data, "split": args.split, "examples": len(split), **metrics,
@@ -893,6 +916,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; outputs are written atomically, nothing partial was kept", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except torch.OutOfMemoryError as exc:  # a GPU too small for the work: not a bug; nothing was written
+        print(f"{prog}: out of GPU memory ({_one_line(exc)[:160]}); nothing was written; try --device cpu",
+              file=sys.stderr)
+        return EXIT_FAILED
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
             print(f"{prog}: {exc.filename or 'output'}: {exc.strerror}", file=sys.stderr)

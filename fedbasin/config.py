@@ -18,6 +18,7 @@ from torch import nn
 from fedbasin.alignment.adapters import Adapter, fedbasin_adapter
 from fedbasin.data import Task, load_task
 from fedbasin.models import FAMILIES, build_model
+from fedbasin.training import device_name_problem
 
 DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     # rounds and reproducibility
@@ -176,6 +177,8 @@ def _value_problems(config: dict) -> list[str]:
     if config["refine-steps"] > 0 and not config["alignment"]:
         problems.append(f"run-config refine-steps={config['refine-steps']} refines the alignment: "
                         "it needs alignment=true")
+    if problem := device_name_problem(config["device"]):
+        problems.append(f"run-config {problem}")
     if config["resume"] and config["overwrite"]:
         problems.append("run-config resume=true and overwrite=true contradict each other")
     return problems

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
-
 
 #: Model shape and training budget per data source kind: the defaults of ``fedbasin train`` and
 #: what the barrier benchmark trains (docs/benchmarks.md). ``max_train_examples`` 0: all.
@@ -23,10 +23,29 @@ RECIPES: dict[str, dict] = {
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """``auto``: CUDA when available, else CPU; otherwise ``torch.device(name)``."""
+    """``auto``: CUDA when available, else CPU; otherwise ``cpu``, ``cuda`` or ``cuda:N``, which
+    must exist here (a ValueError in one line otherwise)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    problem = device_name_problem(name)
+    if problem:
+        raise ValueError(problem)
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {name!r}: no CUDA GPU is visible here (torch.cuda.is_available() is "
+                             "False); use auto or cpu")
+        if (device.index or 0) >= count:
+            raise ValueError(f"device {name!r}: only {count} CUDA GPU(s) here (cuda:0 to cuda:{count - 1})")
+    return device
+
+
+def device_name_problem(name) -> str:
+    """Why ``name`` is not one of auto, cpu, cuda, cuda:N ("" when it is)."""
+    if isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        return ""
+    return f"device {name!r}: expected auto, cpu, cuda or cuda:N"
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,7 @@ def _unit_similarity(m, ref: dict, cand: dict, residual: torch.Tensor) -> torch.
         f = torch.cat(parts, 1)
         return f / f.norm(dim=1, keepdim=True).clamp_min(1e-300)
 
-    eye = torch.eye(residual.shape[0], dtype=torch.float64)
+    eye = torch.eye(residual.shape[0], dtype=torch.float64, device=residual.device)
     return features(ref, eye) @ features(cand, residual.double()).T
 
 

@@ -204,6 +204,16 @@ def per_layer(step, layers: list, device: torch.device) -> list:
 POLAR_BY_EIGH_FROM = 256  # square matrices from this size get their polar factor from eigh
 
 
+def _decomposed_where(m: torch.Tensor) -> torch.device:
+    """Where the SVD of ``m`` runs: a batch of small matrices on a GPU goes to the CPU. cuSOLVER
+    decomposes such a batch (GPT-2 small: 144 head pairs of 64×64, float64) one matrix at a time:
+    on an H200 the head step's ``svdvals`` took 20.2 of the 30.1 s of a GPT-2-small alignment
+    (docs/scale.md, "On a GPU"). Unlike the CPU path's decompositions (:func:`one_thread`) these
+    keep every thread: switching the thread count around each call made that alignment slower
+    (7.1 → 10.1 s)."""
+    return torch.device("cpu") if m.device.type != "cpu" and m.dim() > 2 else m.device
+
+
 def procrustes(m: torch.Tensor, value: bool = False):
     """Orthogonal O maximising ``tr(Oᵀ M)``: ``O = U Vᵀ`` for ``M = U Σ Vᵀ`` (batched, float64);
     with ``value`` also the maximum ``‖M‖_* = Σ σ``. A single large M (the residual map) goes
@@ -213,9 +223,9 @@ def procrustes(m: torch.Tensor, value: bool = False):
         if o is not None:
             return o.to(m.dtype)
     with one_thread(m.device):
-        u, sv, vh = torch.linalg.svd(m.double())
-    o = (u @ vh).to(m.dtype)
-    return (o, sv.sum(-1).to(m.dtype)) if value else o
+        u, sv, vh = torch.linalg.svd(m.double().to(_decomposed_where(m)))
+    o = (u @ vh).to(m.device, m.dtype)
+    return (o, sv.sum(-1).to(m.device, m.dtype)) if value else o
 
 
 def _polar_by_eigh(m: torch.Tensor) -> torch.Tensor | None:
@@ -262,7 +272,7 @@ def residual_procrustes(c: torch.Tensor, fix_ones: bool) -> torch.Tensor:
 def nuclear_norms(m: torch.Tensor) -> torch.Tensor:
     """``‖M‖_*`` (sum of singular values) of every matrix in the batch, computed in float64."""
     with one_thread(m.device):
-        return torch.linalg.svdvals(m.double()).sum(-1).to(m.dtype)
+        return torch.linalg.svdvals(m.double().to(_decomposed_where(m))).sum(-1).to(m.device, m.dtype)
 
 
 def plane_procrustes(m: torch.Tensor, layout: str, rotary_dims: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -676,6 +686,8 @@ def weight_match(
     cpu_clock = [cpu_t0]
 
     def timed(phase: str, clock: float) -> float:
+        if device.type == "cuda":  # the phase's kernels count to it, not to the next sync
+            torch.cuda.synchronize(device)
         now = time.perf_counter()
         phases[phase] += now - clock
         cpu[phase] += time.process_time() - cpu_clock[0]

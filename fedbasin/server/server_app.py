@@ -186,6 +186,7 @@ def run_server(grid: Grid, config: dict) -> dict:
     Whatever refuses the run while it is set up raises :class:`~fedbasin.config.RunConfigError`
     (see :func:`refused_as_run_config`) before anything in ``out-dir`` changes."""
     with refused_as_run_config():
+        device = resolve_device(config["device"])
         task = task_from_config(config)
         model = model_from_config(task, config, seed=config["seed"])
         family, adapter = model_adapter(task, model)
@@ -210,12 +211,12 @@ def run_server(grid: Grid, config: dict) -> dict:
             min_available_nodes=config["min-nodes"],
             **robust_options(config),
             **distill,
+            device=device,
         )
         resumed = outputs.resume(config["rebuild-results"]) if config["resume"] else None
         removed = None if config["resume"] else outputs.prepare_fresh(config["overwrite"])
     eval_batch = eval_batch_size(task, model)
     num_rounds = config["num-server-rounds"]
-    device = resolve_device(config["device"])
     first_round = 1
     initial_state = model.state_dict()
     if resumed is not None:

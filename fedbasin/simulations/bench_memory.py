@@ -1,13 +1,13 @@
 """Memory benchmark: streamed alignment of two Llama-shaped checkpoints stored in bfloat16.
 
-    python -m fedbasin.simulations.bench_memory [--dir /tmp/fedbasin-mem] [--iterations 1]
+    python -m fedbasin.simulations.bench_memory [--dir /tmp/fedbasin-mem] [--iterations 1] [--device cpu]
 
 Default shape: TinyLlama-1.1B (22 layers, width 2048, 32 query heads, 4 key/value heads, MLP
 5632, vocabulary 32000; 1.1 B parameters, 2.2 GB per model in bfloat16). Step 1 writes both
 checkpoints with random initialisation (seeds 0 and 1) shard by shard, never holding more than
 one layer in float32. Step 2 runs :func:`fedbasin.checkpoint.stream_align` in a fresh process
 and reports its wall time, CPU time, peak RSS (``getrusage``, the whole process lifetime) and
-the ratio of peak RSS to one model's size on disk, as JSON. Files are removed afterwards
+the ratio of peak RSS to one model's size on disk (on CUDA also the peak GPU memory), as JSON. Files are removed afterwards
 unless ``--keep``.
 """
 
@@ -80,8 +80,12 @@ def _align(args) -> dict:
     size = LazyWeights(cand).nbytes()
     t0, cpu0 = time.perf_counter(), time.process_time()
     result = stream_align(ref, cand, out, iterations=args.iterations, tol=0.0, progress=True,
-                          max_shard_bytes=args.shard_bytes)
+                          max_shard_bytes=args.shard_bytes, device=args.device)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    gpu = {}
+    if torch.device(args.device).type == "cuda":
+        gpu = {"gpu": torch.cuda.get_device_name(args.device),
+               "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated(args.device) / 2**30, 2)}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
         "iterations": result.iterations, "objective": [round(x, 6) for x in result.objective],
@@ -90,6 +94,7 @@ def _align(args) -> dict:
         "model_bytes_on_disk": size, "peak_rss_bytes": peak,
         "peak_rss_gib": round(peak / 2**30, 2), "peak_rss_over_model_size": round(peak / size, 2),
         "load_average_1min_after": round(os.getloadavg()[0], 2), "threads": args.threads,
+        "device": args.device, **gpu,
     }
 
 
@@ -100,6 +105,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shard-bytes", type=int, default=1 << 30)
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    parser.add_argument("--device", default="cpu", help="where the alignment works: cpu | cuda | cuda:N")
     parser.add_argument("--phase", choices=["all", "align"], default="all", help=argparse.SUPPRESS)
     for key, value in TINYLLAMA.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
@@ -117,7 +123,7 @@ def main(argv=None) -> dict:
     make_s = time.perf_counter() - t0
     child = [sys.executable, "-m", "fedbasin.simulations.bench_memory", "--phase", "align", "--dir", str(root),
              "--iterations", str(args.iterations), "--threads", str(args.threads),
-             "--shard-bytes", str(args.shard_bytes)]
+             "--shard-bytes", str(args.shard_bytes), "--device", args.device]
     proc = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     params = sizes[0] // 2

@@ -229,7 +229,7 @@ def main(argv=None) -> dict:
                 profile[name] = round(profile.get(name, 0.0) + cumulative, 2)
     t_io = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        safetensors.torch.save_file({k: v.contiguous() for k, v in result.state.items()}, f"{tmp}/aligned.safetensors")
+        safetensors.torch.save_file({k: v.cpu().contiguous() for k, v in result.state.items()}, f"{tmp}/aligned.safetensors")
         safetensors.torch.load_file(f"{tmp}/aligned.safetensors")
     io_s = time.perf_counter() - t_io
     gain = result.objective[-1] - result.objective[0]

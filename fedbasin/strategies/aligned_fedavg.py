@@ -90,6 +90,10 @@ class AlignedFedAvg(FedAvg):
     aggregator, trim_fraction : str, float
         ``"mean"`` (example-weighted), ``"trimmed-mean"`` (drop the ``⌊f·K⌋`` largest and
         smallest values of every coordinate) or ``"median"`` (coordinate-wise), after alignment.
+    device : str or torch.device, optional
+        Where the round's matching, screening, refinement and merge run: the client models are
+        moved there once decoded, and the global model comes back as CPU arrays. None: where
+        they arrive (the CPU).
     **kwargs
         ``FedAvg`` options (``fraction_train``, ``min_train_nodes``, ...).
 
@@ -133,9 +137,14 @@ class AlignedFedAvg(FedAvg):
         clip_ratio: float = 0.0,
         aggregator: str = "mean",
         trim_fraction: float = 0.25,
+        device: str | torch.device | None = None,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
+        try:
+            self.device = None if device is None else torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be a torch device such as cpu, cuda or cuda:N, got {device!r}") from None
         if mode not in MODES:
             raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
         if spec.tied and alignment:
@@ -338,7 +347,7 @@ class AlignedFedAvg(FedAvg):
             return None, metrics
         arrays = ArrayRecord()
         for key in template:  # each merged tensor goes once it is serialised
-            arrays[key] = Array(merged.pop(key).numpy().astype(template[key].dtype, copy=False))
+            arrays[key] = Array(merged.pop(key).cpu().numpy().astype(template[key].dtype, copy=False))
         return arrays, metrics
 
     def aggregate_evaluate(
@@ -407,6 +416,8 @@ class AlignedFedAvg(FedAvg):
         if not (self.independent_init and server_round == 1):
             models, weights = [_tensor_views(previous), *models], [0.0, *weights]
             owners = [None, *owners]
+        if self.device is not None:  # the round's matching, screening and merge run there
+            models = [{k: v.to(self.device) for k, v in m.items()} for m in models]
         states = models
         combine = self._combiner(server_round, owners, release=self.refine is None)
         if not self.alignment:

@@ -109,21 +109,22 @@ def cohort_outliers(states: list[dict], center: dict | None, threshold: float) -
         return {}
     count = len(states)
     width = max(1, CHUNK // count)
-    median_sq, to_others_sq, update_sq = 0.0, torch.zeros(count, dtype=torch.float64), torch.zeros(
-        count, dtype=torch.float64)
+    device = next(iter(states[0].values())).device
+    median_sq = torch.zeros((), dtype=torch.float64, device=device)  # on the models' device: no sync per chunk
+    to_others_sq, update_sq = (torch.zeros(count, dtype=torch.float64, device=device) for _ in range(2))
     for key in float_keys(states[0]):
         flat = [s[key].detach().reshape(-1) for s in states]
         center_flat = None if center is None else center[key].detach().reshape(-1)
         for start in range(0, flat[0].numel(), width):
             chunk = torch.stack([f[start:start + width].double() for f in flat])  # (K, ≤ width)
-            median_sq += float(_median_rows(chunk).pow(2).sum())
+            median_sq += _median_rows(chunk).pow(2).sum()
             for k in range(count):
                 others = _median_rows(torch.cat([chunk[:k], chunk[k + 1:]]))
-                to_others_sq[k] += float((chunk[k] - others).pow(2).sum())
+                to_others_sq[k] += (chunk[k] - others).pow(2).sum()
             if center is not None:
                 c = center_flat[start:start + width].double()
                 update_sq += (chunk - c).pow(2).sum(dim=1)
-    negligible = NEGLIGIBLE * math.sqrt(median_sq)
+    negligible = NEGLIGIBLE * math.sqrt(float(median_sq))
     checks = [("distance to the others' median", to_others_sq.sqrt().tolist())]
     if center is not None:
         checks.append(("update norm", update_sq.sqrt().tolist()))
