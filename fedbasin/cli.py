@@ -105,6 +105,14 @@ _nonnegative_float = _bounded(_number, 0, False, "a number >= 0")
 _positive_float = _bounded(_number, 0, True, "a number > 0")
 
 
+def _unit_float(text: str) -> float:
+    """An argparse type: a number in [0, 1]."""
+    value = _nonnegative_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
+    return value
+
+
 def _weights(text: str) -> list[float]:
     """Comma-separated finite weights >= 0, not all zero."""
     values = []
@@ -176,6 +184,9 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--refine-schedule", choices=["constant", "cosine"], default="constant",
                    help="learning-rate schedule over the steps")
     g.add_argument("--refine-batch-size", type=_positive_int, default=64, help="proxy examples per step")
+    g.add_argument("--refine-soft-labels", type=_unit_float, default=0.0, metavar="W",
+                   help="train the maps on (1 − W)·labels + W·the models' mean predicted probabilities "
+                   "(computed once on the proxy examples; keep-best still uses the labels); 0: labels only")
     g.add_argument("--refine-vocabulary-samples", type=_nonnegative_int, default=0, metavar="K",
                    help="with --refine-vocabulary proxy|seen: each step the softmax also covers K tokens drawn "
                    "from outside it, their logits raised by log(m/K) (m outside tokens): a sampled estimate of "
@@ -193,7 +204,8 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
 
 MATCHING_OPTIONS = ("symmetry", "iterations", "tol", "seen_tokens", "token_weighting", "head_weight")
 REFINE_OPTIONS = ("refine_steps", "refine_examples", "refine_lr", "refine_permutations", "refine_group",
-                  "refine_lambda", "refine_schedule", "refine_batch_size", "refine_vocabulary_samples",
+                  "refine_lambda", "refine_schedule", "refine_batch_size", "refine_soft_labels",
+                  "refine_vocabulary_samples",
                   "refine_eval_every", "refine_start", "refine_vocabulary")
 STREAM_UNSUPPORTED = ("seen_tokens", "token_weighting", "head_weight", "tokenizer", "refine_data", *REFINE_OPTIONS)
 
@@ -515,6 +527,8 @@ def _refiner(args, ref, command: str):
     lo, hi = args.refine_lambda
     if not 0.0 <= lo <= hi <= 1.0:
         raise UsageError(f"--refine-lambda {lo} {hi}: needs 0 <= LO <= HI <= 1")
+    if args.refine_soft_labels and args.refine_vocabulary != "full":
+        raise UsageError(f"--refine-soft-labels cannot be combined with --refine-vocabulary {args.refine_vocabulary}")
     if args.refine_start == "activations" and args.symmetry == "permutation":
         raise UsageError("--refine-start activations finds an orthogonal residual map: it needs --symmetry orthogonal")
     task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
@@ -529,9 +543,9 @@ def _refiner(args, ref, command: str):
         match_tol=args.tol, universe_iterations=getattr(args, "universe_iterations", 1),
         token_rows=_seen_tokens(args, ref, command), head_weight=args.head_weight, start=args.refine_start,
         eval_every=args.refine_eval_every, vocabulary=_refine_vocabulary(args, task),
-        vocabulary_samples=args.refine_vocabulary_samples,
+        vocabulary_samples=args.refine_vocabulary_samples, soft_labels=args.refine_soft_labels,
         to_module_state=ref.adapter.from_standard, progress=True)
-    info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy)}
+    info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy), "soft_labels": args.refine_soft_labels}
     if task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
     return refine, info

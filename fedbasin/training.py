@@ -49,7 +49,12 @@ def device_name_problem(name) -> str:
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every target: class logits (B, C) or next-token logits (B, T, V)."""
+    """Mean cross-entropy over every target: class logits (B, C) or next-token logits (B, T, V),
+    with class ids (B,) / (B, T), or probabilities of the logits' shape (soft labels:
+    ``−Σ_c t_c log softmax(z)_c``, averaged over the targets)."""
+    if targets.is_floating_point():
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                               targets.reshape(-1, targets.shape[-1]).to(logits.dtype))
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 

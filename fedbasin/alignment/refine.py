@@ -22,14 +22,16 @@ used for any decision, reports the loss of the start and of the returned alignme
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fedbasin.models.weights import weightless_copy
@@ -345,24 +347,46 @@ class ProxyStreams:
     evaluation: list[Batch] | None
 
 
+class TrainingStream:
+    """Endless training batches of ``split`` (a :class:`fedbasin.data.Split`): epoch after epoch,
+    each in a new random order drawn from one generator seeded with ``seed``."""
+
+    def __init__(self, split, batch_size: int, seed: int = 0):
+        self.split, self.batch_size, self.seed = split, batch_size, seed
+        self._batches = self._endless()
+
+    def _endless(self) -> Iterator[Batch]:
+        generator = torch.Generator().manual_seed(self.seed)
+        while True:
+            yield from self.split.batches(self.batch_size, generator=generator)
+
+    def __iter__(self) -> TrainingStream:
+        return self
+
+    def __next__(self) -> Batch:
+        return next(self._batches)
+
+    def relabelled(self, targets: torch.Tensor) -> TrainingStream:
+        """A fresh stream (the batch order of this one's start) of the same inputs with ``targets``."""
+        return TrainingStream(dataclasses.replace(self.split, targets=targets), self.batch_size, self.seed)
+
+
+#: soft labels are refused above this size (the mixed models' probabilities on the training part)
+SOFT_LABEL_BYTES = 1 << 30
+
+
 def proxy_streams(proxy, batch_size: int, seed: int = 0, selection_fraction: float = 0.2,
                   evaluation_fraction: float = 0.2, eval_batch_size: int = 256) -> ProxyStreams:
-    """Split ``proxy`` (anything with ``split(fraction, seed)`` and ``batches(size, generator=)``,
-    e.g. :class:`fedbasin.data.Split`) into training / selection / evaluation parts (evaluation
-    may be 0: then ``evaluation`` is None)."""
+    """Split ``proxy`` (a :class:`fedbasin.data.Split`) into training / selection / evaluation parts
+    (evaluation may be 0: then ``evaluation`` is None); the training part as a
+    :class:`TrainingStream`."""
     rest, selection = proxy.split(selection_fraction, seed=seed)
     evaluation = None
     if evaluation_fraction > 0:
         share = evaluation_fraction / (1.0 - selection_fraction)
         rest, evaluation = rest.split(share, seed=seed + 1)
         evaluation = list(evaluation.batches(eval_batch_size))
-
-    def stream():
-        generator = torch.Generator().manual_seed(seed)
-        while True:
-            yield from rest.batches(batch_size, generator=generator)
-
-    return ProxyStreams(stream(), list(selection.batches(eval_batch_size)), evaluation)
+    return ProxyStreams(TrainingStream(rest, batch_size, seed), list(selection.batches(eval_batch_size)), evaluation)
 
 
 def _as_batches(data) -> list[Batch]:
@@ -407,6 +431,7 @@ def learned_refine(
     start_batches: int = 4,
     vocabulary: torch.Tensor | None = None,
     vocabulary_samples: int = 0,
+    soft_labels: float = 0.0,
 ) -> RefineResult:
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
 
@@ -437,6 +462,11 @@ def learned_refine(
     ``vocabulary_samples`` = k: each step the softmax also covers k tokens drawn from outside the
     vocabulary, their logits raised by ``log(m/k)`` (m outside tokens): a sampled estimate of the
     probability mass the restricted softmax would otherwise drop (:class:`_TrainingVocabulary`).
+    ``soft_labels`` = w > 0: the maps train on ``(1 − w)·one-hot(y) + w·p̄(x)`` instead of the
+    labels, p̄ the mixed models' mean predicted probabilities (their ensemble; each endpoint keeps
+    its function, so p̄ is computed once, on the training part of ``batches``, which must then be
+    a :class:`TrainingStream`; ``loss_fn`` must accept probability targets, as
+    :func:`fedbasin.training.cross_entropy` does). Keep-best and the reported losses use the labels.
     ``include_reference=False`` leaves the reference out of the mixture and the scored centroid
     (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
@@ -463,6 +493,13 @@ def learned_refine(
         raise ValueError("start='activations' aligns each candidate to the reference: universe_iterations must be 1")
     if isinstance(start_batches, bool) or not isinstance(start_batches, int) or start_batches < 1:
         raise ValueError(f"start_batches must be an integer >= 1, got {start_batches!r}")
+    if not (isinstance(soft_labels, (int, float)) and 0.0 <= soft_labels <= 1.0):
+        raise ValueError(f"soft_labels must be a number in [0, 1], got {soft_labels!r}")
+    if soft_labels and not isinstance(batches, TrainingStream):
+        raise ValueError("soft_labels needs the training stream of proxy_streams (a TrainingStream): its "
+                         "examples are labelled once, before training")
+    if soft_labels and vocabulary is not None:
+        raise ValueError("soft_labels cannot be combined with a training vocabulary")
     if dual and not include_reference:
         raise ValueError("dual=True moves the reference along the path: it needs include_reference=True")
     if not candidates:
@@ -520,6 +557,10 @@ def learned_refine(
     def reference_of(ref_start) -> dict:
         return {k: v.detach() for k, v in (ref_start.canonical if ref_start else ref_c.state).items()}
 
+    if soft_labels:
+        mixed = [reference] * include_reference + list(candidates)
+        batches = batches.relabelled(_soft_labels(batches.split, [module_state(s) for s in mixed], frozen,
+                                                  soft_labels, device))
     iterator = iter(batches)
     vocab = None if vocabulary is None else _TrainingVocabulary(spec, ref_c.state, vocabulary, vocabulary_samples,
                                                                   seed + 1)
@@ -607,6 +648,27 @@ def learned_refine(
                                   else centroid_loss(best_ref, result.canonical, evaluation))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _soft_labels(split, states: list[dict], model: nn.Module, weight: float, device) -> torch.Tensor:
+    """``(1 − w)·one-hot(y) + w·p̄(x)`` for every example of ``split``, p̄ the mean softmax of
+    ``model`` run with each of ``states`` (module keys); refused above :data:`SOFT_LABEL_BYTES`."""
+    probabilities = None
+    with torch.no_grad():
+        for state in states:
+            outputs = []
+            for x, _ in split.batches(256):
+                out = torch.func.functional_call(model, state, (x.to(device),))
+                outputs.append((out if isinstance(out, torch.Tensor) else out.logits).float().softmax(-1).cpu())
+                size = split.targets.numel() * outputs[0].shape[-1] * 4
+                if len(outputs) == 1 and size > SOFT_LABEL_BYTES:
+                    raise ValueError(f"soft_labels: the models' probabilities on {len(split)} training examples "
+                                     f"would take {size / 2**30:.1f} GiB (limit {SOFT_LABEL_BYTES / 2**30:.0f} GiB): "
+                                     "use fewer proxy examples or no soft labels")
+            mean = torch.cat(outputs) / len(states)
+            probabilities = mean if probabilities is None else probabilities + mean
+    hard = F.one_hot(split.targets, probabilities.shape[-1]).to(probabilities)
+    return (1.0 - weight) * hard + weight * probabilities
 
 
 class _TrainingVocabulary:

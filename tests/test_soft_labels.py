@@ -1,0 +1,150 @@
+"""Learned refinement on soft labels: the maps train on (1 − w)·labels + w·the mixed models' mean
+predicted probabilities (fedbasin.alignment.refine, ``soft_labels``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedbasin.alignment import fedbasin_adapter, learned_refine, proxy_streams
+from fedbasin.alignment.refine import TrainingStream, _soft_labels
+from fedbasin.config import RunConfigError, resolve_run_config
+from fedbasin.data import load_task
+from fedbasin.models import build_model
+from fedbasin.training import cross_entropy
+from tests.helpers import DIGITS_VIT, cli_error, trained_digits_vit
+
+
+def test_cross_entropy_takes_probability_targets():
+    """One-hot probabilities give the class-id loss; soft targets give −Σ t log softmax(z), for
+    class logits (B, C) and next-token logits (B, T, V) alike."""
+    g = torch.Generator().manual_seed(0)
+    for shape in ((6, 5), (3, 4, 7)):
+        logits = torch.randn(*shape, generator=g, dtype=torch.float64)
+        ids = torch.randint(0, shape[-1], shape[:-1], generator=g)
+        assert float(cross_entropy(logits, F.one_hot(ids, shape[-1]).float())) == pytest.approx(
+            float(cross_entropy(logits, ids)), rel=1e-6)
+        soft = torch.rand(*shape, generator=g).softmax(-1)
+        expected = -(soft.double() * logits.log_softmax(-1)).sum(-1).mean()
+        assert float(cross_entropy(logits, soft)) == pytest.approx(float(expected), rel=1e-6)
+
+
+def digits_pair():
+    model = build_model("vit", DIGITS_VIT)
+    spec = fedbasin_adapter("vit", model.config).spec
+    task = load_task("digits", seed=0, proxy_size=300)
+    return model, spec, task, trained_digits_vit(0), trained_digits_vit(1)
+
+
+def test_soft_labels_are_the_mixed_models_mean_probabilities_on_the_training_part():
+    model, _, task, a, b = digits_pair()
+    data = proxy_streams(task.proxy, 32, seed=0)
+    labels = _soft_labels(data.batches.split, [a, b], model, 0.25, "cpu")
+    expected = 0
+    for state in (a, b):
+        model.load_state_dict(state)
+        with torch.no_grad():
+            expected = expected + model(data.batches.split.inputs).softmax(-1) / 2
+    hard = F.one_hot(data.batches.split.targets, 10).float()
+    torch.testing.assert_close(labels, 0.75 * hard + 0.25 * expected, rtol=1e-5, atol=1e-6)
+    relabelled = data.batches.relabelled(labels)  # a fresh stream: the same batches, new targets
+    fresh = TrainingStream(data.batches.split, 32, seed=0)
+    for _ in range(12):  # past the first epoch (180 training examples)
+        (x, t), (x0, y0) = next(relabelled), next(fresh)
+        assert torch.equal(x, x0) and torch.equal(t.argmax(-1), y0)
+
+
+def refine(soft_labels: float, steps: int = 40):
+    model, spec, task, a, b = digits_pair()
+    data = proxy_streams(task.proxy, 32, seed=0)
+    result = learned_refine(spec, model, a, [b], cross_entropy, data.batches, data.selection, data.evaluation,
+                            steps=steps, lr=1e-2, eval_every=5, soft_labels=soft_labels)
+    return model, b, result
+
+
+def test_refinement_on_soft_labels_keeps_the_function_and_never_raises_the_selection_loss():
+    model, b, soft = refine(0.5)
+    _, _, hard = refine(0.0)
+    assert soft.best_loss <= soft.initial_loss and soft.best_step > 0
+    assert soft.initial_loss == hard.initial_loss  # the same start, scored on the labels
+    assert [loss for _, loss in soft.history] != [loss for _, loss in hard.history]  # the targets changed
+    x = torch.rand(8, 1, 8, 8)
+    with torch.no_grad():
+        model.load_state_dict(b)
+        before = model(x)
+        model.load_state_dict(soft.states[0])
+        after = model(x)
+    assert float((after - before).abs().max() / before.abs().max()) < 1e-5
+
+
+def test_soft_label_refusals(monkeypatch):
+    model, spec, task, a, b = digits_pair()
+    data = proxy_streams(task.proxy, 32, seed=0)
+    args = (spec, model, a, [b], cross_entropy)
+    with pytest.raises(ValueError, match=r"soft_labels must be a number in \[0, 1\], got 1.5"):
+        learned_refine(*args, data.batches, data.selection, steps=2, soft_labels=1.5)
+    with pytest.raises(ValueError, match="soft_labels needs the training stream of proxy_streams"):
+        learned_refine(*args, iter(list(data.selection)), data.selection, steps=2, soft_labels=0.5)
+    with pytest.raises(ValueError, match="soft_labels cannot be combined with a training vocabulary"):
+        learned_refine(*args, data.batches, data.selection, steps=2, soft_labels=0.5, vocabulary=torch.arange(3))
+    monkeypatch.setattr("fedbasin.alignment.refine.SOFT_LABEL_BYTES", 1000)
+    with pytest.raises(ValueError, match=r"the models' probabilities on 180 training examples would take 0.0 GiB"):
+        learned_refine(*args, data.batches, data.selection, steps=2, soft_labels=0.5)
+    with pytest.raises(RunConfigError, match="run-config refine-soft-labels=1.5 must be at most 1.0"):
+        resolve_run_config({"refine-soft-labels": 1.5})
+
+
+def test_cli_soft_labels(tmp_path, capsys, monkeypatch):
+    """``--refine-soft-labels`` reaches the refinement and its summary; it is refused out of
+    [0, 1], without ``--refine-data`` and with a restricted vocabulary."""
+    import json
+
+    import fedbasin.alignment.refine as refine_module
+    from fedbasin.checkpoint import save_checkpoint
+    from fedbasin.cli import main
+
+    seen = []
+    original = refine_module._soft_labels
+    monkeypatch.setattr(refine_module, "_soft_labels", lambda *a: seen.append(a[3]) or original(*a))
+
+    for seed in (0, 1):
+        save_checkpoint(tmp_path / f"m{seed}", "vit", DIGITS_VIT, trained_digits_vit(seed))
+    m0, m1, out = (str(tmp_path / n) for n in ("m0", "m1", "out"))
+    assert main(["merge", m0, m1, "--out", out, "--refine-data", "digits", "--refine-steps", "6",
+                 "--refine-examples", "120", "--refine-soft-labels", "0.5"]) == 0
+    info = json.loads(capsys.readouterr().out)["refinement"]
+    assert info["soft_labels"] == 0.5 and info["selection_loss_best"] <= info["selection_loss_start"]
+    assert seen == [0.5]
+    assert "expected a number in [0, 1], got 2" in cli_error(capsys, ["merge", m0, m1, "--out", out + "2",
+                                                                       "--refine-soft-labels", "2"])
+    assert cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-soft-labels", "0.5"]).endswith(
+        "--refine-soft-labels has no effect without --refine-data")
+    assert cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-data", "digits", "--refine-soft-labels",
+                              "0.5", "--refine-vocabulary", "proxy"]).endswith(
+        "--refine-soft-labels cannot be combined with --refine-vocabulary proxy")
+
+
+def test_the_server_refines_on_soft_labels(monkeypatch):
+    """Run config ``refine-soft-labels``: the ServerApp's refiner labels the round's clients' proxy
+    predictions and the round succeeds; the option reaches ``learned_refine``."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    import fedbasin.alignment.refine as refine_module
+    from fedbasin.server.server_app import make_refiner
+    from fedbasin.strategies import AlignedFedAvg
+    from tests.test_distill import one_shot_round
+
+    for name, value in (("_run_id", 7), ("_task_id", 1), ("_node_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    seen = []
+    original = refine_module._soft_labels
+    monkeypatch.setattr(refine_module, "_soft_labels", lambda *a: seen.append(a[3]) or original(*a))
+    config = resolve_run_config({"proxy-size": 300, "refine-steps": 6, "refine-soft-labels": 0.5, "model.dim": 16,
+                                 "model.depth": 1, "model.heads": 2, "model.mlp-dim": 32})
+    model, spec, task, _, _ = digits_pair()
+    strategy = AlignedFedAvg(spec, refine=make_refiner(spec, model, task, config), independent_init=True,
+                             min_train_nodes=3, min_available_nodes=3)
+    arrays, metrics = one_shot_round(strategy, [trained_digits_vit(seed) for seed in range(3)])
+    assert arrays is not None and metrics["round_failed"] == 0 and "refine_heldout_loss" in metrics
+    assert seen == [0.5]
