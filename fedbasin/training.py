@@ -52,10 +52,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every target: class logits (B, C) or next-token logits (B, T, V),
     with class ids (B,) / (B, T), or probabilities of the logits' shape (soft labels:
     ``−Σ_c t_c log softmax(z)_c``, averaged over the targets)."""
+    flat = logits.reshape(-1, logits.shape[-1])
     if targets.is_floating_point():
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                               targets.reshape(-1, targets.shape[-1]).to(logits.dtype))
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return F.cross_entropy(flat, targets.reshape(flat.shape).to(logits.dtype))
+    return F.cross_entropy(flat, targets.reshape(-1))
 
 
 def train(
