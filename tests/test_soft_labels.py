@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fedbasin.alignment import fedbasin_adapter, learned_refine, proxy_streams
-from fedbasin.alignment.refine import TrainingStream, _soft_labels
+from fedbasin.alignment.refine import TrainingStream, _soft_labels, _Workers
 from fedbasin.config import RunConfigError, resolve_run_config
 from fedbasin.data import load_task
 from fedbasin.models import build_model
@@ -40,7 +40,7 @@ def digits_pair():
 def test_soft_labels_are_the_mixed_models_mean_probabilities_on_the_training_part():
     model, _, task, a, b = digits_pair()
     data = proxy_streams(task.proxy, 32, seed=0)
-    labels = _soft_labels(data.batches.split, [a, b], model, 0.25, "cpu")
+    labels = _soft_labels(data.batches.split, [a, b], _Workers(model, torch.device("cpu"), 2), 0.25, "cpu")
     expected = 0
     for state in (a, b):
         model.load_state_dict(state)
@@ -69,11 +69,16 @@ def test_refinement_on_soft_labels_keeps_the_function_and_never_raises_the_selec
     assert soft.best_loss <= soft.initial_loss and soft.best_step > 0
     assert soft.initial_loss == hard.initial_loss  # the same start, scored on the labels
     assert [loss for _, loss in soft.history] != [loss for _, loss in hard.history]  # the targets changed
+    assert_same_function(model, b, soft.states[0])
+
+
+def assert_same_function(model, state: dict, refined: dict) -> None:
+    """The digits model computes the same outputs with ``refined`` as with ``state`` (float32)."""
     x = torch.rand(8, 1, 8, 8)
     with torch.no_grad():
-        model.load_state_dict(b)
+        model.load_state_dict(state)
         before = model(x)
-        model.load_state_dict(soft.states[0])
+        model.load_state_dict(refined)
         after = model(x)
     assert float((after - before).abs().max() / before.abs().max()) < 1e-5
 

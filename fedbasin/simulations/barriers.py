@@ -71,21 +71,22 @@ REFINE_DEFAULTS = dict(steps=1000, proxy_examples=1438, lr=1e-2, group="invertib
 REFINE_OLD = dict(steps=200, proxy_examples=512, lr=1e-2, group="orthogonal", mode="orthogonal",
                   lambda_range=(0.4, 0.6), schedule="constant", permutations="ste", dual=False,
                   selection_lambdas=(0.5,), batch_size=64, eval_every=10, soft_labels=0.0)
-# per task, the settings that measured best (docs/merging.md §7): on digits the new ones with 2000 steps and lr
-# 3e-3 (three pairs 0.000 / 0.011 / 0.008; lr 1e-2 gave 0.000 / 0.019 / 0.021); on CIFAR-10 and the character
-# GPT λ ~ U(0, 1) and the best start measured worse, the old ones with more steps and proxy data better
-# (CIFAR-10, scored on all ten classes since 2026-11-25: 560 cosine steps at lr 5e-3 on 8,000 proxy examples,
-# half labels and half the two models' mean probabilities as targets, selection at the midpoint every 80 steps:
-# 0.0216 / 0.0223 / 0.0209 on refinement seeds 0 / 1 / 2 in 113-117 CPU s; labels alone, 600 steps: 0.027 / 0.025
-# / 0.022; lr 1e-2 gave 0.028 / 0.038 / 0.030, and 2,000 examples 0.062-0.064, the transforms fitting their 1,200
-# training examples; the character GPT: a cosine schedule, the invertible group and λ ~ U(0.2, 0.6), where its
-# curves peak: 0.084 / 0.086 on refinement seeds 0 / 1 against 0.100 / 0.089 with U(0.4, 0.6), 106 CPU s; with
-# soft labels 0.5, on a pair retrained on an AMD EPYC: 0.0755 / 0.0817 against 0.0856 / 0.0917, 144 CPU s there)
-REFINE_BY_TASK = {"digits": dict(REFINE_DEFAULTS, steps=2000, lr=3e-3),
-                  "cifar10": dict(REFINE_OLD, steps=560, proxy_examples=8000, lr=5e-3, schedule="cosine",
-                                  eval_every=80, soft_labels=0.5),
-                  "shakespeare": dict(REFINE_OLD, steps=350, proxy_examples=2000, schedule="cosine", eval_every=25,
-                                      group="invertible", lambda_range=(0.2, 0.6), soft_labels=0.5)}
+# per task, the settings that measured best (docs/merging.md §7, §9, §10), sized to 2 minutes of wall time on 2 CPU
+# cores; batch_workers 2 (each batch in two slices on two threads) gives the same figures on any thread count.
+# Digits: the new settings with 4,000 steps at lr 3e-3, soft labels (half labels, half the two models' mean
+# probabilities) and selection every 100 steps: 0.000 on the three AMD EPYC pairs in 71-79 s (selection every 20
+# steps: 0.044 on the pair 0, 1; labels alone: 0.036 on the pair 4, 5). CIFAR-10 and the character GPT: the old
+# settings (λ ~ U(0, 1) and the best start measured worse) with a cosine schedule and soft labels; CIFAR-10 960
+# steps at lr 5e-3 on 12,000 proxy examples, the midpoint every 160 steps: 0.017 ± 0.001 over refinement seeds 0-2
+# in 104-109 s (560 steps on 8,000 examples, one thread: 0.022 ± 0.001); the character GPT 480 steps, the
+# invertible group and λ ~ U(0.2, 0.6), where its curves peak: 0.0705 / 0.0732 in 115 s
+REFINE_BY_TASK = {"digits": dict(REFINE_DEFAULTS, steps=4000, lr=3e-3, eval_every=100, soft_labels=0.5,
+                                  batch_workers=2),
+                  "cifar10": dict(REFINE_OLD, steps=960, proxy_examples=12000, lr=5e-3, schedule="cosine",
+                                  eval_every=160, soft_labels=0.5, batch_workers=2),
+                  "shakespeare": dict(REFINE_OLD, steps=480, proxy_examples=2000, schedule="cosine", eval_every=40,
+                                      group="invertible", lambda_range=(0.2, 0.6), soft_labels=0.5,
+                                      batch_workers=2)}
 
 
 def refine_settings(task: str, choice: str = "task", **overrides) -> dict:
