@@ -187,6 +187,9 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--refine-soft-labels", type=_unit_float, default=0.0, metavar="W",
                    help="train the maps on (1 − W)·labels + W·the models' mean predicted probabilities "
                    "(computed once on the proxy examples; keep-best still uses the labels); 0: labels only")
+    g.add_argument("--refine-workers", type=_nonnegative_int, default=0, metavar="N",
+                   help="threads that share each training batch, one slice each, run side by side (0: one per "
+                   "torch CPU thread; 1 on a GPU); a fixed N gives the same result on any thread count")
     g.add_argument("--refine-vocabulary-samples", type=_nonnegative_int, default=0, metavar="K",
                    help="with --refine-vocabulary proxy|seen: each step the softmax also covers K tokens drawn "
                    "from outside it, their logits raised by log(m/K) (m outside tokens): a sampled estimate of "
@@ -205,7 +208,7 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
 MATCHING_OPTIONS = ("symmetry", "iterations", "tol", "seen_tokens", "token_weighting", "head_weight")
 REFINE_OPTIONS = ("refine_steps", "refine_examples", "refine_lr", "refine_permutations", "refine_group",
                   "refine_lambda", "refine_schedule", "refine_batch_size", "refine_soft_labels",
-                  "refine_vocabulary_samples",
+                  "refine_workers", "refine_vocabulary_samples",
                   "refine_eval_every", "refine_start", "refine_vocabulary")
 STREAM_UNSUPPORTED = ("seen_tokens", "token_weighting", "head_weight", "tokenizer", "refine_data", *REFINE_OPTIONS)
 
@@ -544,7 +547,7 @@ def _refiner(args, ref, command: str):
         token_rows=_seen_tokens(args, ref, command), head_weight=args.head_weight, start=args.refine_start,
         eval_every=args.refine_eval_every, vocabulary=_refine_vocabulary(args, task),
         vocabulary_samples=args.refine_vocabulary_samples, soft_labels=args.refine_soft_labels,
-        to_module_state=ref.adapter.from_standard, progress=True)
+        batch_workers=args.refine_workers, to_module_state=ref.adapter.from_standard, progress=True)
     info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy), "soft_labels": args.refine_soft_labels}
     if task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))

@@ -66,6 +66,7 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "refine-lambda": "0.4,0.6",  # LO,HI: two models train at λ ~ U(LO, HI) on their path
     "refine-schedule": "constant",  # constant | cosine (learning rate decays to 0 over refine-steps)
     "refine-soft-labels": 0.0,  # w in [0, 1]: the maps train on (1 - w) labels + w the clients' mean probabilities
+    "refine-workers": 0,  # threads sharing each refinement batch (0: one per torch CPU thread; fixed: same result anywhere)
     "distill-steps": 0,  # >0: distil the clients' logit ensemble into the merge on the proxy split
     "distill-lr": 0.002,
     "distill-temperature": 3.0,
@@ -110,7 +111,8 @@ RANGES = (
     (("seed", "proxy-size", "max-train-examples", "refine-steps", "distill-steps", "max-num-examples",
       "model.dim", "model.depth", "model.heads", "model.mlp-dim", "model.patch-size", "model.kv-heads",
       "weight-decay", "max-examples-ratio", "outlier-threshold", "clip-ratio", "trim-fraction",
-      "lr", "fraction-train", "fraction-evaluate", "distill-label-weight", "refine-soft-labels"), 0, True),
+      "lr", "fraction-train", "fraction-evaluate", "distill-label-weight", "refine-soft-labels", "refine-workers"),
+     0, True),
     (("refine-lr", "distill-lr", "distill-temperature", "dirichlet-alpha", "max-abs-weight"), 0, False),
 )
 UPPER = {"fraction-train": 1.0, "fraction-evaluate": 1.0, "trim-fraction": 0.5, "distill-label-weight": 1.0,

@@ -99,3 +99,36 @@ def test_two_workers_give_the_same_refinement_on_any_thread_count():
         torch.set_num_threads(threads)
     assert one_thread.history == three_threads.history
     assert all(torch.equal(one_thread.states[0][k], three_threads.states[0][k]) for k in one_thread.states[0])
+
+
+def test_cli_refine_workers(tmp_path, capsys):
+    """``--refine-workers`` reaches the refinement (its summary reports the threads); it is refused
+    below 0 and without ``--refine-data``."""
+    import json
+
+    from fedbasin.checkpoint import save_checkpoint
+    from fedbasin.cli import main
+    from tests.helpers import DIGITS_VIT, cli_error, trained_digits_vit
+
+    for seed in (0, 1):
+        save_checkpoint(tmp_path / f"m{seed}", "vit", DIGITS_VIT, trained_digits_vit(seed))
+    m0, m1, out = (str(tmp_path / n) for n in ("m0", "m1", "out"))
+    assert main(["merge", m0, m1, "--out", out, "--refine-data", "digits", "--refine-steps", "4",
+                 "--refine-examples", "120", "--refine-workers", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["refinement"]["batch_workers"] == 3
+    assert "-1" in cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-data", "digits",
+                                      "--refine-workers", "-1"])
+    assert cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-workers", "2"]).endswith(
+        "--refine-workers has no effect without --refine-data")
+
+
+def test_the_server_refiner_passes_refine_workers():
+    from fedbasin.config import RunConfigError, resolve_run_config
+    from fedbasin.server.server_app import make_refiner
+
+    model, spec, task, a, b = digits_pair()
+    config = resolve_run_config({"proxy-size": 300, "refine-steps": 3, "refine-workers": 2})
+    result = make_refiner(spec, model, task, config)(a, [b])
+    assert result.workers == 2 and result.best_loss <= result.initial_loss
+    with pytest.raises(RunConfigError, match="run-config refine-workers=-1 must be at least 0"):
+        resolve_run_config({"refine-workers": -1})
