@@ -87,12 +87,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _bounded(parse, low: float, strict: bool, what: str):
-    """An argparse type: ``parse(text)``, refused unless ``> low`` (strict) or ``>= low``."""
+def _bounded(parse, low: float, strict: bool, what: str, high: float | None = None):
+    """An argparse type: ``parse(text)``, refused unless ``> low`` (strict) or ``>= low``, and
+    ``<= high`` when given."""
 
     def check(text: str):
         value = parse(text)
-        if value < low or (strict and value == low):
+        if value < low or (strict and value == low) or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
         return value
 
@@ -103,14 +104,7 @@ _positive_int = _bounded(_integer, 1, False, "a positive integer")
 _nonnegative_int = _bounded(_integer, 0, False, "an integer >= 0")
 _nonnegative_float = _bounded(_number, 0, False, "a number >= 0")
 _positive_float = _bounded(_number, 0, True, "a number > 0")
-
-
-def _unit_float(text: str) -> float:
-    """An argparse type: a number in [0, 1]."""
-    value = _nonnegative_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
-    return value
+_unit_float = _bounded(_number, 0, False, "a number in [0, 1]", high=1)
 
 
 def _weights(text: str) -> list[float]:

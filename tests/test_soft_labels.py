@@ -40,7 +40,8 @@ def digits_pair():
 def test_soft_labels_are_the_mixed_models_mean_probabilities_on_the_training_part():
     model, _, task, a, b = digits_pair()
     data = proxy_streams(task.proxy, 32, seed=0)
-    labels = _soft_labels(data.batches.split, [a, b], _Workers(model, torch.device("cpu"), 2), 0.25, "cpu")
+    forward = lambda state, x, module: torch.func.functional_call(module, state, (x,))
+    labels = _soft_labels(data.batches.split, [a, b], _Workers(model, torch.device("cpu"), 2), 0.25, "cpu", forward)
     expected = 0
     for state in (a, b):
         model.load_state_dict(state)

@@ -574,8 +574,7 @@ def learned_refine(
     with workers.serial():
         if soft_labels:
             mixed = [reference] * include_reference + list(candidates)
-            batches = batches.relabelled(_soft_labels(batches.split, [module_state(s) for s in mixed], workers,
-                                                      soft_labels, device))
+            batches = batches.relabelled(_soft_labels(batches.split, mixed, workers, soft_labels, device, forward))
         iterator = iter(batches)
         vocab = None if vocabulary is None else _TrainingVocabulary(spec, ref_c.state, vocabulary, vocabulary_samples,
                                                                       seed + 1)
@@ -735,12 +734,11 @@ class _Workers:
             self.pool.shutdown()
 
 
-def _soft_labels(split, states: list[dict], workers: _Workers, weight: float, device) -> torch.Tensor:
+def _soft_labels(split, states: list[dict], workers: _Workers, weight: float, device, forward) -> torch.Tensor:
     """``(1 − w)·one-hot(y) + w·p̄(x)`` for every example of ``split``, p̄ the mean softmax of
-    the model run with each of ``states`` (module keys); refused above :data:`SOFT_LABEL_BYTES`."""
+    ``forward(state, x, module)`` (logits) over ``states``; refused above :data:`SOFT_LABEL_BYTES`."""
     def probabilities_of(module, batch, state):
-        out = torch.func.functional_call(module, state, (batch[0].to(device),))
-        return (out if isinstance(out, torch.Tensor) else out.logits).float().softmax(-1).cpu()
+        return forward(state, batch[0].to(device), module).float().softmax(-1).cpu()
 
     probabilities = None
     with torch.no_grad():
