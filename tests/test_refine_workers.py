@@ -132,3 +132,12 @@ def test_the_server_refiner_passes_refine_workers():
     assert result.workers == 2 and result.best_loss <= result.initial_loss
     with pytest.raises(RunConfigError, match="run-config refine-workers=-1 must be at least 0"):
         resolve_run_config({"refine-workers": -1})
+
+
+def test_the_workers_benchmark_runs_and_reports_every_timing(capsys):
+    from fedbasin.simulations import bench_workers
+
+    result = bench_workers.main(["--batch", "4", "--repeats", "1"])
+    timings = [k for k in result if k.endswith("_s")]
+    assert len(timings) == 5 and all(result[k] > 0 for k in timings)
+    assert torch.get_num_threads() == result["threads"]  # the benchmark puts the thread count back

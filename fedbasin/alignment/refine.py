@@ -570,7 +570,7 @@ def learned_refine(
         return {k: v.detach() for k, v in (ref_start.canonical if ref_start else ref_c.state).items()}
 
     # with worker threads everything from here runs single-threaded, so a given batch_workers gives the
-    # same figures on any thread count (the transforms' small ops were also 2.6x slower on two threads)
+    # same figures on any thread count
     with workers.serial():
         if soft_labels:
             mixed = [reference] * include_reference + list(candidates)
@@ -672,8 +672,9 @@ class _Workers:
     module's tensors in place and one module cannot serve two threads; torch runs single-threaded
     inside (:func:`~fedbasin.alignment.matching.one_thread`). Small passes side by side use the
     cores better than one pass with intra-op threads: a CIFAR-10 ViT (width 96, 65 tokens) forward
-    and backward on 64 images took 0.080 s wall as two slices of 32 on 2 threads, 0.091 s with 2
-    intra-op threads and 0.157 s on one (2-core AMD EPYC)."""
+    and backward on 64 images took 0.078 s wall as two slices of 32 on 2 threads, 0.116 s with 2
+    intra-op threads and 0.157 s on one (2-core AMD EPYC; ``python -m
+    fedbasin.simulations.bench_workers``)."""
 
     def __init__(self, model: nn.Module, device: torch.device, count: int = 0):
         if device.type != "cpu":
