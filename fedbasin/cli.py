@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fedbasin import heap
+
 # ------------------------------------------------------------------------------------------------
 # errors and exit codes (the table in README.md, "Command line")
 
@@ -181,6 +183,10 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--refine-soft-labels", type=_unit_float, default=0.0, metavar="W",
                    help="train the maps on (1 − W)·labels + W·the models' mean predicted probabilities "
                    "(computed once on the proxy examples; keep-best still uses the labels); 0: labels only")
+    g.add_argument("--refine-soft-label-top-k", type=_nonnegative_int, default=0, metavar="K",
+                   help="with --refine-soft-labels: keep each target's K largest entries (renormalised) as sparse "
+                   "(token, weight) pairs, so a large vocabulary fits in memory and combines with "
+                   "--refine-vocabulary; 0: every class")
     g.add_argument("--refine-workers", type=_nonnegative_int, default=0, metavar="N",
                    help="threads that share each training batch, one slice each, run side by side (0: one per "
                    "torch CPU thread; 1 on a GPU); a fixed N gives the same result on any thread count")
@@ -202,7 +208,7 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
 MATCHING_OPTIONS = ("symmetry", "iterations", "tol", "seen_tokens", "token_weighting", "head_weight")
 REFINE_OPTIONS = ("refine_steps", "refine_examples", "refine_lr", "refine_permutations", "refine_group",
                   "refine_lambda", "refine_schedule", "refine_batch_size", "refine_soft_labels",
-                  "refine_workers", "refine_vocabulary_samples",
+                  "refine_soft_label_top_k", "refine_workers", "refine_vocabulary_samples",
                   "refine_eval_every", "refine_start", "refine_vocabulary")
 STREAM_UNSUPPORTED = ("seen_tokens", "token_weighting", "head_weight", "tokenizer", "refine_data", *REFINE_OPTIONS)
 
@@ -239,6 +245,8 @@ def _refuse_ineffective_options(args) -> None:
         rules.append((REFINE_OPTIONS, "has no effect without --refine-data"))
         if args.command != "barrier" and "seen_tokens" not in given:
             rules.append((("tokenizer",), "has no effect without --seen-tokens or --refine-data"))
+    if "refine_soft_labels" not in given:
+        rules.append((("refine_soft_label_top_k",), "has no effect without --refine-soft-labels"))
     if "seen_tokens" not in given:
         rules.append((("token_weighting",), "has no effect without --seen-tokens"))
     for dests, why in rules:
@@ -517,15 +525,13 @@ def _refiner(args, ref, command: str):
     from fedbasin.alignment import learned_refine, proxy_streams
     from fedbasin.checkpoint import build_torch_model
     from fedbasin.training import cross_entropy
-    from fedbasin import heap
-
-    heap.keep_freed_blocks()  # refinement steps reuse their large blocks' pages (fedbasin.heap)
 
     lo, hi = args.refine_lambda
     if not 0.0 <= lo <= hi <= 1.0:
         raise UsageError(f"--refine-lambda {lo} {hi}: needs 0 <= LO <= HI <= 1")
-    if args.refine_soft_labels and args.refine_vocabulary != "full":
-        raise UsageError(f"--refine-soft-labels cannot be combined with --refine-vocabulary {args.refine_vocabulary}")
+    if args.refine_soft_labels and args.refine_vocabulary != "full" and not args.refine_soft_label_top_k:
+        raise UsageError(f"--refine-soft-labels over every token cannot be combined with --refine-vocabulary "
+                         f"{args.refine_vocabulary}: add --refine-soft-label-top-k K (sparse targets)")
     if args.refine_start == "activations" and args.symmetry == "permutation":
         raise UsageError("--refine-start activations finds an orthogonal residual map: it needs --symmetry orthogonal")
     task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
@@ -541,8 +547,10 @@ def _refiner(args, ref, command: str):
         token_rows=_seen_tokens(args, ref, command), head_weight=args.head_weight, start=args.refine_start,
         eval_every=args.refine_eval_every, vocabulary=_refine_vocabulary(args, task),
         vocabulary_samples=args.refine_vocabulary_samples, soft_labels=args.refine_soft_labels,
-        batch_workers=args.refine_workers, to_module_state=ref.adapter.from_standard, progress=True)
-    info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy), "soft_labels": args.refine_soft_labels}
+        soft_label_top_k=args.refine_soft_label_top_k, batch_workers=args.refine_workers,
+        to_module_state=ref.adapter.from_standard, progress=True)
+    info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy), "soft_labels": args.refine_soft_labels,
+            "soft_label_top_k": args.refine_soft_label_top_k}
     if task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
     return refine, info
@@ -915,6 +923,10 @@ def main(argv=None) -> int:
     try:
         _refuse_ineffective_options(args)
         _check_outputs(args)
+        if getattr(args, "refine_data", None):
+            # before any thread starts (tokenizers, torch): refinement steps, on every thread, reuse their
+            # large blocks' pages (fedbasin.heap)
+            heap.keep_freed_blocks()
         return args.func(args)
     except CliError as exc:
         print(f"{prog}: {_one_line(exc)}", file=sys.stderr)

@@ -66,6 +66,7 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "refine-lambda": "0.4,0.6",  # LO,HI: two models train at λ ~ U(LO, HI) on their path
     "refine-schedule": "constant",  # constant | cosine (learning rate decays to 0 over refine-steps)
     "refine-soft-labels": 0.0,  # w in [0, 1]: the maps train on (1 - w) labels + w the clients' mean probabilities
+    "refine-soft-label-top-k": 0,  # k > 0: soft labels kept as each target's k largest entries (sparse)
     "refine-workers": 0,  # threads sharing each refinement batch (0: one per torch CPU thread; fixed: same result anywhere)
     "distill-steps": 0,  # >0: distil the clients' logit ensemble into the merge on the proxy split
     "distill-lr": 0.002,
@@ -111,7 +112,8 @@ RANGES = (
     (("seed", "proxy-size", "max-train-examples", "refine-steps", "distill-steps", "max-num-examples",
       "model.dim", "model.depth", "model.heads", "model.mlp-dim", "model.patch-size", "model.kv-heads",
       "weight-decay", "max-examples-ratio", "outlier-threshold", "clip-ratio", "trim-fraction",
-      "lr", "fraction-train", "fraction-evaluate", "distill-label-weight", "refine-soft-labels", "refine-workers"),
+      "lr", "fraction-train", "fraction-evaluate", "distill-label-weight", "refine-soft-labels", "refine-soft-label-top-k",
+      "refine-workers"),
      0, True),
     (("refine-lr", "distill-lr", "distill-temperature", "dirichlet-alpha", "max-abs-weight"), 0, False),
 )

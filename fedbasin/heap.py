@@ -34,7 +34,7 @@ def fix_mmap_threshold(nbytes: int = 1 << 16) -> bool:
     return bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(M_MMAP_THRESHOLD, nbytes))
 
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # mallopt parameter numbers
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX, M_ARENA_MAX = -1, -2, -4, -8  # mallopt parameter numbers
 
 
 def keep_freed_blocks(top_pad: int = 1 << 28) -> bool:
@@ -42,9 +42,12 @@ def keep_freed_blocks(top_pad: int = 1 << 28) -> bool:
     beyond each request, so a loop that allocates the same large tensors every step reuses its
     pages. By default glibc ``mmap``s every block over 32 MB (a refinement step's logits) and
     returns it on ``free``, so each step faults it in again page by page: on the GPT-2 refinement
-    that was 20 million page faults, a third of the process's CPU time. True when set."""
+    that was 20 million page faults, a third of the process's CPU time. Threads started later
+    share the main arena (``M_ARENA_MAX`` 1): a thread's own arena holds at most 64 MB per heap and
+    still maps larger blocks anew (the refinement's worker threads: 51 s of system time on the
+    GPT-2 pair, 12 s with one arena). True when set."""
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False
     return bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
-                and libc.mallopt(M_TOP_PAD, top_pad))
+                and libc.mallopt(M_TOP_PAD, top_pad) and libc.mallopt(M_ARENA_MAX, 1))

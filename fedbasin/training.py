@@ -51,7 +51,14 @@ def device_name_problem(name) -> str:
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every target: class logits (B, C) or next-token logits (B, T, V),
     with class ids (B,) / (B, T), or probabilities of the logits' shape (soft labels:
-    ``−Σ_c t_c log softmax(z)_c``, averaged over the targets)."""
+    ``−Σ_c t_c log softmax(z)_c``, averaged over the targets), or sparse probabilities: k
+    ``(class id, weight)`` pairs per target, shape (B, k, 2) / (B, T, k, 2), ids stored as floats
+    (exact below 2^24), giving ``Σ_j t_j·logsumexp(z) − Σ_j t_j z_{c_j}`` (the same formula for
+    the k listed classes; the others weigh 0)."""
+    if targets.is_floating_point() and targets.dim() == logits.dim() + 1:
+        ids, weights = targets[..., 0].long(), targets[..., 1].to(logits.dtype)
+        picked = logits.gather(-1, ids)
+        return (weights.sum(-1) * logits.logsumexp(-1) - (weights * picked).sum(-1)).mean()
     flat = logits.reshape(-1, logits.shape[-1])
     if targets.is_floating_point():
         return F.cross_entropy(flat, targets.reshape(flat.shape).to(logits.dtype))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fedbasin.alignment import fedbasin_adapter, learned_refine, proxy_streams
-from fedbasin.alignment.refine import TrainingStream, _soft_labels, _Workers
+from fedbasin.alignment.refine import TrainingStream, _soft_labels, _TrainingVocabulary, _Workers
 from fedbasin.config import RunConfigError, resolve_run_config
 from fedbasin.data import load_task
 from fedbasin.models import build_model
@@ -92,11 +92,16 @@ def test_soft_label_refusals(monkeypatch):
         learned_refine(*args, data.batches, data.selection, steps=2, soft_labels=1.5)
     with pytest.raises(ValueError, match="soft_labels needs the training stream of proxy_streams"):
         learned_refine(*args, iter(list(data.selection)), data.selection, steps=2, soft_labels=0.5)
-    with pytest.raises(ValueError, match="soft_labels cannot be combined with a training vocabulary"):
+    with pytest.raises(ValueError, match="soft_labels over every class cannot be combined with a training vocabulary"):
         learned_refine(*args, data.batches, data.selection, steps=2, soft_labels=0.5, vocabulary=torch.arange(3))
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=f"soft_label_top_k must be an integer >= 0 .*, got {bad!r}"):
+            learned_refine(*args, data.batches, data.selection, steps=2, soft_labels=0.5, soft_label_top_k=bad)
     monkeypatch.setattr("fedbasin.alignment.refine.SOFT_LABEL_BYTES", 1000)
-    with pytest.raises(ValueError, match=r"the models' probabilities on 180 training examples would take 0.0 GiB"):
+    with pytest.raises(ValueError, match=r"the targets of 180 training examples would take 0.0 GiB .* or sparse top-k"):
         learned_refine(*args, data.batches, data.selection, steps=2, soft_labels=0.5)
+    with pytest.raises(ValueError, match=r"the targets of 180 training examples .* a smaller top-k"):
+        learned_refine(*args, data.batches, data.selection, steps=2, soft_labels=0.5, soft_label_top_k=3)
     with pytest.raises(RunConfigError, match="run-config refine-soft-labels=1.5 must be at most 1.0"):
         resolve_run_config({"refine-soft-labels": 1.5})
 
@@ -112,7 +117,7 @@ def test_cli_soft_labels(tmp_path, capsys, monkeypatch):
 
     seen = []
     original = refine_module._soft_labels
-    monkeypatch.setattr(refine_module, "_soft_labels", lambda *a: seen.append(a[3]) or original(*a))
+    monkeypatch.setattr(refine_module, "_soft_labels", lambda *a: seen.append(a[3::3]) or original(*a))
 
     for seed in (0, 1):
         save_checkpoint(tmp_path / f"m{seed}", "vit", DIGITS_VIT, trained_digits_vit(seed))
@@ -121,14 +126,24 @@ def test_cli_soft_labels(tmp_path, capsys, monkeypatch):
                  "--refine-examples", "120", "--refine-soft-labels", "0.5"]) == 0
     info = json.loads(capsys.readouterr().out)["refinement"]
     assert info["soft_labels"] == 0.5 and info["selection_loss_best"] <= info["selection_loss_start"]
-    assert seen == [0.5]
+    assert main(["merge", m0, m1, "--out", out + "k", "--refine-data", "digits", "--refine-steps", "6",
+                 "--refine-examples", "120", "--refine-soft-labels", "0.5", "--refine-soft-label-top-k", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["refinement"]["soft_label_top_k"] == 3
+    assert seen == [(0.5, 0), (0.5, 3)]
     assert "expected a number in [0, 1], got 2" in cli_error(capsys, ["merge", m0, m1, "--out", out + "2",
                                                                        "--refine-soft-labels", "2"])
     assert cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-soft-labels", "0.5"]).endswith(
         "--refine-soft-labels has no effect without --refine-data")
     assert cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-data", "digits", "--refine-soft-labels",
                               "0.5", "--refine-vocabulary", "proxy"]).endswith(
-        "--refine-soft-labels cannot be combined with --refine-vocabulary proxy")
+        "--refine-soft-labels over every token cannot be combined with --refine-vocabulary proxy: add "
+        "--refine-soft-label-top-k K (sparse targets)")
+    assert cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-data", "digits",
+                              "--refine-soft-label-top-k", "3"]).endswith(
+        "--refine-soft-label-top-k has no effect without --refine-soft-labels")
+    assert "expected an integer >= 0" in cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-data",
+                                                            "digits", "--refine-soft-labels", "0.5",
+                                                            "--refine-soft-label-top-k", "-1"])
 
 
 def test_the_server_refines_on_soft_labels(monkeypatch):
@@ -145,12 +160,116 @@ def test_the_server_refines_on_soft_labels(monkeypatch):
         monkeypatch.setattr(TaskIdentity, name, value)
     seen = []
     original = refine_module._soft_labels
-    monkeypatch.setattr(refine_module, "_soft_labels", lambda *a: seen.append(a[3]) or original(*a))
-    config = resolve_run_config({"proxy-size": 300, "refine-steps": 6, "refine-soft-labels": 0.5, "model.dim": 16,
+    monkeypatch.setattr(refine_module, "_soft_labels", lambda *a: seen.append(a[3::3]) or original(*a))
+    config = resolve_run_config({"proxy-size": 300, "refine-steps": 6, "refine-soft-labels": 0.5,
+                                 "refine-soft-label-top-k": 4, "model.dim": 16,
                                  "model.depth": 1, "model.heads": 2, "model.mlp-dim": 32})
     model, spec, task, _, _ = digits_pair()
     strategy = AlignedFedAvg(spec, refine=make_refiner(spec, model, task, config), independent_init=True,
                              min_train_nodes=3, min_available_nodes=3)
     arrays, metrics = one_shot_round(strategy, [trained_digits_vit(seed) for seed in range(3)])
     assert arrays is not None and metrics["round_failed"] == 0 and "refine_heldout_loss" in metrics
-    assert seen == [0.5]
+    assert seen == [(0.5, 4)]
+
+
+def test_cross_entropy_takes_sparse_probability_targets():
+    """k (class id, weight) pairs per target give −Σ_j t_j log softmax(z)_{c_j}: with every class
+    listed the dense loss, with fewer the dense loss of the truncated targets."""
+    g = torch.Generator().manual_seed(0)
+    for shape in ((6, 5), (3, 4, 7)):
+        logits = torch.randn(*shape, generator=g, dtype=torch.float64)
+        soft = torch.rand(*shape, generator=g, dtype=torch.float64).softmax(-1)
+        for k in (shape[-1], 2):
+            values, ids = soft.topk(k, dim=-1)
+            values = values / values.sum(-1, keepdim=True)
+            truncated = torch.zeros_like(soft).scatter(-1, ids, values)
+            sparse = torch.stack([ids.double(), values], -1)
+            assert float(cross_entropy(logits, sparse)) == pytest.approx(float(cross_entropy(logits, truncated)),
+                                                                          rel=1e-12)
+            halved = torch.stack([ids.double(), values / 2], -1)  # weights need not sum to 1 (a vocabulary drops some)
+            assert float(cross_entropy(logits, halved)) == pytest.approx(float(cross_entropy(logits, sparse)) / 2,
+                                                                          rel=1e-12)
+
+
+def test_top_k_soft_labels_are_the_largest_entries_of_the_dense_targets():
+    model, _, task, a, b = digits_pair()
+    split = proxy_streams(task.proxy, 32, seed=0).batches.split
+    forward = lambda state, x, module: torch.func.functional_call(module, state, (x,))
+    workers = _Workers(model, torch.device("cpu"), 2)
+    dense = _soft_labels(split, [a, b], workers, 0.25, "cpu", forward)
+    sparse = _soft_labels(split, [a, b], workers, 0.25, "cpu", forward, top_k=3)
+    values, ids = dense.topk(3, dim=-1)
+    assert sparse.shape == (len(split), 3, 2)
+    assert torch.equal(sparse[..., 0].long(), ids)
+    torch.testing.assert_close(sparse[..., 1], values / values.sum(-1, keepdim=True))
+    every = _soft_labels(split, [a, b], workers, 0.25, "cpu", forward, top_k=50)  # k above the classes: all of them
+    assert every.shape == (len(split), 10, 2)
+
+
+def test_sparse_targets_keep_only_the_vocabulary_s_weight():
+    """Through a training vocabulary, sparse targets are renumbered to its rows; weight on tokens
+    outside it is dropped and the rest renormalised."""
+    from tests.helpers import GPT, spec_of, trained_like
+
+    state = trained_like("gpt", GPT, seed=1, dtype=torch.float32).state_dict()
+    vocab = _TrainingVocabulary(spec_of("gpt", GPT), state, torch.tensor([2, 5, 9]))
+    targets = torch.tensor([[[5.0, 0.5], [3.0, 0.3], [9.0, 0.2]]])  # token 3 is outside
+    renumbered = vocab.renumber(targets)
+    assert renumbered[..., 0].tolist() == [[1.0, 0.0, 2.0]]
+    torch.testing.assert_close(renumbered[..., 1], torch.tensor([[0.5 / 0.7, 0.0, 0.2 / 0.7]]))
+
+
+def lm_refinement(soft_labels: float = 0.0, top_k: int = 0, **options):
+    """A tiny GPT pair refined on next-token blocks of the even tokens."""
+    from fedbasin.data import Split
+    from tests.helpers import GPT, spec_of, trained_like
+
+    a, b = (trained_like("gpt", GPT, seed=s, dtype=torch.float32).state_dict() for s in (1, 2))
+    kept = torch.arange(0, GPT["vocab_size"], 2)
+    g = torch.Generator().manual_seed(0)
+    blocks = kept[torch.randint(0, len(kept), (120, GPT["block_size"] + 1), generator=g)]
+    data = proxy_streams(Split(blocks[:, :-1], blocks[:, 1:]), 8, seed=0)
+    result = learned_refine(spec_of("gpt", GPT), build_model("gpt", GPT), a, [b], cross_entropy, data.batches,
+                            data.selection, steps=12, lr=0.05, eval_every=3, soft_labels=soft_labels,
+                            soft_label_top_k=top_k, **options)
+    return b, result
+
+
+def test_top_k_soft_labels_refine_a_language_model_through_a_vocabulary():
+    """Sparse soft labels with every class equal the dense run; top-k targets through a sampled
+    training vocabulary train the maps (another history than the labels'), keep the function and
+    never raise the selection loss."""
+    from tests.helpers import GPT, inputs, rel_err, run
+
+    _, dense = lm_refinement(0.5)
+    _, every = lm_refinement(0.5, top_k=GPT["vocab_size"])
+    assert [v for _, v in every.history] == pytest.approx([v for _, v in dense.history], rel=1e-5)
+    vocabulary = {"vocabulary": torch.arange(0, GPT["vocab_size"], 2), "vocabulary_samples": 3}
+    _, hard = lm_refinement(0.0, **vocabulary)
+    b, soft = lm_refinement(0.5, top_k=4, **vocabulary)
+    assert soft.initial_loss == hard.initial_loss and [v for _, v in soft.history] != [v for _, v in hard.history]
+    assert soft.best_loss <= soft.initial_loss and soft.best_loss == min(v for _, v in soft.history)
+    x = inputs("gpt", GPT, torch.float32)[0]
+    assert rel_err(run("gpt", GPT, soft.states[0], x, torch.float32), run("gpt", GPT, b, x, torch.float32)) < 1e-5
+
+
+def test_top_k_soft_labels_over_a_vocabulary_are_its_renormalised_probabilities():
+    """With a training vocabulary, p̄ is the mean softmax over its tokens only; the sparse ids are
+    the full model's token ids."""
+    from fedbasin.data import Split
+    from tests.helpers import GPT, spec_of, trained_like
+
+    a, b = (trained_like("gpt", GPT, seed=s, dtype=torch.float32).state_dict() for s in (1, 2))
+    kept = torch.arange(0, GPT["vocab_size"], 2)
+    blocks = kept[torch.randint(0, len(kept), (5, GPT["block_size"] + 1), generator=torch.Generator().manual_seed(0))]
+    split = Split(blocks[:, :-1], blocks[:, 1:])
+    model = build_model("gpt", GPT)
+    forward = lambda state, x, module: torch.func.functional_call(module, state, (x,))
+    vocab = _TrainingVocabulary(spec_of("gpt", GPT), a, kept)
+    got = _soft_labels(split, [a, b], _Workers(model, torch.device("cpu"), 2), 0.5, "cpu", forward, 3, vocab)
+    with torch.no_grad():
+        p = sum(forward(s, split.inputs, model)[..., kept].softmax(-1) for s in (a, b)) / 2
+    target = 0.5 * F.one_hot(vocab.renumber(split.targets), len(kept)).float() + 0.5 * p
+    values, ids = target.topk(3, dim=-1)
+    assert torch.equal(got[..., 0].long(), kept[ids])
+    torch.testing.assert_close(got[..., 1], values / values.sum(-1, keepdim=True))

@@ -436,6 +436,7 @@ def learned_refine(
     vocabulary: torch.Tensor | None = None,
     vocabulary_samples: int = 0,
     soft_labels: float = 0.0,
+    soft_label_top_k: int = 0,
     batch_workers: int = 0,
 ) -> RefineResult:
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
@@ -472,6 +473,11 @@ def learned_refine(
     its function, so p̄ is computed once, on the training part of ``batches``, which must then be
     a :class:`TrainingStream`; ``loss_fn`` must accept probability targets, as
     :func:`fedbasin.training.cross_entropy` does). Keep-best and the reported losses use the labels.
+    ``soft_label_top_k`` = k > 0 keeps each target's k largest entries, renormalised, as sparse
+    (id, weight) pairs: the targets then take N·k·8 bytes instead of N·C·4 (a GPT-2's 50,257-way
+    probabilities on 1,000 blocks of 128 tokens would take 24 GiB; k = 32 takes 31 MiB), and they
+    combine with a training ``vocabulary``: p̄ is then the softmax over its tokens (computed on their
+    rows only), and a step's weight on tokens outside its rows is dropped, the rest renormalised.
     ``batch_workers`` = n > 1 (0: one per torch CPU thread; always 1 on a GPU): each training
     batch is cut into n slices whose forward and backward passes run at once on n threads, and the
     selection, evaluation and labelling batches are shared among them (:class:`_Workers`); the
@@ -508,8 +514,11 @@ def learned_refine(
     if soft_labels and not isinstance(batches, TrainingStream):
         raise ValueError("soft_labels needs the training stream of proxy_streams (a TrainingStream): its "
                          "examples are labelled once, before training")
-    if soft_labels and vocabulary is not None:
-        raise ValueError("soft_labels cannot be combined with a training vocabulary")
+    if isinstance(soft_label_top_k, bool) or not isinstance(soft_label_top_k, int) or soft_label_top_k < 0:
+        raise ValueError(f"soft_label_top_k must be an integer >= 0 (0: every class), got {soft_label_top_k!r}")
+    if soft_labels and vocabulary is not None and not soft_label_top_k:
+        raise ValueError("soft_labels over every class cannot be combined with a training vocabulary: "
+                         "give soft_label_top_k (sparse targets)")
     if isinstance(batch_workers, bool) or not isinstance(batch_workers, int) or batch_workers < 0:
         raise ValueError(f"batch_workers must be an integer >= 0 (0: one per CPU thread), got {batch_workers!r}")
     if dual and not include_reference:
@@ -572,12 +581,13 @@ def learned_refine(
     # with worker threads everything from here runs single-threaded, so a given batch_workers gives the
     # same figures on any thread count
     with workers.serial():
-        if soft_labels:
-            mixed = [reference] * include_reference + list(candidates)
-            batches = batches.relabelled(_soft_labels(batches.split, mixed, workers, soft_labels, device, forward))
-        iterator = iter(batches)
         vocab = None if vocabulary is None else _TrainingVocabulary(spec, ref_c.state, vocabulary, vocabulary_samples,
                                                                       seed + 1)
+        if soft_labels:
+            mixed = [reference] * include_reference + list(candidates)
+            batches = batches.relabelled(_soft_labels(batches.split, mixed, workers, soft_labels, device, forward,
+                                                      soft_label_top_k, vocab))
+        iterator = iter(batches)
         options = []
         if start == "activations":
             from .activations import activation_match
@@ -735,26 +745,46 @@ class _Workers:
             self.pool.shutdown()
 
 
-def _soft_labels(split, states: list[dict], workers: _Workers, weight: float, device, forward) -> torch.Tensor:
-    """``(1 − w)·one-hot(y) + w·p̄(x)`` for every example of ``split``, p̄ the mean softmax of
-    ``forward(state, x, module)`` (logits) over ``states``; refused above :data:`SOFT_LABEL_BYTES`."""
-    def probabilities_of(module, batch, state):
-        return forward(state, batch[0].to(device), module).float().softmax(-1).cpu()
+def _soft_labels(split, states: list[dict], workers: _Workers, weight: float, device, forward,
+                 top_k: int = 0, vocabulary: _TrainingVocabulary | None = None) -> torch.Tensor:
+    """``t = (1 − w)·one-hot(y) + w·p̄(x)`` for every example of ``split``, p̄ the mean softmax of
+    ``forward(state, x, module)`` (logits) over ``states``. ``top_k`` = k > 0 keeps each target's k
+    largest entries, renormalised to sum 1, as (class id, weight) pairs of shape (…, k, 2) (see
+    :func:`fedbasin.training.cross_entropy`). With a training ``vocabulary`` (sparse targets only)
+    p̄ is the softmax over its tokens (their rows only: |vocabulary| instead of V logits per token),
+    the ids stay the full model's. Targets over :data:`SOFT_LABEL_BYTES` are refused."""
+    if vocabulary is not None:
+        states = [vocabulary.restrict(state, vocabulary.ids) for state in states]
 
-    probabilities = None
+    def target_of(module, batch):
+        x, y = batch[0].to(device), batch[1].to(device)
+        if vocabulary is not None:
+            x, y = vocabulary.renumber(x), vocabulary.renumber(y)
+        p = None
+        for state in states:  # summed in this order, each term divided first: the figures do not depend on batching
+            term = forward(state, x, module).float().softmax(-1) / len(states)
+            p = term if p is None else p + term
+        t = (1.0 - weight) * F.one_hot(y, p.shape[-1]).to(p) + weight * p
+        if not top_k:
+            return t.cpu()
+        values, ids = t.topk(min(top_k, t.shape[-1]), dim=-1)
+        if vocabulary is not None:
+            ids = vocabulary.ids.to(ids.device)[ids]
+        return torch.stack([ids.to(values), values / values.sum(-1, keepdim=True)], -1).cpu()
+
     with torch.no_grad():
-        size = split.targets.numel() * probabilities_of(workers.modules[0], next(iter(split.batches(1))), states[0]).shape[-1] * 4
+        first = split.inputs[:1].to(device)
+        classes = forward(states[0], first if vocabulary is None else vocabulary.renumber(first),
+                          workers.modules[0]).shape[-1]
+        per_example = split.targets[:1].numel()
+        size = len(split) * per_example * (min(top_k, classes) * 8 if top_k else classes * 4)
         if size > SOFT_LABEL_BYTES:
-            raise ValueError(f"soft_labels: the models' probabilities on {len(split)} training examples "
-                             f"would take {size / 2**30:.1f} GiB (limit {SOFT_LABEL_BYTES / 2**30:.0f} GiB): "
-                             "use fewer proxy examples or no soft labels")
-        for state in states:
-            outputs = workers.map(lambda module, batch, state=state: probabilities_of(module, batch, state),
-                                  split.batches(256))
-            mean = torch.cat(outputs) / len(states)
-            probabilities = mean if probabilities is None else probabilities + mean
-    hard = F.one_hot(split.targets, probabilities.shape[-1]).to(probabilities)
-    return (1.0 - weight) * hard + weight * probabilities
+            raise ValueError(f"soft_labels: the targets of {len(split)} training examples would take "
+                             f"{size / 2**30:.1f} GiB (limit {SOFT_LABEL_BYTES / 2**30:.0f} GiB): use fewer proxy "
+                             "examples" + (", a smaller top-k" if top_k else " or sparse top-k targets"))
+        # a labelling batch's dense probabilities stay under 128 MiB per thread
+        rows = max(1, min(256, (128 << 20) // (per_example * classes * 4)))
+        return torch.cat(workers.map(target_of, split.batches(rows)))
 
 
 class _TrainingVocabulary:
@@ -801,6 +831,12 @@ class _TrainingVocabulary:
         return {k: v.index_select(0, ids.to(v.device)) if k in self.keys else v for k, v in state.items()}
 
     def renumber(self, t: torch.Tensor) -> torch.Tensor:
+        """Token ids → row numbers. Sparse (id, weight) targets (floats, see ``soft_label_top_k``) keep
+        the weight of the vocabulary's tokens only, renormalised."""
+        if t.is_floating_point():
+            ids = self.lookup.to(t.device)[t[..., 0].long()]
+            weights = t[..., 1] * (ids >= 0)
+            return torch.stack([ids.clamp(min=0).to(t), weights / weights.sum(-1, keepdim=True).clamp_min(1e-12)], -1)
         out = self.lookup.to(t.device)[t]
         if bool((out < 0).any()):
             raise ValueError(f"a training batch holds token {int(t[out < 0][0])}, outside the refinement vocabulary")

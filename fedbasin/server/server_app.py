@@ -94,7 +94,8 @@ def make_refiner(spec, model, task, config: dict, to_module_state=None):
         permutations=config["refine-permutations"], group=config["refine-group"],
         lambda_range=refine_lambda(config), schedule=config["refine-schedule"],
         match_iterations=config["align-iterations"], universe_iterations=config["universe-iterations"],
-        soft_labels=config["refine-soft-labels"], batch_workers=config["refine-workers"],
+        soft_labels=config["refine-soft-labels"], soft_label_top_k=config["refine-soft-label-top-k"],
+        batch_workers=config["refine-workers"],
     )
 
 
