@@ -187,6 +187,9 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
                    help="with --refine-soft-labels: keep each target's K largest entries (renormalised) as sparse "
                    "(token, weight) pairs, so a large vocabulary fits in memory and combines with "
                    "--refine-vocabulary; 0: every class")
+    g.add_argument("--refine-dual", action="store_true",
+                   help="the reference carries a learned transform too, so both endpoints move toward a shared path "
+                   "(align writes the candidate mapped back into the reference's own basis: the same path)")
     g.add_argument("--refine-workers", type=_nonnegative_int, default=0, metavar="N",
                    help="threads that share each training batch, one slice each, run side by side (0: one per "
                    "torch CPU thread; 1 on a GPU); a fixed N gives the same result on any thread count")
@@ -208,7 +211,7 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
 MATCHING_OPTIONS = ("symmetry", "iterations", "tol", "seen_tokens", "token_weighting", "head_weight")
 REFINE_OPTIONS = ("refine_steps", "refine_examples", "refine_lr", "refine_permutations", "refine_group",
                   "refine_lambda", "refine_schedule", "refine_batch_size", "refine_soft_labels",
-                  "refine_soft_label_top_k", "refine_workers", "refine_vocabulary_samples",
+                  "refine_soft_label_top_k", "refine_dual", "refine_workers", "refine_vocabulary_samples",
                   "refine_eval_every", "refine_start", "refine_vocabulary")
 STREAM_UNSUPPORTED = ("seen_tokens", "token_weighting", "head_weight", "tokenizer", "refine_data", *REFINE_OPTIONS)
 
@@ -446,6 +449,11 @@ def cmd_align(args) -> int:
             refine, info = _refiner(args, ref, "align")
             result = refine(_standard(ref, device), [_standard(cand, device)])
             aligned = result.states[0]
+            if args.refine_dual:  # g_ref⁻¹·g_cand·B: the same path from the unmoved reference (the maps act linearly)
+                from fedbasin.alignment import apply_group, canonicalize, inverse, to_gauge
+
+                back = apply_group(ref.spec, result.canonical[0], inverse(result.reference_transform))
+                aligned = to_gauge(ref.spec, back, canonicalize(ref.spec, _standard(ref, device)).gains)
             summary["refinement"] = {**info, **result.summary()}
         else:
             result = weight_match(ref.spec, _standard(ref, device), _standard(cand, device), mode=args.symmetry,
@@ -547,10 +555,10 @@ def _refiner(args, ref, command: str):
         token_rows=_seen_tokens(args, ref, command), head_weight=args.head_weight, start=args.refine_start,
         eval_every=args.refine_eval_every, vocabulary=_refine_vocabulary(args, task),
         vocabulary_samples=args.refine_vocabulary_samples, soft_labels=args.refine_soft_labels,
-        soft_label_top_k=args.refine_soft_label_top_k, batch_workers=args.refine_workers,
+        soft_label_top_k=args.refine_soft_label_top_k, dual=args.refine_dual, batch_workers=args.refine_workers,
         to_module_state=ref.adapter.from_standard, progress=True)
     info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy), "soft_labels": args.refine_soft_labels,
-            "soft_label_top_k": args.refine_soft_label_top_k}
+            "soft_label_top_k": args.refine_soft_label_top_k, "dual": args.refine_dual}
     if task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
     return refine, info

@@ -8,6 +8,7 @@ from .group import (
     NeuronMap,
     apply_group,
     compose,
+    inverse,
     random_group_element,
     random_orthogonal,
 )
@@ -21,7 +22,7 @@ from .width import embed, merge_heterogeneous, restrict
 __all__ = [
     "Adapter", "AttentionSpec", "Canonical", "Curve", "GroupElement", "HeadMap", "Linear", "MLPSpec",
     "MatchResult", "MergeResult", "NeuronMap", "Norm", "SymmetrySpec", "apply_group", "average_states",
-    "canonicalize", "check_compatible", "compose", "fedbasin_adapter", "interpolate", "interpolation_curve",
+    "canonicalize", "check_compatible", "compose", "fedbasin_adapter", "inverse", "interpolate", "interpolation_curve",
     "is_canonical", "lambda_grid", "loss_barrier", "merge", "random_group_element", "random_orthogonal",
     "to_gauge", "weight_match", "ProxyStreams", "RefineResult", "learned_refine", "proxy_streams", "refined_merge", "embed", "merge_heterogeneous", "restrict",
 ]

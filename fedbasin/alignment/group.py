@@ -396,3 +396,36 @@ def compose(first: GroupElement, then: GroupElement) -> GroupElement:
         scale = s1 if n2.scale is None else (n2.scale if s1 is None else s1 * n2.scale)
         neurons.append(NeuronMap(n1.perm[p2], scale))
     return GroupElement(residual, heads, neurons)
+
+
+def _inverse_maps(m: torch.Tensor | None, perm_inverse: torch.Tensor) -> torch.Tensor | None:
+    """Maps m' with ``_compose_maps(m, m', perm_inverse)`` = I on every group: ``m[kv(p⁻¹)]⁻¹``."""
+    return None if m is None else torch.linalg.inv(permuted_maps(m, perm_inverse))
+
+
+def inverse(g: GroupElement) -> GroupElement:
+    """The element ``g⁻¹`` with ``compose(g, g⁻¹)`` the identity: residual ``Oᵀ`` (residual maps
+    are orthogonal), permutations ``p⁻¹``, per-group head maps ``m[p⁻¹]⁻¹`` with duals
+    ``m[p⁻¹]ᵀ``, neuron scales ``1 / s[p⁻¹]``."""
+    residual = None if g.residual is None else g.residual.mT
+    heads = []
+    for h in g.heads:
+        if h is None:
+            heads.append(None)
+            continue
+        back = torch.argsort(h.perm)
+        qk_dual = None if h.qk_dual is None else permuted_maps(h.qk, back).mT
+        ov_dual = None if h.ov_dual is None else permuted_maps(h.ov, back).mT
+        orthogonal_qk, orthogonal_ov = h.qk_dual is None, h.ov_dual is None
+        qk = (None if h.qk is None else permuted_maps(h.qk, back).mT) if orthogonal_qk else _inverse_maps(h.qk, back)
+        ov = (None if h.ov is None else permuted_maps(h.ov, back).mT) if orthogonal_ov else _inverse_maps(h.ov, back)
+        heads.append(HeadMap(back, qk, ov, qk_dual, ov_dual))
+    neurons = []
+    for n in g.neurons:
+        if n is None:
+            neurons.append(None)
+            continue
+        back = torch.argsort(n.perm)
+        neurons.append(NeuronMap(back, None if n.scale is None else 1.0 / n.scale[back]))
+    return GroupElement(residual, heads, neurons)
+

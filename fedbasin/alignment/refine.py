@@ -455,7 +455,9 @@ def learned_refine(
     ``selection_lambdas``: two models are scored (selection and evaluation splits) by the mean loss
     at ``λ₀`` in this tuple (default the midpoint); more models at their centroid.
     ``dual=True`` lets the reference carry a learned transform as well (both endpoints move toward
-    a shared path; the moved reference is ``reference_canonical``).
+    a shared path; the moved reference is ``reference_canonical``; the same path from the unmoved
+    reference has the candidate ``apply_group(spec, canonical[0], inverse(reference_transform))``,
+    as ``fedbasin align --refine-dual`` writes it).
     ``start``: ``"weights"`` (weight matching in ``mode``) or ``"activations"``
     (:func:`~fedbasin.alignment.activations.activation_match` on the first ``start_batches`` training
     batches, which are trained on as well; with ``mode="best"`` it competes with both weight-matching
