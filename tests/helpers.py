@@ -150,3 +150,19 @@ def cli_error(capsys, argv) -> str:
     assert code not in (0, None), err
     assert "Traceback" not in err, err
     return err.strip().splitlines()[-1]
+
+
+def gqa_attention(generator: torch.Generator):
+    """(attention spec, symmetry spec, float64 state) of one attention layer of width 12: 6 query
+    heads in 2 key/value groups, 4 of 8 head dims rotating (partial rotary), weights from ``generator``."""
+    from fedbasin.alignment.spec import AttentionSpec, Linear, SymmetrySpec
+
+    d = 12
+    a = AttentionSpec(*(Linear(f"{n}.weight", f"{n}.bias") for n in "qkvo"), num_heads=6, head_dim=8,
+                      rotary="half", num_kv_heads=2, rotary_dims=4)
+    spec = SymmetrySpec(d, (("q.weight", 1), ("k.weight", 1), ("v.weight", 1), ("o.weight", 0), ("o.bias", 0)),
+                        (), (a,))
+    shapes = {"q": (48, d), "k": (16, d), "v": (16, d), "o": (d, 48)}
+    state = {f"{n}.{p}": torch.randn(s if p == "weight" else s[:1], generator=generator, dtype=torch.float64)
+             for n, s in shapes.items() for p in ("weight", "bias")}
+    return a, spec, state

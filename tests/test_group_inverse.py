@@ -34,17 +34,9 @@ def test_inverse_undoes_the_element(variant, mode):
 
 @pytest.mark.parametrize("mode", ["orthogonal", "invertible"])
 def test_inverse_under_grouped_query_attention(mode):
-    from fedbasin.alignment.spec import AttentionSpec, Linear, SymmetrySpec
+    from .helpers import gqa_attention
 
-    d = 12
-    a = AttentionSpec(*(Linear(f"{n}.weight", f"{n}.bias") for n in "qkvo"), num_heads=6, head_dim=8,
-                      rotary="half", num_kv_heads=2, rotary_dims=4)
-    spec = SymmetrySpec(d, (("q.weight", 1), ("k.weight", 1), ("v.weight", 1), ("o.weight", 0), ("o.bias", 0)),
-                        (), (a,))
-    generator = torch.Generator().manual_seed(0)
-    shapes = {"q": (48, d), "k": (16, d), "v": (16, d), "o": (d, 48)}
-    state = {f"{n}.{p}": torch.randn(s if p == "weight" else s[:1], generator=generator, dtype=torch.float64)
-             for n, s in shapes.items() for p in ("weight", "bias")}
+    _, spec, state = gqa_attention(torch.Generator().manual_seed(0))
     assert_identity(spec, state, random_group_element(spec, 3, mode=mode, scales=True))
 
 

@@ -166,17 +166,11 @@ def _rope_attention(a, state: dict, x: torch.Tensor) -> torch.Tensor:
 def test_grouped_query_attention_with_partial_rotary_is_exact(group):
     """Both at once (6 query heads in 2 key/value groups, 4 of 8 head dims rotating), on a reference
     attention: random refinement parameters keep the attention output (moved by the residual map)."""
-    from fedbasin.alignment.spec import AttentionSpec, Linear, SymmetrySpec
+    from .helpers import gqa_attention
 
-    d = 12
-    a = AttentionSpec(*(Linear(f"{n}.weight", f"{n}.bias") for n in "qkvo"), num_heads=6, head_dim=8,
-                      rotary="half", num_kv_heads=2, rotary_dims=4)
-    spec = SymmetrySpec(d, (("q.weight", 1), ("k.weight", 1), ("v.weight", 1), ("o.weight", 0), ("o.bias", 0)),
-                        (), (a,))
     generator = torch.Generator().manual_seed(0)
-    shapes = {"q": (48, d), "k": (16, d), "v": (16, d), "o": (d, 48)}
-    state = {f"{n}.{p}": torch.randn(s if p == "weight" else s[:1], generator=generator, dtype=torch.float64)
-             for n, s in shapes.items() for p in ("weight", "bias")}
+    a, spec, state = gqa_attention(generator)
+    d = spec.width
     delta = _Delta(spec, state, "ste", init_scale=1.0, group=group)
     with torch.no_grad():
         for p in delta.parameters():
