@@ -45,7 +45,9 @@ def keep_freed_blocks(top_pad: int = 1 << 28) -> bool:
     that was 20 million page faults, a third of the process's CPU time. Threads started later
     share the main arena (``M_ARENA_MAX`` 1): a thread's own arena holds at most 64 MB per heap and
     still maps larger blocks anew (the refinement's worker threads: 51 s of system time on the
-    GPT-2 pair, 12 s with one arena). True when set."""
+    GPT-2 pair; 25 s when set in-process before those threads start; 12 s with
+    ``MALLOC_ARENA_MAX=1`` in the environment, which also covers the thread ``import torch`` starts).
+    True when set."""
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False

@@ -398,34 +398,35 @@ def compose(first: GroupElement, then: GroupElement) -> GroupElement:
     return GroupElement(residual, heads, neurons)
 
 
-def _inverse_maps(m: torch.Tensor | None, perm_inverse: torch.Tensor) -> torch.Tensor | None:
-    """Maps m' with ``_compose_maps(m, m', perm_inverse)`` = I on every group: ``m[kv(p⁻¹)]⁻¹``."""
-    return None if m is None else torch.linalg.inv(permuted_maps(m, perm_inverse))
-
-
 def inverse(g: GroupElement) -> GroupElement:
-    """The element ``g⁻¹`` with ``compose(g, g⁻¹)`` the identity: residual ``Oᵀ`` (residual maps
-    are orthogonal), permutations ``p⁻¹``, per-group head maps ``m[p⁻¹]⁻¹`` with duals
-    ``m[p⁻¹]ᵀ``, neuron scales ``1 / s[p⁻¹]``."""
-    residual = None if g.residual is None else g.residual.mT
+    """``g⁻¹`` for an element with orthogonal residual map (``compose(g, inverse(g))`` = identity).
+
+    Head h of ``g·θ`` is ``M_h`` applied to head ``perm[h]``, so ``g⁻¹`` has ``perm⁻¹`` and maps
+    ``M⁻¹[perm⁻¹]`` with ``M⁻¹ = (dual)ᵀ`` and dual ``Mᵀ`` (grouped-query attention: maps per
+    key/value group, reordered by the groups' permutation); neurons ``perm⁻¹`` and scales
+    ``1 / s[perm⁻¹]``; residual ``Rᵀ``.
+    """
+    def moved(m: torch.Tensor | None, ip: torch.Tensor) -> torch.Tensor | None:  # m[ip]ᵀ per head (group)
+        return None if m is None else permuted_maps(m, ip).transpose(-1, -2)
+
     heads = []
-    for h in g.heads:
-        if h is None:
+    for hm in g.heads:
+        if hm is None:
             heads.append(None)
             continue
-        back = torch.argsort(h.perm)
-        qk_dual = None if h.qk_dual is None else permuted_maps(h.qk, back).mT
-        ov_dual = None if h.ov_dual is None else permuted_maps(h.ov, back).mT
-        orthogonal_qk, orthogonal_ov = h.qk_dual is None, h.ov_dual is None
-        qk = (None if h.qk is None else permuted_maps(h.qk, back).mT) if orthogonal_qk else _inverse_maps(h.qk, back)
-        ov = (None if h.ov is None else permuted_maps(h.ov, back).mT) if orthogonal_ov else _inverse_maps(h.ov, back)
-        heads.append(HeadMap(back, qk, ov, qk_dual, ov_dual))
+        ip = torch.argsort(hm.perm)
+        heads.append(HeadMap(
+            ip,
+            moved(hm.qk if hm.qk_dual is None else hm.qk_dual, ip),
+            moved(hm.ov if hm.ov_dual is None else hm.ov_dual, ip),
+            None if hm.qk_dual is None else moved(hm.qk, ip),
+            None if hm.ov_dual is None else moved(hm.ov, ip),
+        ))
     neurons = []
-    for n in g.neurons:
-        if n is None:
+    for nm in g.neurons:
+        if nm is None:
             neurons.append(None)
             continue
-        back = torch.argsort(n.perm)
-        neurons.append(NeuronMap(back, None if n.scale is None else 1.0 / n.scale[back]))
-    return GroupElement(residual, heads, neurons)
-
+        ip = torch.argsort(nm.perm)
+        neurons.append(NeuronMap(ip, None if nm.scale is None else 1.0 / nm.scale[ip]))
+    return GroupElement(None if g.residual is None else g.residual.T, heads, neurons)

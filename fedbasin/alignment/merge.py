@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .canonical import canonicalize, to_gauge
-from .group import GroupElement, apply_group
+from .group import GroupElement, apply_group, inverse
 from .matching import MatchResult, progress_bar, weight_match
 from .spec import SymmetrySpec, check_compatible
 
@@ -237,8 +237,6 @@ def _keep_records_only(matches: list[MatchResult]) -> None:
 
 def _restore(spec: SymmetrySpec, state: dict, g: GroupElement | None) -> dict:
     """``θ = g⁻¹·(g·θ)`` in place on ``state`` (each aligned tensor goes as its original replaces it)."""
-    from .width import inverse  # width.py builds on merge.py
-
     return state if g is None else apply_group(spec, state, inverse(g), in_place=True)
 
 

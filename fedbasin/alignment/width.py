@@ -53,12 +53,10 @@ import torch
 from .canonical import canonicalize, to_gauge
 from .group import (
     GroupElement,
-    HeadMap,
-    NeuronMap,
     apply_group,
     apply_residual_map,
+    inverse,
     ones_complement,
-    permuted_maps,
 )
 from .matching import MatchResult, weight_match
 from .merge import MergeResult, merge
@@ -305,39 +303,6 @@ def restrict(
                              f"{_shape(small[key])} (different vocabulary, classes or input shape?)")
     return state if gains is None else to_gauge(spec_small, state, gains)
 
-
-def inverse(g: GroupElement) -> GroupElement:
-    """``g⁻¹`` for an element with orthogonal residual map (``compose(g, inverse(g))`` = identity).
-
-    Head h of ``g·θ`` is ``M_h`` applied to head ``perm[h]``, so ``g⁻¹`` has ``perm⁻¹`` and maps
-    ``M⁻¹[perm⁻¹]`` with ``M⁻¹ = (dual)ᵀ`` and dual ``Mᵀ`` (grouped-query attention: maps per
-    key/value group, reordered by the groups' permutation); neurons ``perm⁻¹`` and scales
-    ``1 / s[perm⁻¹]``; residual ``Rᵀ``.
-    """
-    def moved(m: torch.Tensor | None, ip: torch.Tensor) -> torch.Tensor | None:  # m[ip]ᵀ per head (group)
-        return None if m is None else permuted_maps(m, ip).transpose(-1, -2)
-
-    heads = []
-    for hm in g.heads:
-        if hm is None:
-            heads.append(None)
-            continue
-        ip = torch.argsort(hm.perm)
-        heads.append(HeadMap(
-            ip,
-            moved(hm.qk if hm.qk_dual is None else hm.qk_dual, ip),
-            moved(hm.ov if hm.ov_dual is None else hm.ov_dual, ip),
-            None if hm.qk_dual is None else moved(hm.qk, ip),
-            None if hm.ov_dual is None else moved(hm.ov, ip),
-        ))
-    neurons = []
-    for nm in g.neurons:
-        if nm is None:
-            neurons.append(None)
-            continue
-        ip = torch.argsort(nm.perm)
-        neurons.append(NeuronMap(ip, None if nm.scale is None else 1.0 / nm.scale[ip]))
-    return GroupElement(None if g.residual is None else g.residual.T, heads, neurons)
 
 
 # ---------------------------------------------------------------------------------------------
