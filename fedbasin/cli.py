@@ -540,6 +540,8 @@ def _refiner(args, ref, command: str):
     if args.refine_soft_labels and args.refine_vocabulary != "full" and not args.refine_soft_label_top_k:
         raise UsageError(f"--refine-soft-labels over every token cannot be combined with --refine-vocabulary "
                          f"{args.refine_vocabulary}: add --refine-soft-label-top-k K (sparse targets)")
+    if args.refine_dual and getattr(args, "weights", None) and args.weights[0] == 0:
+        raise UsageError("--refine-dual moves the reference along the path: its --weights entry must be > 0")
     if args.refine_start == "activations" and args.symmetry == "permutation":
         raise UsageError("--refine-start activations finds an orthogonal residual map: it needs --symmetry orthogonal")
     task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",

@@ -82,3 +82,5 @@ def test_cli_align_with_dual_refinement_writes_the_same_path_from_the_unmoved_re
                                                for k in reference})) > 1e-2  # not the plain average
     assert cli_error(capsys, ["align", m0, m1, "--out", str(tmp_path / "x"), "--refine-dual"]).endswith(
         "--refine-dual has no effect without --refine-data")
+    assert cli_error(capsys, ["merge", m0, m1, "--out", str(tmp_path / "x"), *options, "--weights", "0,1"]).endswith(
+        "--refine-dual moves the reference along the path: its --weights entry must be > 0")
