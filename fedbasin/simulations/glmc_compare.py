@@ -40,7 +40,8 @@ import torch
 from fedbasin.alignment import Curve, interpolate, lambda_grid, loss_barrier, weight_match
 from fedbasin.alignment.matching import token_weights
 from fedbasin.checkpoint import build_torch_model, load_checkpoint
-from fedbasin.simulations.gpt2_pair import DEFAULT_TEXT, mean_loss, pair_data
+from fedbasin.simulations.gpt2_pair import DEFAULT_TEXT, device_label, mean_loss, pair_data
+from fedbasin.training import resolve_device
 
 
 def seen_tokens(train_ids: torch.Tensor) -> torch.Tensor:
@@ -97,6 +98,8 @@ def main(argv=None) -> dict:
                         help="where the barrier is measured: the test slice (the last 5%%) or the validation slice "
                         "before it (choose settings there, report on test)")
     parser.add_argument("--points", type=int, default=11)
+    parser.add_argument("--device", default="cpu", help="where fedbasin's curves are evaluated: cpu (1 thread) | cuda "
+                        "| cuda:N | auto (weight matching and GLMC's driver stay on the CPU)")
     parser.add_argument("--out", help="write the results JSON here")
     parser.add_argument("--aligned", action="append", default=[], metavar="NAME=DIR",
                         help="also evaluate the plain path from A to this endpoint already aligned to A")
@@ -115,6 +118,10 @@ def main(argv=None) -> dict:
         name, sep, path = item.partition("=")
         if not (name and sep and (Path(path) / "config.json").is_file()):
             raise SystemExit(f"glmc_compare: --aligned {item!r}: expected NAME=DIR with DIR/config.json")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        parser.error(f"--{exc}")
     torch.set_num_threads(1)
     a, b = load_checkpoint(args.a), load_checkpoint(args.b)
     _, splits = pair_data(args.text, args.tokenizer or args.a, a.config.n_positions)
@@ -123,11 +130,12 @@ def main(argv=None) -> dict:
         test = test.subset(torch.arange(min(args.max_blocks, len(test))))
     train_ids = torch.cat([splits["train"].inputs.reshape(-1), splits["train"].targets[:, -1]])
     seen = seen_tokens(train_ids)
+    machine = f"{platform.machine()} CPU, 1 thread" if device.type == "cpu" else device_label(device)
     results = {"a": args.a, "b": args.b, "split": args.split, "test_blocks": len(test), "points": args.points, "seen_tokens": len(seen),
-               "vocab": a.config.vocab_size, "machine": f"{platform.machine()} CPU, 1 thread", "rows": {}}
+               "vocab": a.config.vocab_size, "machine": machine, "rows": {}}
 
     def loss(state: dict) -> float:
-        return mean_loss(build_torch_model(a, state), test)
+        return mean_loss(build_torch_model(a, state).to(device), test)
 
     lambdas = lambda_grid(args.points)
     if args.glmc_only:

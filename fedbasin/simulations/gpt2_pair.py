@@ -9,6 +9,9 @@ with fp16 mixed precision on a GPU) unless ``--fp32``.
 
     python -m fedbasin.simulations.gpt2_pair --seed 0 --epochs 6 --out /work/runs/gpt2pair
 
+trains on the CPU (``--threads`` threads) unless ``--device cuda``: a GPU trains a pair of the same
+recipe, not the same pair (other kernels, other rounding).
+
 writes ``OUT/seed{S}/`` (an HF checkpoint directory with the tokenizer beside the weights, which
 ``fedbasin barrier/align/merge`` read) and ``OUT/seed{S}/train.json`` (losses, steps, seconds).
 Training state is saved atomically every ``--save-every`` steps to ``OUT/seed{S}.state.pt`` and a
@@ -27,6 +30,7 @@ import torch
 
 from fedbasin.atomic import atomic_write
 from fedbasin.data import HFTokenizer, Split, token_blocks
+from fedbasin.training import resolve_device
 
 DEFAULT_TEXT = "../shared/data/tinyshakespeare/input.txt"
 DEFAULT_TOKENIZER = "../shared/data/gpt2_tokenizer"
@@ -67,9 +71,10 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def mean_loss(model, split: Split, batch_size: int = 16) -> float:
     """Mean next-token cross-entropy over every target of ``split``."""
     model.eval()
+    device = next(model.parameters()).device
     total = 0.0
     for x, y in split.batches(batch_size):
-        total += float(token_loss(model(x).logits, y)) * y.numel()
+        total += float(token_loss(model(x.to(device)).logits, y.to(device))) * y.numel()
     return total / split.targets.numel()
 
 
@@ -89,7 +94,7 @@ def train_one(args, seed: int) -> dict:
     tokenizer, splits = pair_data(args.text, args.tokenizer, args.block_size)
     config = gpt2_config(tokenizer, args.block_size)
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config).to(args.device)  # initialised on the CPU: the same start on any device
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     per_epoch = math.ceil(len(splits["train"]) / args.batch_size)
     total = args.measure or args.epochs * per_epoch
@@ -98,7 +103,7 @@ def train_one(args, seed: int) -> dict:
     out = Path(args.out)
     state_file, final = out / f"seed{seed}.state.pt", out / f"seed{seed}"
     if args.export_partial:  # the latest saved training state as a model directory, training untouched
-        saved = torch.load(state_file, weights_only=False)
+        saved = torch.load(state_file, weights_only=False, map_location=args.device)
         model.load_state_dict(saved["model"])
         partial = out / f"seed{seed}-step{saved['step']}"
         save_checkpoint(partial, "gpt2", config, model.state_dict(), kind="hf")
@@ -106,7 +111,7 @@ def train_one(args, seed: int) -> dict:
         return {"seed": seed, "exported": str(partial), "step": saved["step"], "of": saved["total"]}
     step, seconds = 0, 0.0
     if not args.measure and state_file.is_file():
-        saved = torch.load(state_file, weights_only=False)
+        saved = torch.load(state_file, weights_only=False, map_location=args.device)
         if saved["total"] != total:
             raise SystemExit(f"{state_file} was saved for {saved['total']} steps, not {total}: remove it or "
                              f"rerun with the same --epochs")
@@ -130,12 +135,12 @@ def train_one(args, seed: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss_value = 0.0
         for chunk in index.split(args.micro_batch):  # gradient accumulation: the same mean over the batch
-            x, y = splits["train"].inputs[chunk], splits["train"].targets[chunk]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32):
+            x, y = splits["train"].inputs[chunk].to(args.device), splits["train"].targets[chunk].to(args.device)
+            with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=not args.fp32):
                 logits = model(x).logits
             loss = token_loss(logits.float(), y) * (len(chunk) / len(index))
             loss.backward()
-            loss_value += float(loss)
+            loss_value += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
@@ -149,7 +154,7 @@ def train_one(args, seed: int) -> dict:
     if args.measure:
         return {"seed": seed, "steps": step, "seconds_per_step": seconds / step, "steps_per_epoch": per_epoch}
     record = {"seed": seed, "epochs": args.epochs, "autocast": None if args.fp32 else "bfloat16", "steps": total, "steps_per_epoch": per_epoch,
-              "train_seconds": round(seconds, 1), "threads": torch.get_num_threads(),
+              "train_seconds": round(seconds, 1), "threads": torch.get_num_threads(), "device": device_label(args.device),
               "validation_loss": mean_loss(model, splits["validation"]), "test_loss": mean_loss(model, splits["test"]),
               "blocks": {name: len(s) for name, s in splits.items()}}
     save_checkpoint(final, "gpt2", config, model.state_dict(), kind="hf")
@@ -157,6 +162,11 @@ def train_one(args, seed: int) -> dict:
     atomic_write(final / "train.json", lambda tmp: tmp.write_text(json.dumps(record, indent=2)))
     state_file.unlink(missing_ok=True)
     return record
+
+
+def device_label(device: torch.device) -> str:
+    """``cpu``, or the GPU's name (``cuda: NVIDIA H200``)."""
+    return "cpu" if device.type == "cpu" else f"{device.type}: {torch.cuda.get_device_name(device)}"
 
 
 def save_tokenizer(tokenizer: HFTokenizer, directory: Path) -> None:
@@ -179,12 +189,18 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch", type=int, default=16, help="gradient-accumulation chunk (memory only)")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu (default: reproduces the documented pair) | cuda | "
+                        "cuda:N | auto")
     parser.add_argument("--fp32", action="store_true", help="train in float32 (default: bfloat16 autocast)")
     parser.add_argument("--save-every", type=int, default=25, help="steps between resumable training states")
     parser.add_argument("--measure", type=int, default=0, help="time this many steps, write nothing")
     parser.add_argument("--export-partial", action="store_true",
                         help="write the latest saved training state as OUT/seed{S}-step{N} and stop")
     args = parser.parse_args(argv)
+    try:
+        args.device = resolve_device(args.device)
+    except ValueError as exc:
+        parser.error(f"--{exc}")
     torch.set_num_threads(args.threads)
     for seed in args.seed or [0, 1]:
         print(json.dumps(train_one(args, seed)), flush=True)

@@ -1,0 +1,57 @@
+"""`gpt2_pair` trains the recipe's GPT-2 on the device it is given (`--device`), and `glmc_compare`
+evaluates its curves there with the CPU's losses; CUDA cases skip without a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.test_device import DEVICES
+from tests.test_tokenizer_data import SHAKESPEARE, TOKENIZER, _gpt2
+
+pytestmark = pytest.mark.skipif(not TOKENIZER.is_dir() or not SHAKESPEARE.is_file(),
+                                reason="needs ../shared/data (gpt2_tokenizer, tinyshakespeare)")
+
+
+@pytest.fixture
+def excerpt(tmp_path):
+    text = tmp_path / "excerpt.txt"
+    text.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:12_000], encoding="utf-8")
+    return text
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pair_training_on_device(tmp_path, excerpt, device):
+    """One epoch on the device: the record names it, the loss fell from log V, and the saved model's
+    test loss recomputed on the CPU is the one recorded."""
+    from fedbasin.checkpoint import build_torch_model, load_checkpoint
+    from fedbasin.simulations.gpt2_pair import main, mean_loss, pair_data
+
+    out = tmp_path / "pair"
+    assert main(["--seed", "0", "--epochs", "1", "--out", str(out), "--text", str(excerpt), "--tokenizer",
+                 str(TOKENIZER), "--block-size", "32", "--batch-size", "8", "--micro-batch", "4", "--lr", "3e-3",
+                 "--device", device]) == 0
+    record = json.loads((out / "seed0" / "train.json").read_text())
+    assert record["device"].split(":")[0] == device
+    _, splits = pair_data(str(excerpt), str(TOKENIZER), 32)
+    assert record["steps"] == -(-len(splits["train"]) // 8)
+    assert record["test_loss"] < 0.9 * torch.log(torch.tensor(50257.0)).item()
+    checkpoint = load_checkpoint(out / "seed0")
+    assert mean_loss(build_torch_model(checkpoint, checkpoint.state), splits["test"]) == pytest.approx(
+        record["test_loss"], rel=1e-4)
+    assert not (out / "seed0.state.pt").exists()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_curves_on_device_equal_the_cpus(tmp_path, excerpt, device):
+    from fedbasin.simulations.glmc_compare import main
+
+    a, b = _gpt2(tmp_path / "a", 0), _gpt2(tmp_path / "b", 1)
+    common = [str(a), str(b), "--text", str(excerpt), "--max-blocks", "4", "--points", "3", "--variants",
+              "orthogonal/rms/sqrt", "--circuit-variant", ""]
+    cpu, there = main([*common, "--device", "cpu"]), main([*common, "--device", device])
+    assert there["machine"].startswith("x86_64 CPU" if device == "cpu" else "cuda")
+    for name, row in cpu["rows"].items():
+        assert there["rows"][name]["losses"] == pytest.approx(row["losses"], rel=1e-5)
