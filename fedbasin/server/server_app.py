@@ -80,11 +80,18 @@ def refused_as_run_config():
         raise RunConfigError([" ".join(str(error).split("\n"))]) from None
 
 
+def server_proxy_streams(task, model, config: dict):
+    """The proxy split's training stream (the run config's batch size and seed) and its selection and
+    report batches: 256 examples, fewer where one batch's logits would pass 2^26 values (a large vocabulary)."""
+    return proxy_streams(task.proxy, config["batch-size"], seed=config["seed"],
+                         eval_batch_size=min(256, eval_batch_size(task, model)))
+
+
 def make_refiner(spec, model, task, config: dict, to_module_state=None):
     """``refine(reference, clients)``: learned refinement on the proxy split (20% selects the
     alignment kept, 20% only reports its loss); ``to_module_state``: the adapter's
     ``from_standard`` when the model's keys differ from the spec's layout."""
-    data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
+    data = server_proxy_streams(task, model, config)
     return functools.partial(
         learned_refine, spec, model, loss_fn=task.loss_fn, batches=data.batches, selection=data.selection,
         to_module_state=to_module_state,
@@ -117,7 +124,7 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
     device = resolve_device(config["device"])
 
     def distill(merged: dict, clients: list):
-        data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
+        data = server_proxy_streams(task, model, config)
         teachers = [c if isinstance(c, TeacherOutputs) else adapter.from_standard(c) for c in clients]
         with holding_weights(model, adapter.from_standard(merged), device) as student:
             result = ensemble_distill(model, student, teachers, task.loss_fn,
@@ -133,7 +140,7 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
     def prepare(clients: list[dict]):
         """The clients' outputs on the transfer batches ``distill`` will draw, so that their
         weights can go during the merge; None when that cache would exceed half their weights."""
-        data = proxy_streams(task.proxy, config["batch-size"], seed=config["seed"])
+        data = server_proxy_streams(task, model, config)
         teachers = [adapter.from_standard(c) for c in clients]
         with holding_weights(model, teachers[0], device):
             return cache_teacher_outputs(model, teachers, data.batches, config["distill-steps"], augment=augment,
