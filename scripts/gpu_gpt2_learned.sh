@@ -2,8 +2,9 @@
 # The GPT-2 recipe pair on a GPU (docs/merging.md §13): does learned refinement reach the ≤ 0.02 barrier
 # when compute is not the limit? Trains the pair there (gpt2_pair --device cuda, both seeds side by side),
 # measures vanilla and data-free rows, then runs `fedbasin align --refine-data` at the 2-core CPU setting
-# (merging.md §12) and at 8 and 16 times its training examples; each endpoint's barrier is measured on the
-# first 32 test blocks and on the 141 validation blocks right after its run.
+# (merging.md §12) and at 16 times its training examples (plain and dual), 8 times with the full
+# softmax, and 24 times on request (RUNS); each endpoint's barrier is measured on the first 32 test blocks and on the 141 validation
+# blocks right after its run.
 #
 #   TEXT=.../tinyshakespeare/input.txt TOKENIZER=.../gpt2_tokenizer OUT=dir bash scripts/gpu_gpt2_learned.sh
 #
@@ -28,6 +29,7 @@ R=${PAIR:-$work/pair}
 summary=$out/summary.txt
 : >"$summary"
 say() { echo "$*" | tee -a "$summary"; }
+say "work folder (the pair, for PAIR= in a later call): $work"
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit inside the budget, output to the summary
     local name=$1 limit=$2; shift 2

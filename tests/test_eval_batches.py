@@ -23,7 +23,7 @@ def text_file(tmp_path):
 
 
 def test_cli_refinement_scores_in_batches_whose_logits_fit_the_budget(tmp_path, text_file, monkeypatch):
-    import fedbasin.alignment as alignment
+    from fedbasin import alignment
     from fedbasin.cli import main
 
     vocab, context = 200_000, 32  # 6.4 M logit values per block: 10 blocks a batch
