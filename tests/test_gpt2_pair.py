@@ -55,3 +55,19 @@ def test_curves_on_device_equal_the_cpus(tmp_path, excerpt, device):
     assert there["machine"].startswith("x86_64 CPU" if device == "cpu" else "cuda")
     for name, row in cpu["rows"].items():
         assert there["rows"][name]["losses"] == pytest.approx(row["losses"], rel=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("module", ["gpt2_pair", "glmc_compare"])
+def test_an_unusable_device_is_refused_in_one_line(tmp_path, excerpt, capsys, module):
+    import importlib
+
+    main = importlib.import_module(f"fedbasin.simulations.{module}").main
+    a = _gpt2(tmp_path / "a", 0)
+    args = (["--out", str(tmp_path / "pair"), "--text", str(excerpt), "--tokenizer", str(TOKENIZER)]
+            if module == "gpt2_pair" else [str(a), str(a), "--text", str(excerpt)])
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--device", "cuda"])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--device 'cuda': no CUDA GPU is visible here" in message and not (tmp_path / "pair").exists()
