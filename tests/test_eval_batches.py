@@ -8,18 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.test_tokenizer_data import SHAKESPEARE, TOKENIZER, _gpt2
+from tests.test_tokenizer_data import NEEDS_SHARED_TEXT, TOKENIZER, _gpt2, shakespeare_excerpt
 
-pytestmark = pytest.mark.skipif(not TOKENIZER.is_dir() or not SHAKESPEARE.is_file(),
-                                reason="needs ../shared/data (gpt2_tokenizer, tinyshakespeare)")
+pytestmark = NEEDS_SHARED_TEXT
 BUDGET = 2**26
 
 
 @pytest.fixture
 def text_file(tmp_path):
-    path = tmp_path / "excerpt.txt"
-    path.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
-    return path
+    return shakespeare_excerpt(tmp_path, 40_000)
 
 
 def test_cli_refinement_scores_in_batches_whose_logits_fit_the_budget(tmp_path, text_file, monkeypatch):

@@ -9,17 +9,14 @@ import pytest
 import torch
 
 from tests.test_device import DEVICES
-from tests.test_tokenizer_data import SHAKESPEARE, TOKENIZER, _gpt2
+from tests.test_tokenizer_data import NEEDS_SHARED_TEXT, TOKENIZER, _gpt2, shakespeare_excerpt
 
-pytestmark = pytest.mark.skipif(not TOKENIZER.is_dir() or not SHAKESPEARE.is_file(),
-                                reason="needs ../shared/data (gpt2_tokenizer, tinyshakespeare)")
+pytestmark = NEEDS_SHARED_TEXT
 
 
 @pytest.fixture
 def excerpt(tmp_path):
-    text = tmp_path / "excerpt.txt"
-    text.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:12_000], encoding="utf-8")
-    return text
+    return shakespeare_excerpt(tmp_path, 12_000)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -23,15 +23,21 @@ from fedbasin.data import load_task
 SHARED = Path(os.environ.get("FEDBASIN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 TOKENIZER = SHARED / "gpt2_tokenizer"
 SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
-pytestmark = pytest.mark.skipif(not TOKENIZER.is_dir() or not SHAKESPEARE.is_file(),
-                                reason="needs ../shared/data (gpt2_tokenizer, tinyshakespeare)")
+NEEDS_SHARED_TEXT = pytest.mark.skipif(not TOKENIZER.is_dir() or not SHAKESPEARE.is_file(),
+                                       reason="needs ../shared/data (gpt2_tokenizer, tinyshakespeare)")
+pytestmark = NEEDS_SHARED_TEXT
+
+
+def shakespeare_excerpt(directory: Path, chars: int) -> Path:
+    """The first ``chars`` characters of Tiny Shakespeare as ``directory/excerpt.txt``."""
+    path = directory / "excerpt.txt"
+    path.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:chars], encoding="utf-8")
+    return path
 
 
 @pytest.fixture
 def text_file(tmp_path):
-    path = tmp_path / "excerpt.txt"
-    path.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:30_000], encoding="utf-8")
-    return path
+    return shakespeare_excerpt(tmp_path, 30_000)
 
 
 def _gpt2(path, seed, vocab=50257, with_tokenizer=True):
