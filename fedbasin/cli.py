@@ -447,13 +447,14 @@ def cmd_align(args) -> int:
     try:
         if args.refine_data:
             refine, info = _refiner(args, ref, "align")
-            result = refine(_standard(ref, device), [_standard(cand, device)])
+            reference = _standard(ref, device)
+            result = refine(reference, [_standard(cand, device)])
             aligned = result.states[0]
             if args.refine_dual:  # g_ref⁻¹·g_cand·B: the same path from the unmoved reference (the maps act linearly)
                 from fedbasin.alignment import apply_group, canonicalize, inverse, to_gauge
 
                 back = apply_group(ref.spec, result.canonical[0], inverse(result.reference_transform))
-                aligned = to_gauge(ref.spec, back, canonicalize(ref.spec, _standard(ref, device)).gains)
+                aligned = to_gauge(ref.spec, back, canonicalize(ref.spec, reference).gains)
             summary["refinement"] = {**info, **result.summary()}
         else:
             result = weight_match(ref.spec, _standard(ref, device), _standard(cand, device), mode=args.symmetry,
@@ -551,7 +552,8 @@ def _refiner(args, ref, command: str):
     # selection/report batches of at most 32 examples whose logits stay under 2^26 values: GPT-2's
     # 50,257 tokens give 10 blocks of 128, and its head's product then runs 2.7 times faster per value
     # than with 32 blocks (a 206 MB output instead of 823 MB; merging.md §13)
-    data = proxy_streams(task.proxy, args.refine_batch_size, seed=0, eval_batch_size=min(32, eval_batch_size(task, module)))
+    data = proxy_streams(task.proxy, args.refine_batch_size, seed=0,
+                         eval_batch_size=eval_batch_size(task, module, most=32))
     refine = functools.partial(
         learned_refine, ref.spec, module, loss_fn=cross_entropy, batches=data.batches,
         selection=data.selection, evaluation=data.evaluation, steps=args.refine_steps, lr=args.refine_lr,

@@ -265,9 +265,9 @@ def model_adapter(task: Task, model: nn.Module) -> tuple[str, Adapter]:
     return model.config.model_type, hf_adapter(model)
 
 
-def eval_batch_size(task: Task, model: nn.Module, budget: int = 2**26) -> int:
+def eval_batch_size(task: Task, model: nn.Module, budget: int = 2**26, most: int = 512) -> int:
     """Evaluation batch size keeping one batch's logits under ``budget`` values (a 50k-token
-    vocabulary makes 512 blocks of 64 tokens 6.6 GB), at most 512."""
+    vocabulary makes 512 blocks of 64 tokens 6.6 GB), at most ``most``."""
     vocab = getattr(model.config, "vocab_size", 1)
     per_example = max(1, task.test.targets[0].numel() * vocab)
-    return max(1, min(512, budget // per_example))
+    return max(1, min(most, budget // per_example))

@@ -84,7 +84,7 @@ def server_proxy_streams(task, model, config: dict):
     """The proxy split's training stream (the run config's batch size and seed) and its selection and
     report batches: 256 examples, fewer where one batch's logits would pass 2^26 values (a large vocabulary)."""
     return proxy_streams(task.proxy, config["batch-size"], seed=config["seed"],
-                         eval_batch_size=min(256, eval_batch_size(task, model)))
+                         eval_batch_size=eval_batch_size(task, model, most=256))
 
 
 def make_refiner(spec, model, task, config: dict, to_module_state=None):

@@ -40,8 +40,13 @@ import torch
 from fedbasin.alignment import Curve, interpolate, lambda_grid, loss_barrier, weight_match
 from fedbasin.alignment.matching import token_weights
 from fedbasin.checkpoint import build_torch_model, load_checkpoint
-from fedbasin.simulations.gpt2_pair import DEFAULT_TEXT, device_label, mean_loss, pair_data
-from fedbasin.training import resolve_device
+from fedbasin.simulations.gpt2_pair import (
+    DEFAULT_TEXT,
+    device_label,
+    mean_loss,
+    pair_data,
+    parsed_device,
+)
 
 
 def seen_tokens(train_ids: torch.Tensor) -> torch.Tensor:
@@ -118,10 +123,7 @@ def main(argv=None) -> dict:
         name, sep, path = item.partition("=")
         if not (name and sep and (Path(path) / "config.json").is_file()):
             raise SystemExit(f"glmc_compare: --aligned {item!r}: expected NAME=DIR with DIR/config.json")
-    try:
-        device = resolve_device(args.device)
-    except ValueError as exc:
-        parser.error(f"--{exc}")
+    device = parsed_device(parser, args.device)
     torch.set_num_threads(1)
     a, b = load_checkpoint(args.a), load_checkpoint(args.b)
     _, splits = pair_data(args.text, args.tokenizer or args.a, a.config.n_positions)

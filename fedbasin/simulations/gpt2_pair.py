@@ -164,6 +164,14 @@ def train_one(args, seed: int) -> dict:
     return record
 
 
+def parsed_device(parser: argparse.ArgumentParser, name: str) -> torch.device:
+    """``--device`` resolved, or the parser's one-line usage error (exit 2) when it is not usable here."""
+    try:
+        return resolve_device(name)
+    except ValueError as exc:
+        parser.error(f"--{exc}")
+
+
 def device_label(device: torch.device) -> str:
     """``cpu``, or the GPU's name (``cuda: NVIDIA H200``)."""
     return "cpu" if device.type == "cpu" else f"{device.type}: {torch.cuda.get_device_name(device)}"
@@ -197,10 +205,7 @@ def main(argv=None) -> int:
     parser.add_argument("--export-partial", action="store_true",
                         help="write the latest saved training state as OUT/seed{S}-step{N} and stop")
     args = parser.parse_args(argv)
-    try:
-        args.device = resolve_device(args.device)
-    except ValueError as exc:
-        parser.error(f"--{exc}")
+    args.device = parsed_device(parser, args.device)
     torch.set_num_threads(args.threads)
     for seed in args.seed or [0, 1]:
         print(json.dumps(train_one(args, seed)), flush=True)
