@@ -9,7 +9,8 @@
 #   TEXT=.../tinyshakespeare/input.txt TOKENIZER=.../gpt2_tokenizer OUT=dir bash scripts/gpu_gpt2_learned.sh
 #
 # PAIR=DIR reuses a trained pair (DIR/seed0, DIR/seed1) instead of training one; DEVICE (default cuda);
-# RUNS: the rows to run (default "datafree cpu_setting x16 x16_dual x8_full_vocab"; also x24);
+# RUNS: the rows to run (default "datafree cpu_setting x16 x16_dual x8_full_vocab"; also x24, x64 and x64_dual
+# (1,600 steps of 64 blocks, one-sided / dual) and x128_dual (3,200 steps of 64 blocks, dual));
 # STEP_DIVISOR=N divides every step count (a quick dry run of the pipeline); BUDGET (s, default 560): a
 # step that would not finish inside it is skipped and says so. Writes summary.txt (every step's output),
 # rows.jsonl (one line per barrier row) and align.log (the runs' progress) to $OUT.
@@ -91,4 +92,7 @@ wanted x16 && learned x16 200 1600 16
 wanted x16_dual && learned x16_dual 200 1600 16 --refine-dual
 wanted x8_full_vocab && learned x8_full_vocab 200 800 16 --refine-vocabulary full --refine-vocabulary-samples 0
 wanted x24 && learned x24 200 2400 16
+wanted x64 && learned x64 200 1600 64
+wanted x64_dual && learned x64_dual 300 1600 64 --refine-dual
+wanted x128_dual && learned x128_dual 300 3200 64 --refine-dual
 say "== done at $SECONDS s"
