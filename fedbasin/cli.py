@@ -170,6 +170,9 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
                    "select the alignment kept, 20%% only report its loss)")
     g.add_argument("--refine-lr", type=_positive_float, default=1e-2,
                    help="Adam learning rate of the rotation (Cayley) and permutation parameters")
+    g.add_argument("--refine-head-lr", type=_positive_float, metavar="LR",
+                   help="Adam learning rate of the per-head QK/OV maps (default: --refine-lr); on the GPT-2 "
+                   "recipe pair 8 times --refine-lr with half of it for the rest measured best (docs/merging.md §13)")
     g.add_argument("--refine-permutations", choices=["ste", "sinkhorn", "fixed"], default="ste",
                    help="straight-through Hungarian, Sinkhorn relaxation, or keep the matching's permutations")
     g.add_argument("--refine-group", choices=["orthogonal", "invertible"], default="orthogonal",
@@ -209,7 +212,7 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
 
 
 MATCHING_OPTIONS = ("symmetry", "iterations", "tol", "seen_tokens", "token_weighting", "head_weight")
-REFINE_OPTIONS = ("refine_steps", "refine_examples", "refine_lr", "refine_permutations", "refine_group",
+REFINE_OPTIONS = ("refine_steps", "refine_examples", "refine_lr", "refine_head_lr", "refine_permutations", "refine_group",
                   "refine_lambda", "refine_schedule", "refine_batch_size", "refine_soft_labels",
                   "refine_soft_label_top_k", "refine_dual", "refine_workers", "refine_vocabulary_samples",
                   "refine_eval_every", "refine_start", "refine_vocabulary")
@@ -557,7 +560,7 @@ def _refiner(args, ref, command: str):
     refine = functools.partial(
         learned_refine, ref.spec, module, loss_fn=cross_entropy, batches=data.batches,
         selection=data.selection, evaluation=data.evaluation, steps=args.refine_steps, lr=args.refine_lr,
-        mode=args.symmetry, permutations=args.refine_permutations, group=args.refine_group,
+        head_lr=args.refine_head_lr, mode=args.symmetry, permutations=args.refine_permutations, group=args.refine_group,
         lambda_range=tuple(args.refine_lambda), schedule=args.refine_schedule, match_iterations=args.iterations,
         match_tol=args.tol, universe_iterations=getattr(args, "universe_iterations", 1),
         token_rows=_seen_tokens(args, ref, command), head_weight=args.head_weight, start=args.refine_start,
@@ -565,7 +568,8 @@ def _refiner(args, ref, command: str):
         vocabulary_samples=args.refine_vocabulary_samples, soft_labels=args.refine_soft_labels,
         soft_label_top_k=args.refine_soft_label_top_k, dual=args.refine_dual, batch_workers=args.refine_workers,
         to_module_state=ref.adapter.from_standard, progress=True)
-    info = {"steps": args.refine_steps, "proxy_examples": len(task.proxy), "soft_labels": args.refine_soft_labels,
+    info = {"steps": args.refine_steps, "lr": args.refine_lr, "head_lr": args.refine_head_lr or args.refine_lr,
+            "proxy_examples": len(task.proxy), "soft_labels": args.refine_soft_labels,
             "soft_label_top_k": args.refine_soft_label_top_k, "dual": args.refine_dual}
     if task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))

@@ -60,6 +60,7 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "universe-iterations": 1,  # >1: re-align every client to the running average (universe matching)
     "refine-steps": 0,  # >0: learned refinement on the server's proxy split (needs proxy-size >= 10)
     "refine-lr": 0.01,
+    "refine-head-lr": 0.0,  # >0: Adam's learning rate for the per-head QK/OV maps (0: refine-lr)
     "refine-permutations": "ste",  # ste (straight-through Hungarian) | sinkhorn | fixed (the matching's)
     "refine-group": "orthogonal",  # orthogonal | invertible (per-head QK/OV maps, ReLU neuron scalings)
     "refine-start": "symmetry",  # symmetry (`symmetry`'s mode) | permutation | orthogonal | best (both, the better)
@@ -113,7 +114,7 @@ RANGES = (
       "model.dim", "model.depth", "model.heads", "model.mlp-dim", "model.patch-size", "model.kv-heads",
       "weight-decay", "max-examples-ratio", "outlier-threshold", "clip-ratio", "trim-fraction",
       "lr", "fraction-train", "fraction-evaluate", "distill-label-weight", "refine-soft-labels", "refine-soft-label-top-k",
-      "refine-workers"),
+      "refine-workers", "refine-head-lr"),
      0, True),
     (("refine-lr", "distill-lr", "distill-temperature", "dirichlet-alpha", "max-abs-weight"), 0, False),
 )

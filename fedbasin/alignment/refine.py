@@ -150,6 +150,11 @@ class _Delta(nn.Module):
             nn.Parameter(torch.zeros(state[spec.mlp[i].up.weight].shape[0], dtype=dtype)) for i in self.scaled_mlps
         )
 
+    def head_parameters(self) -> list:
+        """The per-head maps' parameters (QK and OV maps, RoPE scales, partial-rotary blocks)."""
+        families = (self.qk, self.qk_log_scale, self.qk_passthrough.values(), self.ov)
+        return [p for family in families for p in family]
+
     def residual_map(self) -> torch.Tensor:
         o = cayley(self.residual)
         if not self.fix_ones:
@@ -302,6 +307,7 @@ class RefineResult:
     reference_transform: GroupElement | None = None
     start_mode: str = ""
     workers: int = 1
+    diverged_step: int = 0  # the step whose loss or maps became non-finite (training stopped there); 0: none
 
     @property
     def improved(self) -> bool:
@@ -314,9 +320,16 @@ class RefineResult:
         if self.start_mode:
             out["start"] = self.start_mode
         out["batch_workers"] = self.workers
+        notes = []
+        if self.diverged_step:
+            out["diverged_step"] = self.diverged_step
+            notes.append(f"refinement diverged at step {self.diverged_step} (non-finite loss or maps; a lower "
+                         "learning rate avoids it) and stopped there")
         if not self.improved:
-            out["note"] = ("refinement could not improve on the weight-matching start (best_step 0): "
-                           "the start is returned unchanged")
+            notes.append("refinement could not improve on the weight-matching start (best_step 0): "
+                         "the start is returned unchanged")
+        if notes:
+            out["note"] = "; ".join(notes)
         return out
 
 
@@ -438,6 +451,7 @@ def learned_refine(
     soft_labels: float = 0.0,
     soft_label_top_k: int = 0,
     batch_workers: int = 0,
+    head_lr: float | None = None,
 ) -> RefineResult:
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
 
@@ -485,6 +499,8 @@ def learned_refine(
     selection, evaluation and labelling batches are shared among them (:class:`_Workers`); the
     gradient is ``Σ_i (n_i/n)·∇L_i`` (``loss_fn`` is a mean over the batch's examples), equal to the
     whole batch's up to rounding.
+    ``head_lr``: Adam's learning rate for the per-head maps (:meth:`_Delta.head_parameters`); the
+    residual map, neuron scalings and permutation scores keep ``lr`` (None: ``lr`` for all).
     ``include_reference=False`` leaves the reference out of the mixture and the scored centroid
     (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
@@ -527,7 +543,7 @@ def learned_refine(
         raise ValueError("dual=True moves the reference along the path: it needs include_reference=True")
     if not candidates:
         raise ValueError("learned refinement needs at least one candidate")
-    check_step_options(steps, eval_every, lr=lr, alpha=alpha, tau=tau)
+    check_step_options(steps, eval_every, lr=lr, alpha=alpha, tau=tau, **({} if head_lr is None else {"head_lr": head_lr}))
     if not _as_batches(selection):
         raise ValueError("learned refinement: the selection split is empty (keep-best needs data to choose on)")
     t0 = time.perf_counter()
@@ -607,7 +623,7 @@ def learned_refine(
         base = [s.canonical for s in starts]
         movers = [ref_state] * dual + base  # the models that carry a learned transform
         deltas = nn.ModuleList(_Delta(spec, b, permutations, init_scale=1.0, group=group) for b in movers).to(device)
-        optimiser = torch.optim.Adam(deltas.parameters(), lr=lr)
+        optimiser = torch.optim.Adam(_parameter_groups(deltas, lr, head_lr), lr=lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimiser, (lambda i: 1.0) if schedule == "constant" else (lambda i: 0.5 * (1 + math.cos(math.pi * i / max(steps, 1)))))
         rng = np.random.default_rng(seed)  # private: the caller's torch RNG stream is left alone
@@ -649,6 +665,9 @@ def learned_refine(
                                     forward, mixture(lam, moved_ref, moved), x, y)
             optimiser.step()
             scheduler.step()
+            if not _all_finite(loss, deltas.parameters()):  # diverged: keep the best alignment scored so far
+                result.diverged_step = step
+                break
             bar.update(1)
             if progress:  # loss.item() synchronises with the device: only when shown
                 bar.set_postfix(loss=f"{loss.item():.4f}", best=f"{best:.4f}")
@@ -675,6 +694,21 @@ def learned_refine(
     result.workers = workers.count
     workers.close()
     return result
+
+
+def _all_finite(loss: torch.Tensor, parameters) -> bool:
+    """Whether the step's loss and every learned parameter after it are finite (one device sync)."""
+    flags = [torch.isfinite(loss).all()] + [torch.isfinite(p).all() for p in parameters]
+    return bool(torch.stack(flags).all())
+
+
+def _parameter_groups(deltas: nn.ModuleList, lr: float, head_lr: float | None) -> list:
+    """Adam's parameter groups: the per-head maps at ``head_lr``, everything else at ``lr``."""
+    if head_lr is None:
+        return [{"params": list(deltas.parameters())}]
+    heads = [p for d in deltas for p in d.head_parameters()]
+    chosen = {id(p) for p in heads}
+    return [{"params": [p for p in deltas.parameters() if id(p) not in chosen]}, {"params": heads, "lr": head_lr}]
 
 
 class _Workers:

@@ -96,7 +96,7 @@ def make_refiner(spec, model, task, config: dict, to_module_state=None):
         learned_refine, spec, model, loss_fn=task.loss_fn, batches=data.batches, selection=data.selection,
         to_module_state=to_module_state,
         evaluation=data.evaluation,
-        steps=config["refine-steps"], lr=config["refine-lr"],
+        steps=config["refine-steps"], lr=config["refine-lr"], head_lr=config["refine-head-lr"] or None,
         mode=config["symmetry"] if config["refine-start"] == "symmetry" else config["refine-start"],
         permutations=config["refine-permutations"], group=config["refine-group"],
         lambda_range=refine_lambda(config), schedule=config["refine-schedule"],

@@ -78,16 +78,17 @@ REFINE_OLD = dict(steps=200, proxy_examples=512, lr=1e-2, group="orthogonal", mo
 # steps: 0.044 on the pair 0, 1; labels alone: 0.036 on the pair 4, 5). CIFAR-10 and the character GPT: the old
 # settings (λ ~ U(0, 1) and the best start measured worse) with a cosine schedule and soft labels; CIFAR-10 960
 # steps at lr 5e-3 on 12,000 proxy examples, the midpoint every 160 steps: 0.017 ± 0.001 over refinement seeds 0-2
-# in 104-109 s (560 steps on 8,000 examples, one thread: 0.022 ± 0.001); the character GPT 720 steps of 32 blocks,
-# the invertible group and λ ~ U(0.2, 0.6), where its curves peak, on 4,000 proxy blocks with selection every 180
-# steps: 0.0643 / 0.0638 over refinement seeds 0 / 1 in 119 s (480 steps of 64: 0.0666 / 0.0728 in 115-120 s)
+# in 104-109 s (560 steps on 8,000 examples, one thread: 0.022 ± 0.001); the character GPT 680 steps of 32 blocks,
+# the invertible group and λ ~ U(0.2, 0.6), where its curves peak, on 4,000 proxy blocks with selection every 170
+# steps, lr 5e-3 and the head maps at 4e-2: 0.0547 / 0.0586 over refinement seeds 0 / 1 in 112 s (lr 1e-2 for
+# every map: 0.0643 / 0.0674; merging.md §13)
 REFINE_BY_TASK = {"digits": dict(REFINE_DEFAULTS, steps=4000, lr=3e-3, eval_every=100, soft_labels=0.5,
                                   batch_workers=2),
                   "cifar10": dict(REFINE_OLD, steps=960, proxy_examples=12000, lr=5e-3, schedule="cosine",
                                   eval_every=160, soft_labels=0.5, batch_workers=2),
                   "shakespeare": dict(REFINE_OLD, steps=680, batch_size=32, proxy_examples=4000, schedule="cosine",
                                       eval_every=170, group="invertible", lambda_range=(0.2, 0.6), soft_labels=0.5,
-                                      batch_workers=2)}
+                                      lr=5e-3, head_lr=4e-2, batch_workers=2)}
 
 
 def refine_settings(task: str, choice: str = "task", **overrides) -> dict:
