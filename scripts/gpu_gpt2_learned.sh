@@ -10,7 +10,8 @@
 #
 # PAIR=DIR reuses a trained pair (DIR/seed0, DIR/seed1) instead of training one; DEVICE (default cuda);
 # RUNS: the rows to run (default "datafree cpu_setting x16 x16_dual x8_full_vocab"; also x24, x64 and x64_dual
-# (1,600 steps of 64 blocks, one-sided / dual) and x128_dual (3,200 steps of 64 blocks, dual));
+# (1,600 steps of 64 blocks, one-sided / dual) and x128_dual (3,200 steps of 64 blocks, dual); x64_dual_head: x64_dual with the
+# per-head maps at 8 times the lr (--refine-head-lr 0.024));
 # STEP_DIVISOR=N divides every step count (a quick dry run of the pipeline); BUDGET (s, default 560): a
 # step that would not finish inside it is skipped and says so. Writes summary.txt (every step's output),
 # rows.jsonl (one line per barrier row) and align.log (the runs' progress) to $OUT.
@@ -95,4 +96,5 @@ wanted x24 && learned x24 200 2400 16
 wanted x64 && learned x64 200 1600 64
 wanted x64_dual && learned x64_dual 300 1600 64 --refine-dual
 wanted x128_dual && learned x128_dual 300 3200 64 --refine-dual
+wanted x64_dual_head && learned x64_dual_head 170 1600 64 --refine-dual --refine-head-lr 0.024
 say "== done at $SECONDS s"
