@@ -172,7 +172,7 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
                    help="Adam learning rate of the rotation (Cayley) and permutation parameters")
     g.add_argument("--refine-head-lr", type=_positive_float, metavar="LR",
                    help="Adam learning rate of the per-head QK/OV maps (default: --refine-lr); on the GPT-2 "
-                   "recipe pair 8 times --refine-lr with half of it for the rest measured best (docs/merging.md §13)")
+                   "recipe pair --refine-lr 0.0025 --refine-head-lr 0.04 measured best (docs/merging.md §13)")
     g.add_argument("--refine-permutations", choices=["ste", "sinkhorn", "fixed"], default="ste",
                    help="straight-through Hungarian, Sinkhorn relaxation, or keep the matching's permutations")
     g.add_argument("--refine-group", choices=["orthogonal", "invertible"], default="orthogonal",
