@@ -56,6 +56,24 @@ def test_soft_labels_are_the_mixed_models_mean_probabilities_on_the_training_par
         assert torch.equal(x, x0) and torch.equal(t.argmax(-1), y0)
 
 
+def test_soft_labels_read_the_inputs_through_the_split_s_transform():
+    """Stored inputs that only become model inputs through the split's transform (CIFAR-10 keeps
+    uint8 images): the labels equal those of the transformed inputs stored as they are. (The
+    classes were once counted on a raw stored input: uint8 images into the model raised.)"""
+    from fedbasin.data.task import Split
+
+    model, _, task, a, b = digits_pair()
+    split = proxy_streams(task.proxy, 32, seed=0).batches.split
+    lo, hi = float(split.inputs.min()), float(split.inputs.max())
+    stored = ((split.inputs - lo) / (hi - lo) * 255).round().to(torch.uint8)
+    transform = lambda q: q.float() / 255 * (hi - lo) + lo  # noqa: E731
+    forward = lambda state, x, module: torch.func.functional_call(module, state, (x,))  # noqa: E731
+    workers = _Workers(model, torch.device("cpu"), 1)
+    labels = _soft_labels(Split(stored, split.targets, transform), [a, b], workers, 0.5, "cpu", forward)
+    expected = _soft_labels(Split(transform(stored), split.targets), [a, b], workers, 0.5, "cpu", forward)
+    torch.testing.assert_close(labels, expected, rtol=0, atol=0)
+
+
 def refine(soft_labels: float, steps: int = 40):
     model, spec, task, a, b = digits_pair()
     data = proxy_streams(task.proxy, 32, seed=0)

@@ -809,7 +809,7 @@ def _soft_labels(split, states: list[dict], workers: _Workers, weight: float, de
         return torch.stack([ids.to(values), values / values.sum(-1, keepdim=True)], -1).cpu()
 
     with torch.no_grad():
-        first = split.inputs[:1].to(device)
+        first = next(split.batches(1))[0].to(device)  # the model's input: the split's transform applied
         classes = forward(states[0], first if vocabulary is None else vocabulary.renumber(first),
                           workers.modules[0]).shape[-1]
         per_example = split.targets[:1].numel()
