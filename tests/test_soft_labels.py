@@ -66,8 +66,8 @@ def test_soft_labels_read_the_inputs_through_the_split_s_transform():
     split = proxy_streams(task.proxy, 32, seed=0).batches.split
     lo, hi = float(split.inputs.min()), float(split.inputs.max())
     stored = ((split.inputs - lo) / (hi - lo) * 255).round().to(torch.uint8)
-    transform = lambda q: q.float() / 255 * (hi - lo) + lo  # noqa: E731
-    forward = lambda state, x, module: torch.func.functional_call(module, state, (x,))  # noqa: E731
+    transform = lambda q: q.float() / 255 * (hi - lo) + lo
+    forward = lambda state, x, module: torch.func.functional_call(module, state, (x,))
     workers = _Workers(model, torch.device("cpu"), 1)
     labels = _soft_labels(Split(stored, split.targets, transform), [a, b], workers, 0.5, "cpu", forward)
     expected = _soft_labels(Split(transform(stored), split.targets), [a, b], workers, 0.5, "cpu", forward)
