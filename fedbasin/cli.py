@@ -643,8 +643,7 @@ def _seen_tokens(args, checkpoint, command: str):
     task = _task_for(checkpoint, args.seen_tokens, args.tokenizer, str(checkpoint.path), command, "--seen-tokens")
     from fedbasin.alignment.matching import token_weights
 
-    ids = torch.cat([task.train.inputs.reshape(-1), task.train.targets[:, -1]])  # each training token once
-    return token_weights(ids, int(checkpoint.config.vocab_size), args.token_weighting)
+    return token_weights(task.train.token_ids(), int(checkpoint.config.vocab_size), args.token_weighting)
 
 
 def _context_length(checkpoint) -> int | None:

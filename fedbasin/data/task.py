@@ -41,6 +41,10 @@ class Split:
         n_second = min(max(1, round(fraction * len(self))), len(self) - 1)
         return self.subset(order[n_second:]), self.subset(order[:n_second])
 
+    def token_ids(self) -> torch.Tensor:
+        """Every token of a next-token split once (flat): the blocks' inputs and each block's last target."""
+        return torch.cat([self.inputs.reshape(-1), self.targets[:, -1]])
+
     def batches(
         self,
         batch_size: int,

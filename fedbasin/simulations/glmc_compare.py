@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
     test = splits[args.split]
     if args.max_blocks:
         test = test.subset(torch.arange(min(args.max_blocks, len(test))))
-    train_ids = torch.cat([splits["train"].inputs.reshape(-1), splits["train"].targets[:, -1]])
+    train_ids = splits["train"].token_ids()
     seen = seen_tokens(train_ids)
     machine = f"{platform.machine()} CPU, 1 thread" if device.type == "cpu" else device_label(device)
     results = {"a": args.a, "b": args.b, "split": args.split, "test_blocks": len(test), "points": args.points, "seen_tokens": len(seen),
