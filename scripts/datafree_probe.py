@@ -1,0 +1,122 @@
+"""Exploratory probe of data-free objectives on the GPT-2 recipe pair (docs/merging.md §2a, "Two more
+objectives"): weight matching (√count token rows, head × --head) on tensors changed before matching, then
+the group element it found applied to the unchanged candidate (exact either way), and the barrier (11 λ).
+
+* ``--source real|unigram``: every reader of a norm multiplied by Σ^{p/2} (``--power`` p, ``--ridge``),
+  Σ = E[x̂ x̂ᵀ] of the normalised residual at that norm in each model's own basis, from ``--blocks``
+  training blocks (real) or tokens drawn by their training counts (unigram); ``--sites`` restricts it.
+* ``--center``: every residual axis projected onto the complement of the all-ones vector.
+* ``--source none`` without ``--center`` reproduces the plain objective.
+
+    python scripts/datafree_probe.py --pair runs/gpt2pair6 --text ../shared/data/tinyshakespeare/input.txt \
+        [--source real --sites attn] [--center] [--split test --max-blocks 32]
+
+Prints one JSON line. Uses fedbasin internals (not a supported API)."""
+import argparse
+import json
+import time
+
+import torch
+
+from fedbasin.alignment import interpolate, lambda_grid, loss_barrier, weight_match
+from fedbasin.alignment.activations import _normalised, _Recorder
+from fedbasin.alignment.canonical import canonicalize, to_gauge
+from fedbasin.alignment.group import apply_group, contract_axis
+from fedbasin.alignment.matching import token_weights
+from fedbasin.checkpoint import build_torch_model, load_checkpoint
+from fedbasin.models.weights import weightless_copy
+from fedbasin.simulations.gpt2_pair import DEFAULT_TEXT, mean_loss, pair_data
+
+
+def second_moments(checkpoint, spec, sites, state: dict, blocks: torch.Tensor) -> list[torch.Tensor]:
+    """Σ = E[x̂ x̂ᵀ] of the normalised input of each norm in ``sites`` (the model ``state`` on ``blocks``)."""
+    frozen = weightless_copy(build_torch_model(checkpoint), torch.device("cpu")).eval()
+    recorder = _Recorder(spec, frozen, checkpoint.adapter.from_standard)
+    sums = {}
+    with torch.no_grad():
+        for start in range(0, len(blocks), 16):
+            recorder.acts = {}
+            torch.func.functional_call(frozen, checkpoint.adapter.from_standard(state), (blocks[start:start + 16],))
+            for (kind, index), value in recorder.acts.items():
+                if kind == "norm":  # (input, output) of the norm
+                    x = _normalised(value[0], layernorm=True)
+                    sums[index] = sums.get(index, 0) + x.T @ x
+    recorder.close()
+    return [sums[i] / blocks.numel() for i in range(len(sites))]
+
+
+def site_kind(norm) -> str:
+    """attn | mlp | head: what the norm's readers are."""
+    keys = " ".join(k for k, _ in norm.readers)
+    return "attn" if "attn" in keys else "mlp" if "mlp" in keys else "head"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", required=True, help="directory with seed0 and seed1 from gpt2_pair")
+    parser.add_argument("--text", default=DEFAULT_TEXT)
+    parser.add_argument("--source", choices=("real", "unigram", "none"), default="real")
+    parser.add_argument("--power", type=float, default=1.0, help="readers × Σ^(power/2)")
+    parser.add_argument("--ridge", type=float, default=0.0, help="Σ + ridge·tr(Σ)/d·I")
+    parser.add_argument("--blocks", type=int, default=64)
+    parser.add_argument("--sites", default="all", help="all, or a comma list of attn, mlp, head")
+    parser.add_argument("--center", action="store_true")
+    parser.add_argument("--split", choices=("test", "validation"), default="validation")
+    parser.add_argument("--max-blocks", type=int, default=0)
+    parser.add_argument("--head", type=float, default=2.0, help="weight_match's head_weight")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    a, b = load_checkpoint(f"{args.pair}/seed0"), load_checkpoint(f"{args.pair}/seed1")
+    _, splits = pair_data(args.text, f"{args.pair}/seed0", a.config.n_positions)
+    train_ids = splits["train"].token_ids()
+    spec = a.spec
+    ref, cand = (canonicalize(spec, m.adapter.to_standard(m.state)) for m in (a, b))
+    sites = [n for n in spec.norms if n.weight is not None]
+    generator = torch.Generator().manual_seed(0)
+    train = splits["train"]
+    if args.source == "real":
+        blocks = train.inputs[torch.randperm(len(train), generator=generator)[:args.blocks]]
+    else:
+        counts = torch.bincount(train_ids, minlength=a.config.vocab_size).double()
+        blocks = torch.multinomial(counts / counts.sum(), args.blocks * train.inputs.shape[1], replacement=True,
+                                   generator=generator).reshape(args.blocks, -1)
+
+    def changed(state: dict) -> dict:
+        state = dict(state)
+        d = spec.width
+        if args.center:
+            off_ones = torch.eye(d, dtype=torch.float64) - 1.0 / d
+            for key, axis in spec.residual:
+                state[key] = contract_axis(state[key], axis, off_ones.to(state[key]))
+        if args.source == "none":
+            return state
+        for norm, sigma in zip(sites, second_moments(a, spec, sites, state, blocks)):
+            if args.sites != "all" and site_kind(norm) not in args.sites.split(","):
+                continue
+            sigma = sigma + args.ridge * torch.trace(sigma) / d * torch.eye(d, dtype=sigma.dtype)
+            values, vectors = torch.linalg.eigh(sigma)
+            scale = (vectors * values.clamp_min(0).pow(args.power / 2)) @ vectors.T
+            scale = scale / (torch.trace(scale) / d)  # the site's overall scale kept
+            for key, axis in norm.readers:
+                state[key] = contract_axis(state[key], axis, scale.to(state[key]))
+        return state
+
+    t0 = time.time()
+    match = weight_match(spec, changed(ref.state), changed(cand.state), mode="orthogonal", iterations=30, tol=1e-6,
+                         token_rows=token_weights(train_ids, a.config.vocab_size, "sqrt"), head_weight=args.head)
+    aligned = a.adapter.from_standard(to_gauge(spec, apply_group(spec, cand.state, match.transform), ref.gains))
+    seconds = time.time() - t0
+    split = splits[args.split]
+    if args.max_blocks:
+        split = split.subset(torch.arange(min(args.max_blocks, len(split))))
+    lambdas = lambda_grid(11)
+    losses = [mean_loss(build_torch_model(a, interpolate(a.state, aligned, lam)), split) for lam in lambdas]
+    result = {"args": vars(args), "barrier": round(loss_barrier(lambdas, losses)[0], 4),
+              "midpoint_loss": round(losses[len(lambdas) // 2], 4), "objective": match.objective[-1],
+              "iterations": match.iterations, "match_seconds": round(seconds, 1)}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
