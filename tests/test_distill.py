@@ -134,6 +134,22 @@ def test_server_option_distils_the_round_merge(serverapp_identity):
     assert distilled_accuracy > plain_accuracy + 0.1
 
 
+def test_a_diverging_server_distillation_keeps_the_round_and_reports_it(serverapp_identity, caplog):
+    """``distill-lr`` far too large: the round still ends with a finite global model (the merge,
+    since no step beat it), the metrics give the step where distillation diverged, and the log warns."""
+    config = resolve_run_config({"proxy-size": 300, "distill-steps": 20, "distill-lr": 1e30,
+                                 "model.dim": 16, "model.depth": 1, "model.heads": 2, "model.mlp-dim": 32})
+    task, model, spec, states, options = digits_round()
+    plain, _ = one_shot_round(AlignedFedAvg(spec, **options), states)
+    with caplog.at_level("WARNING", logger="flwr"):
+        distilled, metrics = one_shot_round(
+            AlignedFedAvg(spec, distill=make_distiller(model, task, config), **options), states)
+    assert 0 < metrics["distill_diverged_step"] < 20 and metrics["distill_best_step"] == 0
+    merged = plain.to_torch_state_dict()
+    assert all(torch.equal(v, merged[k]) for k, v in distilled.to_torch_state_dict().items())
+    assert "ensemble distillation diverged at step" in caplog.text
+
+
 def test_cached_teacher_outputs_replace_the_client_weights_and_give_the_same_global_model(serverapp_identity):
     """With ``distill.prepare`` (the ServerApp's distiller) the strategy distils from the clients'
     outputs cached before the merge, not from their weights: the distiller gets TeacherOutputs
@@ -376,6 +392,29 @@ def test_distillation_in_place_without_improvement_gives_back_the_start_bitwise(
     assert result.best_step == 0
     for k, v in start.items():
         assert torch.equal(student[k], v) and torch.equal(result.state[k], v), k
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_diverging_distillation_stops_and_gives_back_its_best_state(in_place):
+    """A learning rate so large that the student's weights overflow: distillation stops at the first
+    non-finite step (instead of spending the rest on NaN weights), the best state scored before it
+    comes back, finite (θ₀ bitwise when nothing beat it), and the summary says where it diverged."""
+    task = load_task("digits", seed=0, proxy_size=120)
+    states = [trained_digits_vit(seed) for seed in range(2)]
+    student = average_states(states, [1.0, 1.0])
+    start = {k: v.clone() for k, v in student.items()}
+    data = proxy_streams(task.proxy, 16, seed=0)
+    result = ensemble_distill(build_model("vit", DIGITS_VIT), student, states, cross_entropy, data.batches,
+                              data.selection, steps=40, lr=1e30, eval_every=1, in_place=in_place)
+    assert 0 < result.diverged_step < 40 and len(result.history) == result.diverged_step
+    assert all(torch.isfinite(v).all() for v in result.state.values())
+    assert result.best_loss == min(loss for _, loss in result.history)
+    assert selection_loss(result.state, data.selection) == pytest.approx(result.best_loss, rel=1e-5)
+    if result.best_step == 0:
+        assert all(torch.equal(result.state[k], start[k]) for k in start)
+    summary = result.summary()
+    assert summary["diverged_step"] == result.diverged_step
+    assert f"distillation diverged at step {result.diverged_step}" in summary["note"]
 
 
 @pytest.mark.parametrize("fails", [False, True])

@@ -316,20 +316,10 @@ class RefineResult:
 
     def summary(self) -> dict:
         """JSON-ready record; says plainly when refinement returned its start unchanged."""
-        out = keep_best_record(self)
+        out = keep_best_record(self, "refinement", "the weight-matching start", "maps")
         if self.start_mode:
             out["start"] = self.start_mode
         out["batch_workers"] = self.workers
-        notes = []
-        if self.diverged_step:
-            out["diverged_step"] = self.diverged_step
-            notes.append(f"refinement diverged at step {self.diverged_step} (non-finite loss or maps; a lower "
-                         "learning rate avoids it) and stopped there")
-        if not self.improved:
-            notes.append("refinement could not improve on the weight-matching start (best_step 0): "
-                         "the start is returned unchanged")
-        if notes:
-            out["note"] = "; ".join(notes)
         return out
 
 
@@ -344,13 +334,23 @@ def check_step_options(steps, eval_every, **positive) -> None:
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
-def keep_best_record(result) -> dict:
+def keep_best_record(result, what: str, start: str, learned: str) -> dict:
     """The keep-best fields shared by refinement and distillation results: selection loss at the
-    start and at the kept step, the kept step, and the evaluation split's losses when measured."""
+    start and at the kept step, the kept step, the evaluation split's losses when measured, the
+    step where training diverged (if it did), and a ``note`` saying so and when ``start`` came back."""
     out = {"selection_loss_start": result.initial_loss, "selection_loss_best": result.best_loss,
            "best_step": result.best_step, "improved": result.improved, "seconds": round(result.seconds, 3)}
     if not np.isnan(result.evaluation_loss):
         out.update(evaluation_loss_start=result.evaluation_initial_loss, evaluation_loss=result.evaluation_loss)
+    notes = []
+    if result.diverged_step:
+        out["diverged_step"] = result.diverged_step
+        notes.append(f"{what} diverged at step {result.diverged_step} (non-finite loss or {learned}; a lower "
+                     "learning rate avoids it) and stopped there")
+    if not result.improved:
+        notes.append(f"{what} could not improve on {start} (best_step 0): it is returned unchanged")
+    if notes:
+        out["note"] = "; ".join(notes)
     return out
 
 
@@ -665,7 +665,7 @@ def learned_refine(
                                     forward, mixture(lam, moved_ref, moved), x, y)
             optimiser.step()
             scheduler.step()
-            if not _all_finite(loss, deltas.parameters()):  # diverged: keep the best alignment scored so far
+            if not all_finite(loss, deltas.parameters()):  # diverged: keep the best alignment scored so far
                 result.diverged_step = step
                 break
             bar.update(1)
@@ -696,7 +696,7 @@ def learned_refine(
     return result
 
 
-def _all_finite(loss: torch.Tensor, parameters) -> bool:
+def all_finite(loss: torch.Tensor, parameters) -> bool:
     """Whether the step's loss and every learned parameter after it are finite (one device sync)."""
     flags = [torch.isfinite(loss).all()] + [torch.isfinite(p).all() for p in parameters]
     return bool(torch.stack(flags).all())

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedbasin.alignment.refine import check_step_options, keep_best_record
+from fedbasin.alignment.refine import all_finite, check_step_options, keep_best_record
 from fedbasin.models.weights import check_fits, weight_groups
 from fedbasin.scratch import ScratchTensors
 
@@ -48,6 +48,7 @@ class DistillResult:
     evaluation_initial_loss: float = math.nan
     evaluation_loss: float = math.nan
     seconds: float = 0.0
+    diverged_step: int = 0  # the step whose loss or weights became non-finite (training stopped there); 0: none
 
     @property
     def improved(self) -> bool:
@@ -55,11 +56,8 @@ class DistillResult:
 
     def summary(self) -> dict:
         """JSON-ready record, the same keep-best record as learned refinement's; says plainly when
-        distillation returned its start unchanged."""
-        out = keep_best_record(self)
-        if not self.improved:
-            out["note"] = "distillation could not improve on the merged model (best_step 0): it is returned unchanged"
-        return out
+        distillation diverged or returned its start unchanged."""
+        return keep_best_record(self, "distillation", "the merged model", "weights")
 
 
 TEACHERS = ("logits", "probabilities")
@@ -361,7 +359,8 @@ def ensemble_distill(
             piece.grad = None
         parameter.grad = None
 
-    hooks = [live[k].register_post_accumulate_grad_hook(step_now) for k in own_keys if live[k].requires_grad]
+    trained = [live[k] for k in own_keys if live[k].requires_grad]
+    hooks = [p.register_post_accumulate_grad_hook(step_now) for p in trained]
     transfer = transfer_batches(batches, steps, augment, seed)
     try:
         with tqdm(total=steps, desc="ensemble distillation", unit="step", disable=not progress, leave=False) as bar:
@@ -376,6 +375,9 @@ def ensemble_distill(
                 if label_weight > 0:
                     loss = loss + label_weight * loss_fn(logits, y.to(device))
                 loss.backward()  # every parameter's Adam step runs in here (step_now)
+                if not all_finite(loss, trained):  # diverged: the best state seen so far comes back
+                    result.diverged_step = step
+                    break
                 del logits, loss, target
                 for schedule in schedules:
                     schedule.step()

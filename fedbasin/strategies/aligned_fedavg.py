@@ -73,7 +73,8 @@ class AlignedFedAvg(FedAvg):
         cohort screening kept (when ``distill.prepare(client_states)`` exists it runs before the
         merge, and what it returns, one teacher per client, replaces the states unless None),
         returning a result with ``state`` (the new global model),
-        ``initial_loss``, ``best_loss`` and ``best_step`` (the ServerApp binds the model and its
+        ``initial_loss``, ``best_loss`` and ``best_step``, optionally ``diverged_step`` (> 0: the
+        step where training diverged and stopped; reported and logged) (the ServerApp binds the model and its
         proxy split into it: ensemble distillation, ``fedbasin.server.distill``).
     max_abs_weight : float
         A reply holding any value with ``|x|`` above this is excluded before any arithmetic
@@ -398,10 +399,10 @@ class AlignedFedAvg(FedAvg):
         # student trains, and comes back whatever happens (server memory: one model fewer)
         with arrays_on_disk(previous):
             result = self.distill(merged, [state for node, state in teachers if node not in excluded])
-        log(INFO, "round %d: ensemble distillation, selection proxy loss %.4f -> %.4f (step %d)",
-            server_round, result.initial_loss, result.best_loss, result.best_step)
+        _log_keep_best(server_round, "ensemble distillation", "selection", result)
         return result.state, {**metrics, "distill_selection_loss_start": result.initial_loss,
-                              "distill_selection_loss": result.best_loss, "distill_best_step": result.best_step}
+                              "distill_selection_loss": result.best_loss, "distill_best_step": result.best_step,
+                              "distill_diverged_step": getattr(result, "diverged_step", 0)}
 
     def _aligned_merge(
         self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list
@@ -428,10 +429,10 @@ class AlignedFedAvg(FedAvg):
         if self.refine is not None:
             merged, refined = refined_merge(self.spec, states, weights, reference, self.refine,
                                             combine=combine)
-            log(INFO, "round %d: learned refinement, held-out proxy loss %.4f -> %.4f (step %d)",
-                server_round, refined.initial_loss, refined.best_loss, refined.best_step)
+            _log_keep_best(server_round, "learned refinement", "held-out", refined)
             return merged, {"align_gain": refined.initial_loss - refined.best_loss,
-                            "refine_heldout_loss": refined.best_loss, **combine.metrics}
+                            "refine_heldout_loss": refined.best_loss, "refine_diverged_step": refined.diverged_step,
+                            **combine.metrics}
         result = merge(self.spec, states, weights, reference, self.mode, self.iterations, self.tol,
                        universe_iterations=self.universe_iterations, combine=combine, release=True)
         gains = [m.objective[-1] - m.initial_objective for m in result.matches]
@@ -644,3 +645,14 @@ def _with_weight(content: RecordDict, weight: float, key: str) -> RecordDict:
     """``content`` whose single MetricRecord carries ``key = weight`` (the capped count)."""
     name, metrics = next(iter(content.metric_records.items()))
     return RecordDict({name: MetricRecord({**metrics, key: weight})})
+
+
+def _log_keep_best(server_round: int, what: str, split: str, result) -> None:
+    """One log line for a keep-best server step (refinement, distillation) scored on ``split``; a
+    warning when it diverged."""
+    log(INFO, "round %d: %s, %s proxy loss %.4f -> %.4f (step %d)", server_round, what, split,
+        result.initial_loss, result.best_loss, result.best_step)
+    diverged = getattr(result, "diverged_step", 0)  # a user's own distill result may not carry it
+    if diverged:
+        log(WARNING, "round %d: %s diverged at step %d (non-finite loss); the best state before it is kept",
+            server_round, what, diverged)
