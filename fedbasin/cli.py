@@ -200,6 +200,10 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
                    help="with --refine-vocabulary proxy|seen: each step the softmax also covers K tokens drawn "
                    "from outside it, their logits raised by log(m/K) (m outside tokens): a sampled estimate of "
                    "the probability mass the restricted softmax drops")
+    g.add_argument("--refine-vocabulary-batch-samples", type=_nonnegative_int, default=0, metavar="K",
+                   help="with --refine-vocabulary proxy|seen: each step's softmax covers that step's own tokens "
+                   "and K other tokens of the vocabulary drawn the same way (instead of the whole vocabulary): "
+                   "cheaper steps on a large vocabulary")
     g.add_argument("--refine-eval-every", type=_positive_int, default=10,
                    help="score the alignment on the selection split every N steps (keep-best)")
     g.add_argument("--refine-start", choices=["weights", "activations"], default="weights",
@@ -215,7 +219,7 @@ MATCHING_OPTIONS = ("symmetry", "iterations", "tol", "seen_tokens", "token_weigh
 REFINE_OPTIONS = ("refine_steps", "refine_examples", "refine_lr", "refine_head_lr", "refine_permutations", "refine_group",
                   "refine_lambda", "refine_schedule", "refine_batch_size", "refine_soft_labels",
                   "refine_soft_label_top_k", "refine_dual", "refine_workers", "refine_vocabulary_samples",
-                  "refine_eval_every", "refine_start", "refine_vocabulary")
+                  "refine_vocabulary_batch_samples", "refine_eval_every", "refine_start", "refine_vocabulary")
 STREAM_UNSUPPORTED = ("seen_tokens", "token_weighting", "head_weight", "tokenizer", "refine_data", *REFINE_OPTIONS)
 
 
@@ -542,6 +546,13 @@ def _refiner(args, ref, command: str):
     lo, hi = args.refine_lambda
     if not 0.0 <= lo <= hi <= 1.0:
         raise UsageError(f"--refine-lambda {lo} {hi}: needs 0 <= LO <= HI <= 1")
+    for option in ("refine_vocabulary_samples", "refine_vocabulary_batch_samples"):
+        if getattr(args, option) and args.refine_vocabulary == "full":
+            raise UsageError(f"--{option.replace('_', '-')} samples a restricted softmax: it needs "
+                             "--refine-vocabulary proxy|seen")
+    if args.refine_vocabulary_batch_samples and args.refine_soft_labels:
+        raise UsageError("--refine-vocabulary-batch-samples trains on the labels: it cannot be combined with "
+                         "--refine-soft-labels")
     if args.refine_soft_labels and args.refine_vocabulary != "full" and not args.refine_soft_label_top_k:
         raise UsageError(f"--refine-soft-labels over every token cannot be combined with --refine-vocabulary "
                          f"{args.refine_vocabulary}: add --refine-soft-label-top-k K (sparse targets)")
@@ -565,12 +576,15 @@ def _refiner(args, ref, command: str):
         match_tol=args.tol, universe_iterations=getattr(args, "universe_iterations", 1),
         token_rows=_seen_tokens(args, ref, command), head_weight=args.head_weight, start=args.refine_start,
         eval_every=args.refine_eval_every, vocabulary=_refine_vocabulary(args, task),
-        vocabulary_samples=args.refine_vocabulary_samples, soft_labels=args.refine_soft_labels,
+        vocabulary_samples=args.refine_vocabulary_samples,
+        vocabulary_batch_samples=args.refine_vocabulary_batch_samples, soft_labels=args.refine_soft_labels,
         soft_label_top_k=args.refine_soft_label_top_k, dual=args.refine_dual, batch_workers=args.refine_workers,
         to_module_state=ref.adapter.from_standard, progress=True)
     info = {"steps": args.refine_steps, "lr": args.refine_lr, "head_lr": args.refine_head_lr or args.refine_lr,
             "proxy_examples": len(task.proxy), "soft_labels": args.refine_soft_labels,
-            "soft_label_top_k": args.refine_soft_label_top_k, "dual": args.refine_dual}
+            "soft_label_top_k": args.refine_soft_label_top_k, "dual": args.refine_dual,
+            "vocabulary": args.refine_vocabulary, "vocabulary_samples": args.refine_vocabulary_samples,
+            "vocabulary_batch_samples": args.refine_vocabulary_batch_samples}
     if task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
     return refine, info

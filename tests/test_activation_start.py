@@ -113,7 +113,10 @@ def test_refinement_with_every_token_as_vocabulary_equals_the_full_refinement():
     results = [learned_refine(spec, build_model("gpt", GPT), a, [b], _lm_loss, iter(data * 3), data[:2], steps=8,
                               eval_every=2, vocabulary=v, vocabulary_samples=k)
                for v, k in ((None, 0), (torch.arange(GPT["vocab_size"]), 0), (torch.arange(12), 100))]
-    for other in results[1:]:  # every token kept, or every token outside the vocabulary drawn
+    results.append(learned_refine(spec, build_model("gpt", GPT), a, [b], _lm_loss, iter(data * 3), data[:2], steps=8,
+                                  eval_every=2, vocabulary=torch.arange(12), vocabulary_samples=100,
+                                  vocabulary_batch_samples=100))
+    for other in results[1:]:  # every token kept, or every token outside the vocabulary (and the batch) drawn
         assert [loss for _, loss in results[0].history] == pytest.approx([loss for _, loss in other.history], rel=1e-5)
     assert results[0].best_step > 0
 
@@ -128,14 +131,50 @@ def test_sampled_outside_tokens_estimate_the_dropped_mass():
     vocab = _TrainingVocabulary(spec, state, kept, samples=5, seed=0)
     estimates = []
     for _ in range(4000):
-        rows, correction = vocab.draw()
+        rows, correction, _, _ = vocab.draw(kept, kept)
         assert torch.equal(rows[:len(kept)], kept) and not bool(torch.isin(rows[len(kept):], kept).any())
         estimates.append(float((z[rows[len(kept):]] + correction[len(kept):]).exp().sum()))
     outside = torch.ones(GPT["vocab_size"], dtype=torch.bool)
     outside[kept] = False
     assert sum(estimates) / len(estimates) == pytest.approx(float(z[outside].exp().sum()), rel=0.02)
-    rows, correction = _TrainingVocabulary(spec, state, kept, samples=100).draw()
+    rows, correction, _, _ = _TrainingVocabulary(spec, state, kept, samples=100).draw(kept, kept)
     assert sorted(rows.tolist()) == list(range(GPT["vocab_size"])) and float(correction.abs().max()) == 0.0
+
+
+def test_batch_sampled_vocabulary_keeps_the_step_s_tokens_and_estimates_the_rest():
+    """``batch_samples``: a step's rows are its own tokens exactly (inputs and targets renumbered onto
+    them), then k other vocabulary tokens whose corrected logits estimate the rest of the vocabulary's
+    partition sum without bias, then the outside draws; drawing every token is the fixed vocabulary's
+    loss again."""
+    spec = spec_of("gpt", GPT)
+    state = trained_like("gpt", GPT, seed=1, dtype=torch.float32).state_dict()
+    kept = torch.tensor([0, 2, 3, 7, 11, 12, 19, 22])
+    x, y = torch.tensor([[3, 7, 3]]), torch.tensor([[7, 3, 19]])
+    z = torch.randn(GPT["vocab_size"], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    vocab = _TrainingVocabulary(spec, state, kept, samples=2, seed=0, batch_samples=2)
+    estimates = []
+    for _ in range(4000):
+        rows, correction, xs, ys = vocab.draw(x, y)
+        assert torch.equal(rows[:3], torch.tensor([3, 7, 19])) and torch.equal(rows[xs], x) and torch.equal(rows[ys], y)
+        rest = rows[3:5]
+        assert bool(torch.isin(rest, kept).all()) and not bool(torch.isin(rest, rows[:3]).any())
+        assert not bool(torch.isin(rows[5:], kept).any()) and rows.numel() == 7
+        estimates.append(float((z[rest] + correction[3:5]).exp().sum()))
+    others = kept[~torch.isin(kept, torch.tensor([3, 7, 19]))]
+    estimates = torch.tensor(estimates)  # unbiased: within 4 standard errors of the exact sum
+    assert abs(float(estimates.mean() - z[others].exp().sum())) < 4 * float(estimates.std()) / len(estimates) ** 0.5
+    every = _TrainingVocabulary(spec, state, kept, batch_samples=100)
+    rows, correction, xs, ys = every.draw(x, y)
+    assert sorted(rows.tolist()) == kept.tolist() and float(correction.abs().max()) == 0.0
+    fixed = _TrainingVocabulary(spec, state, kept)
+    blocks = kept[torch.randint(0, len(kept), (3, GPT["block_size"]), generator=torch.Generator().manual_seed(2))]
+    rows, _, xs, _ = every.draw(blocks, blocks)
+    sampled = run("gpt", dict(GPT, vocab_size=len(kept)), every.restrict(state, rows), xs, torch.float32)
+    exact = run("gpt", dict(GPT, vocab_size=len(kept)), fixed.restrict(state, fixed.ids), fixed.renumber(blocks),
+                torch.float32)
+    assert float(_lm_loss(sampled, xs)) == pytest.approx(float(_lm_loss(exact, fixed.renumber(blocks))), rel=1e-6)
+    with pytest.raises(ValueError, match="token 1, outside the refinement vocabulary"):
+        vocab.draw(torch.tensor([[0, 1]]), torch.tensor([[0, 2]]))
 
 
 def _lm_loss(logits, targets):
@@ -203,13 +242,29 @@ def test_vocabulary_is_refused_without_token_embedding():
         _TrainingVocabulary(spec, a, torch.arange(3))
 
 
-def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsys):
+@pytest.mark.parametrize("options", [dict(), dict(vocabulary=torch.arange(12), soft_labels=0.5, soft_label_top_k=4)])
+def test_batch_samples_need_a_vocabulary_and_hard_labels(options):
+    spec = spec_of("gpt", GPT)
+    a = trained_like("gpt", GPT, seed=1, dtype=torch.float32).state_dict()
+    with pytest.raises(ValueError, match="vocabulary_batch_samples needs a training vocabulary and hard labels"):
+        learned_refine(spec, build_model("gpt", GPT), a, [a], _lm_loss, iter(()), [(None, None)],
+                       vocabulary_batch_samples=4, **options)
+
+
+def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsys, monkeypatch):
     """``fedbasin align --refine-start activations --refine-vocabulary proxy`` on a tiny HF GPT-2
     with text data: the summary reports the activation start, keep-best never above it, and the
     written endpoint computes the candidate's function (float32)."""
+    from fedbasin import alignment
     from fedbasin.checkpoint import build_torch_model, load_checkpoint, save_checkpoint
     from fedbasin.cli import main
 
+    import fedbasin.server.server_app  # noqa: F401  (imported first, so it keeps the real learned_refine)
+
+    seen = []
+    original = alignment.learned_refine  # the CLI imports it when it refines
+    monkeypatch.setattr(alignment, "learned_refine",
+                        lambda *a, **k: seen.append(k["vocabulary_batch_samples"]) or original(*a, **k))
     text = tmp_path / "text.txt"
     letters = torch.randint(0, 26, (6000,), generator=torch.Generator().manual_seed(0)).tolist()
     text.write_text("".join(chr(97 + c) for c in letters), encoding="utf-8")
@@ -232,3 +287,16 @@ def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsy
         want = build_torch_model(load_checkpoint(paths[1]))(x).logits
     assert rel_err(got, want) < 1e-5
     assert "needs --symmetry orthogonal" in cli_error(capsys, argv + ["--symmetry", "permutation"])
+    # each step's own tokens plus 3 sampled ones: the option reaches the summary, the function is kept
+    assert main(argv + ["--refine-vocabulary-batch-samples", "3", "--out", str(tmp_path / "batch")]) == 0
+    summary = json.loads(capsys.readouterr().out)["refinement"]
+    assert summary["vocabulary_batch_samples"] == 3 and summary["vocabulary"] == "proxy" and seen[-1] == 3
+    assert summary["selection_loss_best"] <= summary["selection_loss_start"]
+    with torch.no_grad():
+        assert rel_err(build_torch_model(load_checkpoint(tmp_path / "batch"))(x).logits, want) < 1e-5
+    full = [a for a in argv if a not in ("--refine-vocabulary", "proxy")]
+    for option in ("--refine-vocabulary-samples", "--refine-vocabulary-batch-samples"):
+        assert "needs --refine-vocabulary proxy|seen" in cli_error(capsys, full + [option, "3"])
+    assert "cannot be combined with --refine-soft-labels" in cli_error(
+        capsys, argv + ["--refine-vocabulary-batch-samples", "3", "--refine-soft-labels", "0.5",
+                        "--refine-soft-label-top-k", "4"])

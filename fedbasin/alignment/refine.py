@@ -448,6 +448,7 @@ def learned_refine(
     start_batches: int = 4,
     vocabulary: torch.Tensor | None = None,
     vocabulary_samples: int = 0,
+    vocabulary_batch_samples: int = 0,
     soft_labels: float = 0.0,
     soft_label_top_k: int = 0,
     batch_workers: int = 0,
@@ -484,6 +485,9 @@ def learned_refine(
     ``vocabulary_samples`` = k: each step the softmax also covers k tokens drawn from outside the
     vocabulary, their logits raised by ``log(m/k)`` (m outside tokens): a sampled estimate of the
     probability mass the restricted softmax would otherwise drop (:class:`_TrainingVocabulary`).
+    ``vocabulary_batch_samples`` = k: each step the vocabulary itself is sampled the same way — the
+    step's own tokens exactly, and k of the vocabulary's other tokens with their logits raised by
+    ``log(m'/k)`` — so a step's softmax costs |batch tokens| + k (+ ``vocabulary_samples``) rows.
     ``soft_labels`` = w > 0: the maps train on ``(1 − w)·one-hot(y) + w·p̄(x)`` instead of the
     labels, p̄ the mixed models' mean predicted probabilities (their ensemble; each endpoint keeps
     its function, so p̄ is computed once, on the training part of ``batches``, which must then be
@@ -529,6 +533,8 @@ def learned_refine(
         raise ValueError(f"start_batches must be an integer >= 1, got {start_batches!r}")
     if not (isinstance(soft_labels, (int, float)) and 0.0 <= soft_labels <= 1.0):
         raise ValueError(f"soft_labels must be a number in [0, 1], got {soft_labels!r}")
+    if vocabulary_batch_samples and (vocabulary is None or soft_labels):
+        raise ValueError("vocabulary_batch_samples needs a training vocabulary and hard labels (no soft_labels)")
     if soft_labels and not isinstance(batches, TrainingStream):
         raise ValueError("soft_labels needs the training stream of proxy_streams (a TrainingStream): its "
                          "examples are labelled once, before training")
@@ -600,7 +606,7 @@ def learned_refine(
     # same figures on any thread count
     with workers.serial():
         vocab = None if vocabulary is None else _TrainingVocabulary(spec, ref_c.state, vocabulary, vocabulary_samples,
-                                                                      seed + 1)
+                                                                      seed + 1, vocabulary_batch_samples)
         if soft_labels:
             mixed = [reference] * include_reference + list(candidates)
             batches = batches.relabelled(_soft_labels(batches.split, mixed, workers, soft_labels, device, forward,
@@ -632,7 +638,7 @@ def learned_refine(
             """(reference state, candidate states) from the moved models."""
             return (states[0], states[1:]) if dual else (reference_state, states)
 
-        fixed_rows = vocab is not None and not vocab.samples  # the restricted rows never change: cut them once
+        fixed_rows = vocab is not None and vocab.fixed  # the restricted rows never change: cut them once
         if fixed_rows:
             cut_movers, cut_ref = [vocab.restrict(b, vocab.ids) for b in movers], vocab.restrict(ref_state, vocab.ids)
 
@@ -647,13 +653,12 @@ def learned_refine(
         for step in range(1, steps + 1 if members > 1 else 1):
             x, y = next(iterator)
             x, y, train_movers, train_ref, correction = x.to(device), y.to(device), movers, ref_state, None
-            if vocab is not None:
+            if fixed_rows:
                 x, y = vocab.renumber(x), vocab.renumber(y)
-                if fixed_rows:
-                    train_movers, train_ref = cut_movers, cut_ref
-                else:
-                    rows, correction = vocab.draw()
-                    train_movers, train_ref = [vocab.restrict(b, rows) for b in movers], vocab.restrict(ref_state, rows)
+                train_movers, train_ref = cut_movers, cut_ref
+            elif vocab is not None:
+                rows, correction, x, y = vocab.draw(x, y)
+                train_movers, train_ref = [vocab.restrict(b, rows) for b in movers], vocab.restrict(ref_state, rows)
             if members == 2:
                 first = rng.uniform(lo, hi)
                 lam = [first, 1.0 - first]
@@ -835,7 +840,8 @@ class _TrainingVocabulary:
     full softmax. Inputs and targets must lie in the vocabulary (else ``ValueError``).
     """
 
-    def __init__(self, spec: SymmetrySpec, state: dict, vocabulary, samples: int = 0, seed: int = 0):
+    def __init__(self, spec: SymmetrySpec, state: dict, vocabulary, samples: int = 0, seed: int = 0,
+                 batch_samples: int = 0):
         self.keys = token_indexed_keys(spec, state)
         if not self.keys:
             raise ValueError("vocabulary given but the model has no token embedding")
@@ -843,8 +849,9 @@ class _TrainingVocabulary:
         ids = torch.as_tensor(vocabulary).reshape(-1)
         if ids.is_floating_point() or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= size:
             raise ValueError(f"vocabulary must be non-empty integer token ids in [0, {size})")
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-            raise ValueError(f"vocabulary_samples must be an integer >= 0, got {samples!r}")
+        for name, value in (("vocabulary_samples", samples), ("vocabulary_batch_samples", batch_samples)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         self.ids = torch.unique(ids.long())
         self.lookup = torch.full((size,), -1, dtype=torch.long)
         self.lookup[self.ids] = torch.arange(self.ids.numel())
@@ -852,16 +859,34 @@ class _TrainingVocabulary:
         inside[self.ids] = True
         self.outside = torch.nonzero(~inside).flatten()
         self.samples = min(samples, self.outside.numel())
+        self.batch_samples = batch_samples
+        self.fixed = not (self.samples or batch_samples)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def draw(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(token ids of this step's rows, logit correction for them or None)."""
-        if not self.samples:
-            return self.ids, None
-        drawn = self.outside[torch.randperm(self.outside.numel(), generator=self.generator)[:self.samples]]
-        correction = torch.zeros(self.ids.numel() + self.samples)
-        correction[self.ids.numel():] = math.log(self.outside.numel() / self.samples)
-        return torch.cat([self.ids, drawn]), correction
+    def _sample(self, pool: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k tokens of ``pool`` drawn uniformly without replacement, and their logit correction log(m/k)."""
+        k = min(k, pool.numel())
+        drawn = pool[torch.randperm(pool.numel(), generator=self.generator)[:k]]
+        return drawn, torch.full((k,), math.log(pool.numel() / k) if k else 0.0)
+
+    def draw(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(token ids of this step's rows, logit correction for them or None, x and y renumbered to the rows)."""
+        x, y = self.renumber(x), self.renumber(y)  # also refuses tokens outside the vocabulary
+        if self.batch_samples:
+            used = torch.zeros(self.ids.numel(), dtype=torch.bool)
+            used[torch.cat([x.reshape(-1), y.reshape(-1)]).cpu()] = True
+            rest, correction = self._sample(self.ids[~used], self.batch_samples)
+            rows, corrections = [self.ids[used], rest], [torch.zeros(int(used.sum())), correction]
+            local = torch.full((self.ids.numel(),), -1, dtype=torch.long)
+            local[used] = torch.arange(int(used.sum()))
+            x, y = local.to(x.device)[x], local.to(y.device)[y]
+        else:
+            rows, corrections = [self.ids], [torch.zeros(self.ids.numel())]
+        if self.samples:
+            drawn, correction = self._sample(self.outside, self.samples)
+            rows.append(drawn)
+            corrections.append(correction)
+        return torch.cat(rows), torch.cat(corrections), x, y
 
     def restrict(self, state: dict, ids: torch.Tensor) -> dict:
         return {k: v.index_select(0, ids.to(v.device)) if k in self.keys else v for k, v in state.items()}
