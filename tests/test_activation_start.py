@@ -242,7 +242,7 @@ def test_vocabulary_is_refused_without_token_embedding():
         _TrainingVocabulary(spec, a, torch.arange(3))
 
 
-@pytest.mark.parametrize("options", [dict(), dict(vocabulary=torch.arange(12), soft_labels=0.5, soft_label_top_k=4)])
+@pytest.mark.parametrize("options", [{}, {"vocabulary": torch.arange(12), "soft_labels": 0.5, "soft_label_top_k": 4}])
 def test_batch_samples_need_a_vocabulary_and_hard_labels(options):
     spec = spec_of("gpt", GPT)
     a = trained_like("gpt", GPT, seed=1, dtype=torch.float32).state_dict()
@@ -255,11 +255,10 @@ def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsy
     """``fedbasin align --refine-start activations --refine-vocabulary proxy`` on a tiny HF GPT-2
     with text data: the summary reports the activation start, keep-best never above it, and the
     written endpoint computes the candidate's function (float32)."""
+    import fedbasin.server.server_app  # noqa: F401  (imported first, so it keeps the real learned_refine)
     from fedbasin import alignment
     from fedbasin.checkpoint import build_torch_model, load_checkpoint, save_checkpoint
     from fedbasin.cli import main
-
-    import fedbasin.server.server_app  # noqa: F401  (imported first, so it keeps the real learned_refine)
 
     seen = []
     original = alignment.learned_refine  # the CLI imports it when it refines
