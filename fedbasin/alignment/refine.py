@@ -837,7 +837,9 @@ class _TrainingVocabulary:
     vocabulary (uniformly, without replacement) and adds ``log(m/k)`` to their logits: the
     softmax's normaliser then contains ``(m/k)·Σ_sampled e^z``, an unbiased estimate of the
     outside tokens' share ``Σ_outside e^z`` (the uniform-proposal sampled softmax); k = m is the
-    full softmax. Inputs and targets must lie in the vocabulary (else ``ValueError``).
+    full softmax. With ``batch_samples`` = k' > 0 the vocabulary is sampled the same way each step: the
+    step's own tokens (inputs and targets) exactly, then k' of the vocabulary's other m' tokens with
+    ``log(m'/k')`` added. Inputs and targets must lie in the vocabulary (else ``ValueError``).
     """
 
     def __init__(self, spec: SymmetrySpec, state: dict, vocabulary, samples: int = 0, seed: int = 0,
@@ -869,8 +871,8 @@ class _TrainingVocabulary:
         drawn = pool[torch.randperm(pool.numel(), generator=self.generator)[:k]]
         return drawn, torch.full((k,), math.log(pool.numel() / k) if k else 0.0)
 
-    def draw(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """(token ids of this step's rows, logit correction for them or None, x and y renumbered to the rows)."""
+    def draw(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token ids of this step's rows, the logit correction of each row, x and y renumbered to the rows)."""
         x, y = self.renumber(x), self.renumber(y)  # also refuses tokens outside the vocabulary
         if self.batch_samples:
             used = torch.zeros(self.ids.numel(), dtype=torch.bool)
