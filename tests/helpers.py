@@ -137,6 +137,22 @@ def digits_loss(state: dict, split: str = "test") -> float:
     return load_task("digits", seed=0).evaluate(model, split)["loss"]
 
 
+def spy_on_cli_refine(monkeypatch, record) -> None:
+    """Make ``fedbasin.alignment.learned_refine`` (which the CLI imports when it refines) call
+    ``record(kwargs)`` before refining. The ServerApp binds ``learned_refine`` when it is first
+    imported, so it is imported here first and keeps the real one for later tests."""
+    import fedbasin.server.server_app  # noqa: F401
+    from fedbasin import alignment
+
+    original = alignment.learned_refine
+
+    def spy(*args, **kwargs):
+        record(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(alignment, "learned_refine", spy)
+
+
 def cli_error(capsys, argv) -> str:
     """Run the CLI expecting a refusal: a non-zero exit (argparse's own exit included), no
     traceback; returns the last stderr line (the one-line error)."""

@@ -17,7 +17,8 @@ from fedbasin.data import load_task
 from fedbasin.models import build_model
 from fedbasin.training import cross_entropy
 
-from .helpers import DIGITS_VIT, GPT, VIT, cli_error, inputs, rel_err, run, spec_of, trained_digits_vit, trained_like
+from .helpers import (DIGITS_VIT, GPT, VIT, cli_error, inputs, rel_err, run, spec_of, spy_on_cli_refine,
+                      trained_digits_vit, trained_like)
 
 PLANTED = {
     "vit-rms-relu": ("vit", dict(VIT, norm="rmsnorm", activation="relu")),
@@ -255,15 +256,11 @@ def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsy
     """``fedbasin align --refine-start activations --refine-vocabulary proxy`` on a tiny HF GPT-2
     with text data: the summary reports the activation start, keep-best never above it, and the
     written endpoint computes the candidate's function (float32)."""
-    import fedbasin.server.server_app  # noqa: F401  (imported first, so it keeps the real learned_refine)
-    from fedbasin import alignment
     from fedbasin.checkpoint import build_torch_model, load_checkpoint, save_checkpoint
     from fedbasin.cli import main
 
     seen = []
-    original = alignment.learned_refine  # the CLI imports it when it refines
-    monkeypatch.setattr(alignment, "learned_refine",
-                        lambda *a, **k: seen.append(k["vocabulary_batch_samples"]) or original(*a, **k))
+    spy_on_cli_refine(monkeypatch, lambda k: seen.append(k["vocabulary_batch_samples"]))
     text = tmp_path / "text.txt"
     letters = torch.randint(0, 26, (6000,), generator=torch.Generator().manual_seed(0)).tolist()
     text.write_text("".join(chr(97 + c) for c in letters), encoding="utf-8")

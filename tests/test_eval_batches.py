@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers import spy_on_cli_refine
 from tests.test_tokenizer_data import NEEDS_SHARED_TEXT, TOKENIZER, _gpt2, shakespeare_excerpt
 
 pytestmark = NEEDS_SHARED_TEXT
@@ -20,19 +21,12 @@ def text_file(tmp_path):
 
 
 def test_cli_refinement_scores_in_batches_whose_logits_fit_the_budget(tmp_path, text_file, monkeypatch):
-    from fedbasin import alignment
     from fedbasin.cli import main
 
     vocab, context = 200_000, 32  # 6.4 M logit values per block: 10 blocks a batch
     ref, cand = _gpt2(tmp_path / "ref", 1, vocab=vocab), _gpt2(tmp_path / "cand", 2, vocab=vocab)
     seen = {}
-    real = alignment.learned_refine
-
-    def recording(*args, **kwargs):
-        seen.update(selection=kwargs["selection"], evaluation=kwargs["evaluation"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(alignment, "learned_refine", recording)
+    spy_on_cli_refine(monkeypatch, lambda k: seen.update(selection=k["selection"], evaluation=k["evaluation"]))
     assert main(["align", str(ref), str(cand), "--out", str(tmp_path / "out"), "--refine-data", f"text:{text_file}",
                  "--refine-steps", "1", "--refine-examples", "120", "--iterations", "1"]) == 0
     for split in ("selection", "evaluation"):

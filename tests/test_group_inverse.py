@@ -46,15 +46,13 @@ def test_cli_align_with_dual_refinement_writes_the_same_path_from_the_unmoved_re
     function, and whose midpoint with the unmoved reference computes the merge's function."""
     import json
 
-    from fedbasin import alignment
     from fedbasin.checkpoint import build_torch_model, load_checkpoint, save_checkpoint
     from fedbasin.cli import main
 
-    from .helpers import DIGITS_VIT, cli_error, rel_err, trained_digits_vit
+    from .helpers import DIGITS_VIT, cli_error, rel_err, spy_on_cli_refine, trained_digits_vit
 
     seen = []
-    original = alignment.learned_refine
-    monkeypatch.setattr(alignment, "learned_refine", lambda *a, **k: seen.append(k.get("dual")) or original(*a, **k))
+    spy_on_cli_refine(monkeypatch, lambda k: seen.append(k.get("dual")))
     for seed in (0, 1):
         save_checkpoint(tmp_path / f"m{seed}", "vit", DIGITS_VIT, trained_digits_vit(seed))
     m0, m1 = str(tmp_path / "m0"), str(tmp_path / "m1")

@@ -12,7 +12,7 @@ import torch
 from fedbasin.alignment import learned_refine, proxy_streams
 from fedbasin.config import RunConfigError, resolve_run_config
 from fedbasin.training import cross_entropy
-from tests.helpers import DIGITS_VIT, cli_error, trained_digits_vit
+from tests.helpers import DIGITS_VIT, cli_error, spy_on_cli_refine, trained_digits_vit
 from tests.test_soft_labels import assert_same_function, digits_pair
 
 
@@ -88,13 +88,11 @@ def test_a_diverging_refinement_stops_and_returns_its_best_alignment():
 def test_cli_refine_head_lr(tmp_path, capsys, monkeypatch):
     """``--refine-head-lr`` reaches ``learned_refine`` and the summary; refused at 0 and without
     ``--refine-data``."""
-    from fedbasin import alignment, cli
+    from fedbasin import cli
     from fedbasin.checkpoint import save_checkpoint
 
     seen = []
-    original = alignment.learned_refine  # the CLI imports it when it refines
-    monkeypatch.setattr(alignment, "learned_refine",
-                        lambda *a, **k: seen.append((k["lr"], k["head_lr"])) or original(*a, **k))
+    spy_on_cli_refine(monkeypatch, lambda k: seen.append((k["lr"], k["head_lr"])))
     for seed in (0, 1):
         save_checkpoint(tmp_path / f"m{seed}", "vit", DIGITS_VIT, trained_digits_vit(seed))
     m0, m1, out = (str(tmp_path / n) for n in ("m0", "m1", "out"))
