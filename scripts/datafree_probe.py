@@ -6,22 +6,29 @@ the group element it found applied to the unchanged candidate (exact either way)
   Σ = E[x̂ x̂ᵀ] of the normalised residual at that norm in each model's own basis, from ``--blocks``
   training blocks (real) or tokens drawn by their training counts (unigram); ``--sites`` restricts it.
 * ``--center``: every residual axis projected onto the complement of the all-ones vector.
-* ``--source none`` without ``--center`` reproduces the plain objective.
+* ``--factor REGEX=VALUE`` (repeatable): the objective weight of every key matching REGEX times VALUE.
+* ``--head-maps``: after matching, each head's invertible QK map A and OV map B fitted (L-BFGS on A = exp(X))
+  to ``‖Q_ref − Q A‖² + ‖K_ref − K A⁻ᵀ‖²`` and ``‖V_ref − V B‖² + ‖O_ref − B⁻¹ O‖²`` (biases included), then applied.
+* ``--source none`` without ``--center``, ``--factor`` or ``--head-maps`` reproduces the plain objective.
+* ``--points 3``: the barrier is the midpoint's excess over the endpoints' mean.
 
     python scripts/datafree_probe.py --pair runs/gpt2pair6 --text ../shared/data/tinyshakespeare/input.txt \
-        [--source real --sites attn] [--center] [--split test --max-blocks 32]
+        [--source real --sites attn] [--center] [--factor wte=2] [--head-maps] [--split test --max-blocks 32]
 
 Prints one JSON line. Uses fedbasin internals (not a supported API)."""
 import argparse
+import contextlib
 import json
+import math
+import re
 import time
 
 import torch
 
-from fedbasin.alignment import interpolate, lambda_grid, loss_barrier, weight_match
+from fedbasin.alignment import interpolate, lambda_grid, loss_barrier, matching, weight_match
 from fedbasin.alignment.activations import _normalised, _Recorder
 from fedbasin.alignment.canonical import canonicalize, to_gauge
-from fedbasin.alignment.group import apply_group, contract_axis
+from fedbasin.alignment.group import GroupElement, HeadMap, apply_group, contract_axis
 from fedbasin.alignment.matching import token_weights
 from fedbasin.checkpoint import build_torch_model, load_checkpoint
 from fedbasin.models.weights import weightless_copy
@@ -45,6 +52,65 @@ def second_moments(checkpoint, spec, sites, state: dict, blocks: torch.Tensor) -
     return [sums[i] / blocks.numel() for i in range(len(sites))]
 
 
+@contextlib.contextmanager
+def objective_factors(factors: list[tuple[re.Pattern, float]]):
+    """While open, weight matching's objective weight of each key is multiplied by the factors whose
+    pattern the key matches."""
+    original = matching._Objective.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for key in self.w:
+            self.w[key] *= math.prod(value for pattern, value in factors if pattern.search(key))
+
+    matching._Objective.__init__ = init
+    try:
+        yield
+    finally:
+        matching._Objective.__init__ = original
+
+
+def fit_map(first_ref, first, second_ref, second, iterations: int = 300):
+    """(M, M⁻ᵀ) per head, M = exp(X) from X = 0, minimising ``‖first_ref − first M‖² + ‖second_ref − second M⁻ᵀ‖²``."""
+    generator = torch.zeros(first.shape[0], first.shape[2], first.shape[2], dtype=torch.float64, requires_grad=True)
+    optimiser = torch.optim.LBFGS([generator], lr=1, max_iter=iterations, line_search_fn="strong_wolfe",
+                                  tolerance_grad=1e-12, tolerance_change=1e-14)
+
+    def closure():
+        optimiser.zero_grad()
+        m, dual = torch.linalg.matrix_exp(generator), torch.linalg.matrix_exp(-generator.transpose(1, 2))
+        value = ((first_ref - first @ m) ** 2).sum() + ((second_ref - second @ dual) ** 2).sum()
+        value.backward()
+        return value
+
+    optimiser.step(closure)
+    with torch.no_grad():
+        return torch.linalg.matrix_exp(generator), torch.linalg.matrix_exp(-generator.transpose(1, 2))
+
+
+def fit_head_maps(spec, ref: dict, cand: dict) -> GroupElement:
+    """Per-head invertible QK and OV maps bringing the canonical ``cand``'s head factors closest to
+    ``ref``'s in squared distance (module docstring); the identity is the start."""
+    def heads(w, h, dh):  # torch rows (H·d_h, d) → per head (H, d, d_h)
+        return w.reshape(h, dh, -1).transpose(1, 2)
+
+    def with_bias(state, lin, h, dh):
+        return torch.cat([heads(state[lin.weight], h, dh), state[lin.bias].reshape(h, 1, dh)], 1).double()
+
+    element = GroupElement.identity(spec)
+    for layer, a in enumerate(spec.attention):
+        h, dh = a.num_heads, a.head_dim
+        outputs = [s[a.o.weight].reshape(-1, h, dh).transpose(0, 1).double() for s in (ref, cand)]  # O_hᵀ: (H, d, d_h)
+        pairs = {"qk": ((with_bias(ref, a.q, h, dh), with_bias(cand, a.q, h, dh)),
+                        (with_bias(ref, a.k, h, dh), with_bias(cand, a.k, h, dh))),
+                 "ov": ((with_bias(ref, a.v, h, dh), with_bias(cand, a.v, h, dh)), tuple(outputs))}
+        maps = {name: fit_map(first_ref, first, second_ref, second)
+                for name, ((first_ref, first), (second_ref, second)) in pairs.items()}
+        element.heads[layer] = HeadMap(torch.arange(h), qk=maps["qk"][0], ov=maps["ov"][0], qk_dual=maps["qk"][1],
+                                       ov_dual=maps["ov"][1])
+    return element
+
+
 def site_kind(norm) -> str:
     """attn | mlp | head: what the norm's readers are."""
     keys = " ".join(k for k, _ in norm.readers)
@@ -64,6 +130,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--split", choices=("test", "validation"), default="validation")
     parser.add_argument("--max-blocks", type=int, default=0)
     parser.add_argument("--head", type=float, default=2.0, help="weight_match's head_weight")
+    parser.add_argument("--factor", action="append", default=[], metavar="REGEX=VALUE",
+                        help="objective weight of the keys matching REGEX times VALUE (repeatable)")
+    parser.add_argument("--head-maps", action="store_true", help="fit per-head invertible maps after matching")
+    parser.add_argument("--points", type=int, default=11, help="λ values of the barrier (3: the midpoint's excess)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     a, b = load_checkpoint(f"{args.pair}/seed0"), load_checkpoint(f"{args.pair}/seed1")
@@ -101,15 +171,20 @@ def main(argv=None) -> dict:
                 state[key] = contract_axis(state[key], axis, scale.to(state[key]))
         return state
 
+    factors = [(re.compile(text.rsplit("=", 1)[0]), float(text.rsplit("=", 1)[1])) for text in args.factor]
     t0 = time.time()
-    match = weight_match(spec, changed(ref.state), changed(cand.state), mode="orthogonal", iterations=30, tol=1e-6,
-                         token_rows=token_weights(train_ids, a.config.vocab_size, "sqrt"), head_weight=args.head)
-    aligned = a.adapter.from_standard(to_gauge(spec, apply_group(spec, cand.state, match.transform), ref.gains))
+    with objective_factors(factors):
+        match = weight_match(spec, changed(ref.state), changed(cand.state), mode="orthogonal", iterations=30, tol=1e-6,
+                             token_rows=token_weights(train_ids, a.config.vocab_size, "sqrt"), head_weight=args.head)
+    moved = apply_group(spec, cand.state, match.transform)
+    if args.head_maps:
+        moved = apply_group(spec, moved, fit_head_maps(spec, ref.state, moved))
+    aligned = a.adapter.from_standard(to_gauge(spec, moved, ref.gains))
     seconds = time.time() - t0
     split = splits[args.split]
     if args.max_blocks:
         split = split.subset(torch.arange(min(args.max_blocks, len(split))))
-    lambdas = lambda_grid(11)
+    lambdas = lambda_grid(args.points)
     losses = [mean_loss(build_torch_model(a, interpolate(a.state, aligned, lam)), split) for lam in lambdas]
     result = {"args": vars(args), "barrier": round(loss_barrier(lambdas, losses)[0], 4),
               "midpoint_loss": round(losses[len(lambdas) // 2], 4), "objective": match.objective[-1],
