@@ -111,6 +111,15 @@ def fit_head_maps(spec, ref: dict, cand: dict) -> GroupElement:
     return element
 
 
+def factor(text: str) -> tuple[re.Pattern, float]:
+    """``REGEX=VALUE`` of ``--factor`` (argparse type: a bad one is a one-line usage error)."""
+    pattern, _, value = text.rpartition("=")
+    try:
+        return re.compile(pattern), float(value)
+    except (re.error, ValueError):
+        raise argparse.ArgumentTypeError(f"expected REGEX=VALUE with a number VALUE, got {text!r}") from None
+
+
 def site_kind(norm) -> str:
     """attn | mlp | head: what the norm's readers are."""
     keys = " ".join(k for k, _ in norm.readers)
@@ -130,7 +139,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--split", choices=("test", "validation"), default="validation")
     parser.add_argument("--max-blocks", type=int, default=0)
     parser.add_argument("--head", type=float, default=2.0, help="weight_match's head_weight")
-    parser.add_argument("--factor", action="append", default=[], metavar="REGEX=VALUE",
+    parser.add_argument("--factor", action="append", default=[], type=factor, metavar="REGEX=VALUE",
                         help="objective weight of the keys matching REGEX times VALUE (repeatable)")
     parser.add_argument("--head-maps", action="store_true", help="fit per-head invertible maps after matching")
     parser.add_argument("--points", type=int, default=11, help="λ values of the barrier (3: the midpoint's excess)")
@@ -171,9 +180,8 @@ def main(argv=None) -> dict:
                 state[key] = contract_axis(state[key], axis, scale.to(state[key]))
         return state
 
-    factors = [(re.compile(text.rsplit("=", 1)[0]), float(text.rsplit("=", 1)[1])) for text in args.factor]
     t0 = time.time()
-    with objective_factors(factors):
+    with objective_factors(args.factor):
         match = weight_match(spec, changed(ref.state), changed(cand.state), mode="orthogonal", iterations=30, tol=1e-6,
                              token_rows=token_weights(train_ids, a.config.vocab_size, "sqrt"), head_weight=args.head)
     moved = apply_group(spec, cand.state, match.transform)
@@ -186,7 +194,7 @@ def main(argv=None) -> dict:
         split = split.subset(torch.arange(min(args.max_blocks, len(split))))
     lambdas = lambda_grid(args.points)
     losses = [mean_loss(build_torch_model(a, interpolate(a.state, aligned, lam)), split) for lam in lambdas]
-    result = {"args": vars(args), "barrier": round(loss_barrier(lambdas, losses)[0], 4),
+    result = {"args": {**vars(args), "factor": [f"{p.pattern}={v}" for p, v in args.factor]}, "barrier": round(loss_barrier(lambdas, losses)[0], 4),
               "midpoint_loss": round(losses[len(lambdas) // 2], 4), "objective": match.objective[-1],
               "iterations": match.iterations, "match_seconds": round(seconds, 1)}
     print(json.dumps(result))
