@@ -166,8 +166,14 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
                    "the one saved in the reference checkpoint's directory, if any)")
     g.add_argument("--refine-steps", type=_positive_int, default=100, help="optimiser steps")
     g.add_argument("--refine-examples", type=_positive_int, default=512,
-                   help="proxy examples taken from the data's training split (60%% train the transforms, 20%% "
-                   "select the alignment kept, 20%% only report its loss)")
+                   help="proxy examples taken from the data's training split (by default 60%% train the "
+                   "transforms, 20%% select the alignment kept, 20%% only report its loss)")
+    g.add_argument("--refine-selection-fraction", type=_unit_float, default=0.2, metavar="F",
+                   help="share of the proxy examples that keep-best scores (exactly, every token) to choose the "
+                   "alignment kept; must be > 0")
+    g.add_argument("--refine-evaluation-fraction", type=_unit_float, default=0.2, metavar="F",
+                   help="share of the proxy examples whose loss is only reported (evaluation_loss); 0: none, "
+                   "those examples train the transforms and the two report passes are saved")
     g.add_argument("--refine-lr", type=_positive_float, default=1e-2,
                    help="Adam learning rate of the rotation (Cayley) and permutation parameters")
     g.add_argument("--refine-head-lr", type=_positive_float, metavar="LR",
@@ -216,7 +222,7 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
 
 
 MATCHING_OPTIONS = ("symmetry", "iterations", "tol", "seen_tokens", "token_weighting", "head_weight")
-REFINE_OPTIONS = ("refine_steps", "refine_examples", "refine_lr", "refine_head_lr", "refine_permutations", "refine_group",
+REFINE_OPTIONS = ("refine_steps", "refine_examples", "refine_selection_fraction", "refine_evaluation_fraction", "refine_lr", "refine_head_lr", "refine_permutations", "refine_group",
                   "refine_lambda", "refine_schedule", "refine_batch_size", "refine_soft_labels",
                   "refine_soft_label_top_k", "refine_dual", "refine_workers", "refine_vocabulary_samples",
                   "refine_vocabulary_batch_samples", "refine_eval_every", "refine_start", "refine_vocabulary")
@@ -556,6 +562,10 @@ def _refiner(args, ref, command: str):
     if args.refine_soft_labels and args.refine_vocabulary != "full" and not args.refine_soft_label_top_k:
         raise UsageError(f"--refine-soft-labels over every token cannot be combined with --refine-vocabulary "
                          f"{args.refine_vocabulary}: add --refine-soft-label-top-k K (sparse targets)")
+    selection, evaluation = args.refine_selection_fraction, args.refine_evaluation_fraction
+    if not (selection > 0 and selection + evaluation < 1):
+        raise UsageError(f"--refine-selection-fraction {selection} --refine-evaluation-fraction {evaluation}: "
+                         "needs a selection share > 0 and the two shares below 1 together (the rest trains)")
     if args.refine_dual and getattr(args, "weights", None) and args.weights[0] == 0:
         raise UsageError("--refine-dual moves the reference along the path: its --weights entry must be > 0")
     if args.refine_start == "activations" and args.symmetry == "permutation":
@@ -566,8 +576,8 @@ def _refiner(args, ref, command: str):
     # selection/report batches of at most 32 examples whose logits stay under 2^26 values: GPT-2's
     # 50,257 tokens give 10 blocks of 128, and its head's product then runs 2.7 times faster per value
     # than with 32 blocks (a 206 MB output instead of 823 MB; merging.md §13)
-    data = proxy_streams(task.proxy, args.refine_batch_size, seed=0,
-                         eval_batch_size=eval_batch_size(task, module, most=32))
+    data = proxy_streams(task.proxy, args.refine_batch_size, seed=0, selection_fraction=selection,
+                         evaluation_fraction=evaluation, eval_batch_size=eval_batch_size(task, module, most=32))
     refine = functools.partial(
         learned_refine, ref.spec, module, loss_fn=cross_entropy, batches=data.batches,
         selection=data.selection, evaluation=data.evaluation, steps=args.refine_steps, lr=args.refine_lr,
@@ -581,7 +591,8 @@ def _refiner(args, ref, command: str):
         soft_label_top_k=args.refine_soft_label_top_k, dual=args.refine_dual, batch_workers=args.refine_workers,
         to_module_state=ref.adapter.from_standard, progress=True)
     info = {"steps": args.refine_steps, "lr": args.refine_lr, "head_lr": args.refine_head_lr or args.refine_lr,
-            "proxy_examples": len(task.proxy), "soft_labels": args.refine_soft_labels,
+            "proxy_examples": len(task.proxy), "selection_fraction": selection, "evaluation_fraction": evaluation,
+            "soft_labels": args.refine_soft_labels,
             "soft_label_top_k": args.refine_soft_label_top_k, "dual": args.refine_dual,
             "vocabulary": args.refine_vocabulary, "vocabulary_samples": args.refine_vocabulary_samples,
             "vocabulary_batch_samples": args.refine_vocabulary_batch_samples}

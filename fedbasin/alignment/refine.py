@@ -243,33 +243,37 @@ class _Delta(nn.Module):
     def transform(self, state: dict, tau: float, hard: bool = False) -> dict:
         """Differentiable ``g_Δ · state`` (permutations as matrices so gradients reach the scores)."""
         out = dict(state)
+        moves = self.permutations != "fixed"  # fixed permutations are the identity: their products are skipped
         for i, a in enumerate(self.spec.attention):
             H, G, dh = a.num_heads, a.kv_heads, a.head_dim
             p, p_kv = self.head_permutations(i, tau, hard)
             qk, qk_dual, ov, ov_dual = self.within_head(i)
             for lin, heads, perm, m in ((a.q, H, p, per_query_head(qk, a)), (a.k, G, p_kv, qk_dual),
                                         (a.v, G, p_kv, ov)):
-                w = torch.einsum("hg,gjd->hjd", perm, out[lin.weight].reshape(heads, dh, -1))
+                w = out[lin.weight].reshape(heads, dh, -1)
+                w = torch.einsum("hg,gjd->hjd", perm, w) if moves else w
                 out[lin.weight] = torch.einsum("hji,hjd->hid", m, w).reshape(heads * dh, -1)
                 if lin.bias:
-                    b = perm @ out[lin.bias].reshape(heads, dh)
+                    b = out[lin.bias].reshape(heads, dh)
+                    b = perm @ b if moves else b
                     out[lin.bias] = torch.einsum("hj,hji->hi", b, m).reshape(heads * dh)
             w = out[a.o.weight].reshape(-1, H, dh)
-            w = torch.einsum("hg,dgj->dhj", p, w)
+            w = torch.einsum("hg,dgj->dhj", p, w) if moves else w
             out[a.o.weight] = torch.einsum("dhj,hji->dhi", w, per_query_head(ov_dual, a)).reshape(w.shape[0], H * dh)
         for i, m in enumerate(self.spec.mlp):
-            p = self._perm(self.neuron_scores, i, out[m.up.weight].shape[0], tau, hard)
+            p = self._perm(self.neuron_scores, i, out[m.up.weight].shape[0], tau, hard) if moves else None
             scale = self.neuron_scale(i)
             for lin in (m.up, m.gate):
                 if lin is not None:
-                    out[lin.weight] = p @ out[lin.weight]
-                    if lin.bias:
-                        out[lin.bias] = p @ out[lin.bias]
+                    if moves:
+                        out[lin.weight] = p @ out[lin.weight]
+                        if lin.bias:
+                            out[lin.bias] = p @ out[lin.bias]
                     if scale is not None:  # ReLU: W_1[:, i] *= s_i (torch rows), b_1[i] *= s_i
                         out[lin.weight] = out[lin.weight] * scale[:, None]
                         if lin.bias:
                             out[lin.bias] = out[lin.bias] * scale
-            down = out[m.down.weight] @ p.T
+            down = out[m.down.weight] @ p.T if moves else out[m.down.weight]
             out[m.down.weight] = down if scale is None else down / scale
         o = self.residual_map()
         for key, axis in self.spec.residual:
@@ -397,6 +401,9 @@ def proxy_streams(proxy, batch_size: int, seed: int = 0, selection_fraction: flo
     """Split ``proxy`` (a :class:`fedbasin.data.Split`) into training / selection / evaluation parts
     (evaluation may be 0: then ``evaluation`` is None); the training part as a
     :class:`TrainingStream`."""
+    if not (0 < selection_fraction and 0 <= evaluation_fraction and selection_fraction + evaluation_fraction < 1):
+        raise ValueError(f"proxy split shares: selection {selection_fraction!r} must be > 0, evaluation "
+                         f"{evaluation_fraction!r} >= 0, and together below 1 (the rest trains)")
     rest, selection = proxy.split(selection_fraction, seed=seed)
     evaluation = None
     if evaluation_fraction > 0:
