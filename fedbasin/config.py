@@ -29,6 +29,8 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "partitioner": "iid",  # iid | dirichlet
     "dirichlet-alpha": 0.5,
     "proxy-size": 0,  # examples held back by the server for later refinement
+    "proxy-selection-fraction": 0.2,  # share of the proxy split that keep-best scores (refinement, distillation)
+    "proxy-evaluation-fraction": 0.2,  # share only reported (0: none; those examples train)
     "max-train-examples": 0,  # 0: the whole training split
     "block-size": 64,  # text sources: tokens per example
     # model: fields of the family's config; 0 or "" keeps the data's/family's default
@@ -177,6 +179,10 @@ def _value_problems(config: dict) -> list[str]:
         if config[key] > high or (key == "trim-fraction" and config[key] == high):
             problems.append(f"run-config {key}={config[key]!r} must be "
                             f"{'below' if key == 'trim-fraction' else 'at most'} {high}")
+    selection, evaluation = config["proxy-selection-fraction"], config["proxy-evaluation-fraction"]
+    if not (selection > 0 and evaluation >= 0 and selection + evaluation < 1):
+        problems.append(f"run-config proxy-selection-fraction={selection!r} proxy-evaluation-fraction={evaluation!r}: "
+                        "needs a selection share > 0, an evaluation share >= 0, and both below 1 together")
     try:
         refine_lambda(config)
     except ValueError as error:

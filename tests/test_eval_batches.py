@@ -44,8 +44,10 @@ def test_server_proxy_batches(text_file):
     from fedbasin.data import load_task
     from fedbasin.server.server_app import server_proxy_streams
 
+    from fedbasin.config import resolve_run_config
+
     task = load_task(f"text:{text_file}", tokenizer=str(TOKENIZER), block_size=64, proxy_size=120)
-    config = {"batch-size": 16, "seed": 0}
+    config = resolve_run_config({"batch-size": 16, "seed": 0})
     big = server_proxy_streams(task, SimpleNamespace(config=SimpleNamespace(vocab_size=50257)), config)
     assert [len(y) for _, y in big.selection] == [20, 4]  # 2^26 // (64 × 50257) = 20
     small = server_proxy_streams(task, SimpleNamespace(config=SimpleNamespace(vocab_size=65)), config)
@@ -90,3 +92,22 @@ def test_cli_refinement_split_shares(tmp_path, text_file, monkeypatch, capsys):
         assert "needs a selection share > 0" in cli_error(capsys, argv + bad)
     no_data = [a for a in argv if a not in ("--refine-data", f"text:{text_file}")]
     assert "has no effect without --refine-data" in cli_error(capsys, no_data + ["--refine-evaluation-fraction", "0"])
+
+
+def test_server_proxy_split_shares(text_file):
+    """The ServerApp's proxy split follows proxy-selection-fraction / proxy-evaluation-fraction (refinement
+    and distillation share it); bad shares are refused with the run config, one line naming both keys."""
+    from fedbasin.config import RunConfigError, resolve_run_config
+    from fedbasin.data import load_task
+    from fedbasin.server.server_app import server_proxy_streams
+
+    task = load_task(f"text:{text_file}", tokenizer=str(TOKENIZER), block_size=64, proxy_size=120)
+    config = resolve_run_config({"proxy-size": 120, "batch-size": 16, "proxy-selection-fraction": 0.1,
+                                 "proxy-evaluation-fraction": 0.0})
+    data = server_proxy_streams(task, SimpleNamespace(config=SimpleNamespace(vocab_size=65)), config)
+    assert sum(len(y) for _, y in data.selection) == 12 and data.evaluation is None
+    assert len(data.batches.split) == 108
+    for bad in ({"proxy-selection-fraction": 0.0}, {"proxy-selection-fraction": 0.6, "proxy-evaluation-fraction": 0.4},
+                {"proxy-evaluation-fraction": -0.1}):
+        with pytest.raises(RunConfigError, match="proxy-selection-fraction=.* proxy-evaluation-fraction=.*: needs"):
+            resolve_run_config(bad)

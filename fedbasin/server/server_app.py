@@ -82,13 +82,16 @@ def refused_as_run_config():
 
 def server_proxy_streams(task, model, config: dict):
     """The proxy split's training stream (the run config's batch size and seed) and its selection and
-    report batches: 256 examples, fewer where one batch's logits would pass 2^26 values (a large vocabulary)."""
+    report batches (``proxy-selection-fraction`` / ``proxy-evaluation-fraction`` of it): 256 examples,
+    fewer where one batch's logits would pass 2^26 values (a large vocabulary)."""
     return proxy_streams(task.proxy, config["batch-size"], seed=config["seed"],
+                         selection_fraction=config["proxy-selection-fraction"],
+                         evaluation_fraction=config["proxy-evaluation-fraction"],
                          eval_batch_size=eval_batch_size(task, model, most=256))
 
 
 def make_refiner(spec, model, task, config: dict, to_module_state=None):
-    """``refine(reference, clients)``: learned refinement on the proxy split (20% selects the
+    """``refine(reference, clients)``: learned refinement on the proxy split (by default 20% selects the
     alignment kept, 20% only reports its loss); ``to_module_state``: the adapter's
     ``from_standard`` when the model's keys differ from the spec's layout."""
     data = server_proxy_streams(task, model, config)
