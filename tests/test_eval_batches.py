@@ -41,10 +41,9 @@ def test_cli_refinement_scores_in_batches_whose_logits_fit_the_budget(tmp_path, 
 
 
 def test_server_proxy_batches(text_file):
+    from fedbasin.config import resolve_run_config
     from fedbasin.data import load_task
     from fedbasin.server.server_app import server_proxy_streams
-
-    from fedbasin.config import resolve_run_config
 
     task = load_task(f"text:{text_file}", tokenizer=str(TOKENIZER), block_size=64, proxy_size=120)
     config = resolve_run_config({"batch-size": 16, "seed": 0})
