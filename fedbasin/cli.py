@@ -545,6 +545,7 @@ def _refiner(args, ref, command: str):
     """``refine(reference, candidates, **kw)`` on the proxy split of ``--refine-data`` (every matching and
     refinement option applied) and a summary of the data used."""
     from fedbasin.alignment import learned_refine, proxy_streams
+    from fedbasin.alignment.refine import split_share_problem
     from fedbasin.checkpoint import build_torch_model
     from fedbasin.config import eval_batch_size
     from fedbasin.training import cross_entropy
@@ -563,9 +564,8 @@ def _refiner(args, ref, command: str):
         raise UsageError(f"--refine-soft-labels over every token cannot be combined with --refine-vocabulary "
                          f"{args.refine_vocabulary}: add --refine-soft-label-top-k K (sparse targets)")
     selection, evaluation = args.refine_selection_fraction, args.refine_evaluation_fraction
-    if not (selection > 0 and selection + evaluation < 1):
-        raise UsageError(f"--refine-selection-fraction {selection} --refine-evaluation-fraction {evaluation}: "
-                         "needs a selection share > 0 and the two shares below 1 together (the rest trains)")
+    if problem := split_share_problem(selection, evaluation):
+        raise UsageError(f"--refine-selection-fraction {selection} --refine-evaluation-fraction {evaluation}: {problem}")
     if args.refine_dual and getattr(args, "weights", None) and args.weights[0] == 0:
         raise UsageError("--refine-dual moves the reference along the path: its --weights entry must be > 0")
     if args.refine_start == "activations" and args.symmetry == "permutation":

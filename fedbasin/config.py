@@ -16,6 +16,7 @@ from dataclasses import fields
 from torch import nn
 
 from fedbasin.alignment.adapters import Adapter, fedbasin_adapter
+from fedbasin.alignment.refine import split_share_problem
 from fedbasin.data import Task, load_task
 from fedbasin.models import FAMILIES, build_model
 from fedbasin.training import device_name_problem
@@ -180,9 +181,9 @@ def _value_problems(config: dict) -> list[str]:
             problems.append(f"run-config {key}={config[key]!r} must be "
                             f"{'below' if key == 'trim-fraction' else 'at most'} {high}")
     selection, evaluation = config["proxy-selection-fraction"], config["proxy-evaluation-fraction"]
-    if not (selection > 0 and evaluation >= 0 and selection + evaluation < 1):
+    if problem := split_share_problem(selection, evaluation):
         problems.append(f"run-config proxy-selection-fraction={selection!r} proxy-evaluation-fraction={evaluation!r}: "
-                        "needs a selection share > 0, an evaluation share >= 0, and both below 1 together")
+                        f"{problem}")
     try:
         refine_lambda(config)
     except ValueError as error:

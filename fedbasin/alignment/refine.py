@@ -396,14 +396,22 @@ class TrainingStream:
 SOFT_LABEL_BYTES = 1 << 30
 
 
+def split_share_problem(selection_fraction: float, evaluation_fraction: float) -> str | None:
+    """Why these proxy split shares are refused (None if they are fine): the selection share must be
+    > 0, the evaluation share >= 0, and the two below 1 together, so that some examples train."""
+    if 0 < selection_fraction and 0 <= evaluation_fraction and selection_fraction + evaluation_fraction < 1:
+        return None
+    return "needs a selection share > 0, an evaluation share >= 0, and both below 1 together (the rest trains)"
+
+
 def proxy_streams(proxy, batch_size: int, seed: int = 0, selection_fraction: float = 0.2,
                   evaluation_fraction: float = 0.2, eval_batch_size: int = 256) -> ProxyStreams:
     """Split ``proxy`` (a :class:`fedbasin.data.Split`) into training / selection / evaluation parts
     (evaluation may be 0: then ``evaluation`` is None); the training part as a
     :class:`TrainingStream`."""
-    if not (0 < selection_fraction and 0 <= evaluation_fraction and selection_fraction + evaluation_fraction < 1):
-        raise ValueError(f"proxy split shares: selection {selection_fraction!r} must be > 0, evaluation "
-                         f"{evaluation_fraction!r} >= 0, and together below 1 (the rest trains)")
+    if problem := split_share_problem(selection_fraction, evaluation_fraction):
+        raise ValueError(f"proxy split shares selection {selection_fraction!r}, evaluation {evaluation_fraction!r}: "
+                         f"{problem}")
     rest, selection = proxy.split(selection_fraction, seed=seed)
     evaluation = None
     if evaluation_fraction > 0:
@@ -869,8 +877,12 @@ class _TrainingVocabulary:
         self.outside = torch.nonzero(~inside).flatten()
         self.samples = min(samples, self.outside.numel())
         self.batch_samples = batch_samples
-        self.fixed = not (self.samples or batch_samples)
         self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def fixed(self) -> bool:
+        """Whether every step uses the same rows (the whole vocabulary, nothing sampled)."""
+        return not (self.samples or self.batch_samples)
 
     def _sample(self, pool: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k tokens of ``pool`` drawn uniformly without replacement, and their logit correction log(m/k)."""
