@@ -161,7 +161,9 @@ def _matching_options(p: argparse.ArgumentParser) -> None:
 
 def _refine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("learned refinement (on when --refine-data is given)")
-    g.add_argument("--refine-data", metavar="SPEC", help="proxy data: " + DATA_HELP)
+    g.add_argument("--refine-data", metavar="SPEC", help="proxy data: " + DATA_HELP + " | unigram:FILE (data-free: "
+                   "synthetic token blocks drawn by the token counts of FILE's training split, no text, labelled by "
+                   "the models' own mean predictions for training, keep-best and the report)")
     g.add_argument("--tokenizer", metavar="DIR", help="Hugging Face tokenizer directory for text data (default: "
                    "the one saved in the reference checkpoint's directory, if any)")
     g.add_argument("--refine-steps", type=_positive_int, default=100, help="optimiser steps")
@@ -193,9 +195,9 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
                    help="train the maps on (1 − W)·labels + W·the models' mean predicted probabilities "
                    "(computed once on the proxy examples; keep-best still uses the labels); 0: labels only")
     g.add_argument("--refine-soft-label-top-k", type=_nonnegative_int, default=0, metavar="K",
-                   help="with --refine-soft-labels: keep each target's K largest entries (renormalised) as sparse "
-                   "(token, weight) pairs, so a large vocabulary fits in memory and combines with "
-                   "--refine-vocabulary; 0: every class")
+                   help="with --refine-soft-labels: keep each target's K largest entries as sparse (token, weight) "
+                   "pairs, the rest of its mass as one bucket of the other tokens, so a large vocabulary fits "
+                   "in memory and combines with --refine-vocabulary; 0: every class")
     g.add_argument("--refine-dual", action="store_true",
                    help="the reference carries a learned transform too, so both endpoints move toward a shared path "
                    "(align writes the candidate mapped back into the reference's own basis: the same path)")
@@ -261,8 +263,9 @@ def _refuse_ineffective_options(args) -> None:
         rules.append((REFINE_OPTIONS, "has no effect without --refine-data"))
         if args.command != "barrier" and "seen_tokens" not in given:
             rules.append((("tokenizer",), "has no effect without --seen-tokens or --refine-data"))
-    if "refine_soft_labels" not in given:
-        rules.append((("refine_soft_label_top_k",), "has no effect without --refine-soft-labels"))
+    if "refine_soft_labels" not in given and not str(getattr(args, "refine_data", None)).startswith("unigram:"):
+        why = "has no effect without --refine-soft-labels or --refine-data unigram:FILE"
+        rules.append((("refine_soft_label_top_k",), why))
     if "seen_tokens" not in given:
         rules.append((("token_weighting",), "has no effect without --seen-tokens"))
     for dests, why in rules:
@@ -548,6 +551,7 @@ def _refiner(args, ref, command: str):
     from fedbasin.alignment.refine import split_share_problem
     from fedbasin.checkpoint import build_torch_model
     from fedbasin.config import eval_batch_size
+    from fedbasin.data import unigram_blocks
     from fedbasin.training import cross_entropy
 
     lo, hi = args.refine_lambda
@@ -560,9 +564,17 @@ def _refiner(args, ref, command: str):
     if args.refine_vocabulary_batch_samples and args.refine_soft_labels:
         raise UsageError("--refine-vocabulary-batch-samples trains on the labels: it cannot be combined with "
                          "--refine-soft-labels")
-    if args.refine_soft_labels and args.refine_vocabulary != "full" and not args.refine_soft_label_top_k:
-        raise UsageError(f"--refine-soft-labels over every token cannot be combined with --refine-vocabulary "
-                         f"{args.refine_vocabulary}: add --refine-soft-label-top-k K (sparse targets)")
+    unigram = args.refine_data.startswith("unigram:")
+    if unigram and args.refine_soft_labels:
+        raise UsageError(f"--refine-soft-labels: --refine-data {args.refine_data} is labelled by the models' "
+                         "predictions alone (soft labels of weight 1)")
+    if unigram and args.refine_vocabulary_batch_samples:
+        raise UsageError(f"--refine-vocabulary-batch-samples trains on the labels: --refine-data {args.refine_data} "
+                         "has none (the models' predictions label it)")
+    if (args.refine_soft_labels or unigram) and args.refine_vocabulary != "full" and not args.refine_soft_label_top_k:
+        raise UsageError(f"{'--refine-data unigram:' if unigram else '--refine-soft-labels'} over every token cannot "
+                         f"be combined with --refine-vocabulary {args.refine_vocabulary}: add "
+                         "--refine-soft-label-top-k K (sparse targets)")
     selection, evaluation = args.refine_selection_fraction, args.refine_evaluation_fraction
     if problem := split_share_problem(selection, evaluation):
         raise UsageError(f"--refine-selection-fraction {selection} --refine-evaluation-fraction {evaluation}: {problem}")
@@ -570,13 +582,20 @@ def _refiner(args, ref, command: str):
         raise UsageError("--refine-dual moves the reference along the path: its --weights entry must be > 0")
     if args.refine_start == "activations" and args.symmetry == "permutation":
         raise UsageError("--refine-start activations finds an orthogonal residual map: it needs --symmetry orthogonal")
-    task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
-                     proxy_size=args.refine_examples)
+    if unigram:  # the text's training split gives the counts; the proxy is drawn from them
+        task = _task_for(ref, "text:" + args.refine_data.partition(":")[2], args.tokenizer, args.reference, command,
+                         "--refine-data")
+        proxy = unigram_blocks(task.train.token_ids(), int(ref.config.vocab_size), args.refine_examples,
+                               task.train.inputs.shape[1])
+    else:
+        task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
+                         proxy_size=args.refine_examples)
+        proxy = task.proxy
     module = build_torch_model(ref)
     # selection/report batches of at most 32 examples whose logits stay under 2^26 values: GPT-2's
     # 50,257 tokens give 10 blocks of 128, and its head's product then runs 2.7 times faster per value
     # than with 32 blocks (a 206 MB output instead of 823 MB; merging.md §13)
-    data = proxy_streams(task.proxy, args.refine_batch_size, seed=0, selection_fraction=selection,
+    data = proxy_streams(proxy, args.refine_batch_size, seed=0, selection_fraction=selection,
                          evaluation_fraction=evaluation, eval_batch_size=eval_batch_size(task, module, most=32))
     refine = functools.partial(
         learned_refine, ref.spec, module, loss_fn=cross_entropy, batches=data.batches,
@@ -585,13 +604,14 @@ def _refiner(args, ref, command: str):
         lambda_range=tuple(args.refine_lambda), schedule=args.refine_schedule, match_iterations=args.iterations,
         match_tol=args.tol, universe_iterations=getattr(args, "universe_iterations", 1),
         token_rows=_seen_tokens(args, ref, command), head_weight=args.head_weight, start=args.refine_start,
-        eval_every=args.refine_eval_every, vocabulary=_refine_vocabulary(args, task),
+        eval_every=args.refine_eval_every, vocabulary=_refine_vocabulary(args, proxy, task.train),
         vocabulary_samples=args.refine_vocabulary_samples,
         vocabulary_batch_samples=args.refine_vocabulary_batch_samples, soft_labels=args.refine_soft_labels,
         soft_label_top_k=args.refine_soft_label_top_k, dual=args.refine_dual, batch_workers=args.refine_workers,
-        to_module_state=ref.adapter.from_standard, progress=True)
+        to_module_state=ref.adapter.from_standard, progress=True, model_labels=unigram)
     info = {"steps": args.refine_steps, "lr": args.refine_lr, "head_lr": args.refine_head_lr or args.refine_lr,
-            "proxy_examples": len(task.proxy), "selection_fraction": selection, "evaluation_fraction": evaluation,
+            "proxy_examples": len(proxy), "proxy": "unigram" if unigram else "data",
+            "labels": "models" if unigram else "data", "selection_fraction": selection, "evaluation_fraction": evaluation,
             "soft_labels": args.refine_soft_labels,
             "soft_label_top_k": args.refine_soft_label_top_k, "dual": args.refine_dual,
             "vocabulary": args.refine_vocabulary, "vocabulary_samples": args.refine_vocabulary_samples,
@@ -648,14 +668,15 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
     return task
 
 
-def _refine_vocabulary(args, task):
-    """Token ids of ``--refine-vocabulary`` (None for the full vocabulary)."""
+def _refine_vocabulary(args, proxy, train):
+    """Token ids of ``--refine-vocabulary`` (None for the full vocabulary): those of the ``proxy`` blocks,
+    and with ``seen`` also those of the text's training split ``train``."""
     if args.refine_vocabulary == "full":
         return None
-    if not args.refine_data.startswith("text:"):
-        raise UsageError(f"--refine-vocabulary {args.refine_vocabulary} needs text data (text:FILE), "
+    if not args.refine_data.startswith(("text:", "unigram:")):
+        raise UsageError(f"--refine-vocabulary {args.refine_vocabulary} needs text data (text:FILE or unigram:FILE), "
                          f"got --refine-data {args.refine_data}")
-    splits = [task.proxy] + ([task.train] if args.refine_vocabulary == "seen" else [])  # the proxy is cut from train
+    splits = [proxy] + ([train] if args.refine_vocabulary == "seen" else [])
     return torch.unique(torch.cat([t.reshape(-1) for s in splits for t in (s.inputs, s.targets)]))
 
 

@@ -53,12 +53,23 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     with class ids (B,) / (B, T), or probabilities of the logits' shape (soft labels:
     ``−Σ_c t_c log softmax(z)_c``, averaged over the targets), or sparse probabilities: k
     ``(class id, weight)`` pairs per target, shape (B, k, 2) / (B, T, k, 2), ids stored as floats
-    (exact below 2^24), giving ``Σ_j t_j·logsumexp(z) − Σ_j t_j z_{c_j}`` (the same formula for
-    the k listed classes; the others weigh 0)."""
+    (exact below 2^24), distinct where the weight is > 0. Sparse weights summing to s ≤ 1 leave
+    ``r = 1 − s`` on the unlisted classes as one bucket:
+    ``−Σ_j t_j log p_{c_j} − r·log(1 − Σ_j p_{c_j})``, p = softmax(z) — the cross-entropy of the
+    coarse distribution (listed classes, rest), minimal where p gives the listed classes exactly
+    their weights. Without the bucket, truncated targets reward moving all probability onto the
+    listed classes (docs/merging.md §14)."""
     if targets.is_floating_point() and targets.dim() == logits.dim() + 1:
         ids, weights = targets[..., 0].long(), targets[..., 1].to(logits.dtype)
         picked = logits.gather(-1, ids)
-        return (weights.sum(-1) * logits.logsumexp(-1) - (weights * picked).sum(-1)).mean()
+        normaliser = logits.logsumexp(-1)
+        listed = weights.sum(-1)
+        loss = listed * normaliser - (weights * picked).sum(-1)
+        rest = (1.0 - listed).clamp_min(0.0)
+        # log Σ_j p_{c_j} over the listed classes (a large finite fill keeps the gradient finite when none is)
+        log_listed = picked.masked_fill(weights <= 0, torch.finfo(logits.dtype).min / 2).logsumexp(-1) - normaliser
+        log_rest = torch.log(-torch.expm1(log_listed.clamp(max=-1e-6)))  # log(1 − Σ_j p_{c_j}), p_rest ≥ 1e-6
+        return (loss - rest * log_rest).mean()
     flat = logits.reshape(-1, logits.shape[-1])
     if targets.is_floating_point():
         return F.cross_entropy(flat, targets.reshape(flat.shape).to(logits.dtype))

@@ -158,7 +158,7 @@ def test_cli_soft_labels(tmp_path, capsys, monkeypatch):
         "--refine-soft-label-top-k K (sparse targets)")
     assert cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-data", "digits",
                               "--refine-soft-label-top-k", "3"]).endswith(
-        "--refine-soft-label-top-k has no effect without --refine-soft-labels")
+        "--refine-soft-label-top-k has no effect without --refine-soft-labels or --refine-data unigram:FILE")
     assert "expected an integer >= 0" in cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-data",
                                                             "digits", "--refine-soft-labels", "0.5",
                                                             "--refine-soft-label-top-k", "-1"])
@@ -191,22 +191,45 @@ def test_the_server_refines_on_soft_labels(monkeypatch):
 
 
 def test_cross_entropy_takes_sparse_probability_targets():
-    """k (class id, weight) pairs per target give −Σ_j t_j log softmax(z)_{c_j}: with every class
-    listed the dense loss, with fewer the dense loss of the truncated targets."""
+    """k (class id, weight) pairs per target: with every class listed the dense loss; with fewer, the
+    dense cross-entropy of the coarse distribution (the listed classes, and one bucket of the rest
+    holding the weight they leave)."""
     g = torch.Generator().manual_seed(0)
     for shape in ((6, 5), (3, 4, 7)):
         logits = torch.randn(*shape, generator=g, dtype=torch.float64)
         soft = torch.rand(*shape, generator=g, dtype=torch.float64).softmax(-1)
-        for k in (shape[-1], 2):
+        values, ids = soft.topk(shape[-1], dim=-1)
+        assert float(cross_entropy(logits, torch.stack([ids.double(), values], -1))) == pytest.approx(
+            float(cross_entropy(logits, soft)), rel=1e-12)
+        for k in (1, 2):
             values, ids = soft.topk(k, dim=-1)
-            values = values / values.sum(-1, keepdim=True)
-            truncated = torch.zeros_like(soft).scatter(-1, ids, values)
-            sparse = torch.stack([ids.double(), values], -1)
-            assert float(cross_entropy(logits, sparse)) == pytest.approx(float(cross_entropy(logits, truncated)),
-                                                                          rel=1e-12)
-            halved = torch.stack([ids.double(), values / 2], -1)  # weights need not sum to 1 (a vocabulary drops some)
-            assert float(cross_entropy(logits, halved)) == pytest.approx(float(cross_entropy(logits, sparse)) / 2,
-                                                                          rel=1e-12)
+            p = logits.softmax(-1)
+            listed = p.gather(-1, ids)
+            coarse = -(values * listed.log()).sum(-1) - (1 - values.sum(-1)) * (1 - listed.sum(-1)).log()
+            got = cross_entropy(logits, torch.stack([ids.double(), values], -1))
+            assert float(got) == pytest.approx(float(coarse.mean()), rel=1e-10)
+
+
+def test_truncated_targets_are_best_matched_by_the_target_itself():
+    """The sparse loss of a truncated distribution is stationary at that distribution's own logits:
+    it does not reward moving the unlisted classes' mass onto the listed ones."""
+    g = torch.Generator().manual_seed(1)
+    soft = torch.rand(4, 3, 50, generator=g, dtype=torch.float64).softmax(-1)  # flat: the top 5 hold ~15 %
+    values, ids = soft.topk(5, dim=-1)
+    logits = soft.log().requires_grad_(True)
+    cross_entropy(logits, torch.stack([ids.double(), values], -1)).backward()
+    assert float(logits.grad.abs().max()) < 1e-12
+    sharper = (2 * soft.log()).detach()  # the same order, more mass on the top classes
+    assert float(cross_entropy(sharper, torch.stack([ids.double(), values], -1))) > float(
+        cross_entropy(soft.log(), torch.stack([ids.double(), values], -1)))
+
+
+def test_sparse_targets_listing_no_class_give_no_gradient():
+    logits = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
+    nothing = torch.zeros(2, 3, 2, dtype=torch.float64)  # every weight 0: all mass in the bucket (p = 1)
+    loss = cross_entropy(logits, nothing)
+    loss.backward()
+    assert loss.item() == 0.0 and bool(torch.isfinite(logits.grad).all()) and float(logits.grad.abs().max()) == 0.0
 
 
 def test_top_k_soft_labels_are_the_largest_entries_of_the_dense_targets():
@@ -219,14 +242,14 @@ def test_top_k_soft_labels_are_the_largest_entries_of_the_dense_targets():
     values, ids = dense.topk(3, dim=-1)
     assert sparse.shape == (len(split), 3, 2)
     assert torch.equal(sparse[..., 0].long(), ids)
-    torch.testing.assert_close(sparse[..., 1], values / values.sum(-1, keepdim=True))
+    torch.testing.assert_close(sparse[..., 1], values)  # not renormalised: the rest is the bucket's
     every = _soft_labels(split, [a, b], workers, 0.25, "cpu", forward, top_k=50)  # k above the classes: all of them
     assert every.shape == (len(split), 10, 2)
 
 
 def test_sparse_targets_keep_only_the_vocabulary_s_weight():
     """Through a training vocabulary, sparse targets are renumbered to its rows; weight on tokens
-    outside it is dropped and the rest renormalised."""
+    outside it is dropped (it joins the unlisted bucket), the rest kept as it is."""
     from tests.helpers import GPT, spec_of, trained_like
 
     state = trained_like("gpt", GPT, seed=1, dtype=torch.float32).state_dict()
@@ -234,7 +257,7 @@ def test_sparse_targets_keep_only_the_vocabulary_s_weight():
     targets = torch.tensor([[[5.0, 0.5], [3.0, 0.3], [9.0, 0.2]]])  # token 3 is outside
     renumbered = vocab.renumber(targets)
     assert renumbered[..., 0].tolist() == [[1.0, 0.0, 2.0]]
-    torch.testing.assert_close(renumbered[..., 1], torch.tensor([[0.5 / 0.7, 0.0, 0.2 / 0.7]]))
+    torch.testing.assert_close(renumbered[..., 1], torch.tensor([[0.5, 0.0, 0.2]]))
 
 
 def lm_refinement(soft_labels: float = 0.0, top_k: int = 0, **options):
@@ -271,7 +294,7 @@ def test_top_k_soft_labels_refine_a_language_model_through_a_vocabulary():
     assert rel_err(run("gpt", GPT, soft.states[0], x, torch.float32), run("gpt", GPT, b, x, torch.float32)) < 1e-5
 
 
-def test_top_k_soft_labels_over_a_vocabulary_are_its_renormalised_probabilities():
+def test_top_k_soft_labels_over_a_vocabulary_are_its_probabilities():
     """With a training vocabulary, p̄ is the mean softmax over its tokens only; the sparse ids are
     the full model's token ids."""
     from fedbasin.data import Split
@@ -290,4 +313,4 @@ def test_top_k_soft_labels_over_a_vocabulary_are_its_renormalised_probabilities(
     target = 0.5 * F.one_hot(vocab.renumber(split.targets), len(kept)).float() + 0.5 * p
     values, ids = target.topk(3, dim=-1)
     assert torch.equal(got[..., 0].long(), kept[ids])
-    torch.testing.assert_close(got[..., 1], values / values.sum(-1, keepdim=True))
+    torch.testing.assert_close(got[..., 1], values)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedbasin.data.task import Split
 from fedbasin.models.weights import weightless_copy
 
 from .canonical import canonicalize, to_gauge
@@ -468,6 +469,7 @@ def learned_refine(
     soft_label_top_k: int = 0,
     batch_workers: int = 0,
     head_lr: float | None = None,
+    model_labels: bool = False,
 ) -> RefineResult:
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
 
@@ -508,11 +510,12 @@ def learned_refine(
     its function, so p̄ is computed once, on the training part of ``batches``, which must then be
     a :class:`TrainingStream`; ``loss_fn`` must accept probability targets, as
     :func:`fedbasin.training.cross_entropy` does). Keep-best and the reported losses use the labels.
-    ``soft_label_top_k`` = k > 0 keeps each target's k largest entries, renormalised, as sparse
-    (id, weight) pairs: the targets then take N·k·8 bytes instead of N·C·4 (a GPT-2's 50,257-way
-    probabilities on 1,000 blocks of 128 tokens would take 24 GiB; k = 32 takes 31 MiB), and they
+    ``soft_label_top_k`` = k > 0 keeps each target's k largest entries as sparse (id, weight) pairs,
+    the mass they leave trained as one bucket of the unlisted tokens (``cross_entropy``): the targets
+    then take N·k·8 bytes instead of N·C·4 (a GPT-2's 50,257-way probabilities on 1,000 blocks of 128
+    tokens would take 24 GiB; k = 32 takes 31 MiB), and they
     combine with a training ``vocabulary``: p̄ is then the softmax over its tokens (computed on their
-    rows only), and a step's weight on tokens outside its rows is dropped, the rest renormalised.
+    rows only), and a step's weight on tokens outside its rows joins that bucket.
     ``batch_workers`` = n > 1 (0: one per torch CPU thread; always 1 on a GPU): each training
     batch is cut into n slices whose forward and backward passes run at once on n threads, and the
     selection, evaluation and labelling batches are shared among them (:class:`_Workers`); the
@@ -520,6 +523,10 @@ def learned_refine(
     whole batch's up to rounding.
     ``head_lr``: Adam's learning rate for the per-head maps (:meth:`_Delta.head_parameters`); the
     residual map, neuron scalings and permutation scores keep ``lr`` (None: ``lr`` for all).
+    ``model_labels``: the proxy's own targets are not used: training, keep-best and the report all
+    score p̄, the mixed models' mean predictions (soft labels of weight 1, sparse with
+    ``soft_label_top_k``; ``soft_labels`` stays 0). For inputs without labels, e.g. the synthetic
+    token streams of :func:`fedbasin.data.unigram_blocks` (data-free alignment).
     ``include_reference=False`` leaves the reference out of the mixture and the scored centroid
     (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
@@ -548,6 +555,10 @@ def learned_refine(
         raise ValueError(f"start_batches must be an integer >= 1, got {start_batches!r}")
     if not (isinstance(soft_labels, (int, float)) and 0.0 <= soft_labels <= 1.0):
         raise ValueError(f"soft_labels must be a number in [0, 1], got {soft_labels!r}")
+    if model_labels:
+        if soft_labels:
+            raise ValueError("model_labels already trains on the models' predictions alone: leave soft_labels at 0")
+        soft_labels = 1.0
     if vocabulary_batch_samples and (vocabulary is None or soft_labels):
         raise ValueError("vocabulary_batch_samples needs a training vocabulary and hard labels (no soft_labels)")
     if soft_labels and not isinstance(batches, TrainingStream):
@@ -624,8 +635,14 @@ def learned_refine(
                                                                       seed + 1, vocabulary_batch_samples)
         if soft_labels:
             mixed = [reference] * include_reference + list(candidates)
-            batches = batches.relabelled(_soft_labels(batches.split, mixed, workers, soft_labels, device, forward,
-                                                      soft_label_top_k, vocab))
+
+            def label(split):
+                return _soft_labels(split, mixed, workers, soft_labels, device, forward, soft_label_top_k, vocab)
+
+            batches = batches.relabelled(label(batches.split))
+            if model_labels:  # keep-best and the report score the models' predictions too
+                selection = _relabelled(selection, label)
+                evaluation = None if evaluation is None else _relabelled(evaluation, label)
         iterator = iter(batches)
         options = []
         if start == "activations":
@@ -805,10 +822,11 @@ def _soft_labels(split, states: list[dict], workers: _Workers, weight: float, de
                  top_k: int = 0, vocabulary: _TrainingVocabulary | None = None) -> torch.Tensor:
     """``t = (1 − w)·one-hot(y) + w·p̄(x)`` for every example of ``split``, p̄ the mean softmax of
     ``forward(state, x, module)`` (logits) over ``states``. ``top_k`` = k > 0 keeps each target's k
-    largest entries, renormalised to sum 1, as (class id, weight) pairs of shape (…, k, 2) (see
-    :func:`fedbasin.training.cross_entropy`). With a training ``vocabulary`` (sparse targets only)
-    p̄ is the softmax over its tokens (their rows only: |vocabulary| instead of V logits per token),
-    the ids stay the full model's. Targets over :data:`SOFT_LABEL_BYTES` are refused."""
+    largest entries as (class id, weight) pairs of shape (…, k, 2); their weights are not renormalised:
+    the mass they leave is the unlisted classes' bucket of :func:`fedbasin.training.cross_entropy`.
+    With a training ``vocabulary`` (sparse targets only) p̄ is the softmax over its tokens (their rows
+    only: |vocabulary| instead of V logits per token), the ids stay the full model's. Targets over
+    :data:`SOFT_LABEL_BYTES` are refused."""
     if vocabulary is not None:
         states = [vocabulary.restrict(state, vocabulary.ids) for state in states]
 
@@ -826,7 +844,7 @@ def _soft_labels(split, states: list[dict], workers: _Workers, weight: float, de
         values, ids = t.topk(min(top_k, t.shape[-1]), dim=-1)
         if vocabulary is not None:
             ids = vocabulary.ids.to(ids.device)[ids]
-        return torch.stack([ids.to(values), values / values.sum(-1, keepdim=True)], -1).cpu()
+        return torch.stack([ids.to(values), values], -1).cpu()
 
     with torch.no_grad():
         first = next(split.batches(1))[0].to(device)  # the model's input: the split's transform applied
@@ -841,6 +859,13 @@ def _soft_labels(split, states: list[dict], workers: _Workers, weight: float, de
         # a labelling batch's dense probabilities stay under 128 MiB per thread
         rows = max(1, min(256, (128 << 20) // (per_example * classes * 4)))
         return torch.cat(workers.map(target_of, split.batches(rows)))
+
+
+def _relabelled(batches: list[Batch], label: Callable[[Split], torch.Tensor]) -> list[Batch]:
+    """The same inputs, batch for batch, with the targets ``label`` gives for them all at once."""
+    split = Split(torch.cat([x.cpu() for x, _ in batches]), torch.cat([y.cpu() for _, y in batches]))
+    targets = label(split).split([len(y) for _, y in batches])
+    return [(x, t.to(x.device)) for (x, _), t in zip(batches, targets)]
 
 
 class _TrainingVocabulary:
@@ -914,11 +939,10 @@ class _TrainingVocabulary:
 
     def renumber(self, t: torch.Tensor) -> torch.Tensor:
         """Token ids → row numbers. Sparse (id, weight) targets (floats, see ``soft_label_top_k``) keep
-        the weight of the vocabulary's tokens only, renormalised."""
+        the weight of the vocabulary's tokens only; the weight of the others joins the unlisted bucket."""
         if t.is_floating_point():
             ids = self.lookup.to(t.device)[t[..., 0].long()]
-            weights = t[..., 1] * (ids >= 0)
-            return torch.stack([ids.clamp(min=0).to(t), weights / weights.sum(-1, keepdim=True).clamp_min(1e-12)], -1)
+            return torch.stack([ids.clamp(min=0).to(t), t[..., 1] * (ids >= 0)], -1)
         out = self.lookup.to(t.device)[t]
         if bool((out < 0).any()):
             raise ValueError(f"a training batch holds token {int(t[out < 0][0])}, outside the refinement vocabulary")

@@ -107,6 +107,20 @@ def token_blocks(ids: torch.Tensor, block_size: int) -> Split:
     return Split(blocks[:, :-1].contiguous(), blocks[:, 1:].contiguous())
 
 
+def unigram_blocks(token_ids: torch.Tensor, vocab_size: int, count: int, block_size: int, seed: int = 0) -> Split:
+    """``count`` synthetic blocks of tokens drawn independently, token t with probability
+    n_t / Σ n (n_t its count in ``token_ids``): inputs ``s[:B]``, targets ``s[1:B+1]`` of each drawn
+    row ``s``. They carry the counts only, no text: inputs for data-free alignment, whose targets
+    are the models' own predictions (``learned_refine(model_labels=True)``)."""
+    ids = torch.as_tensor(token_ids).reshape(-1).long()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"unigram blocks need token ids in [0, {vocab_size}), got {ids.numel()} ids")
+    counts = torch.bincount(ids, minlength=vocab_size).double()
+    drawn = torch.multinomial(counts / counts.sum(), count * (block_size + 1), replacement=True,
+                              generator=torch.Generator().manual_seed(seed)).reshape(count, block_size + 1)
+    return Split(drawn[:, :-1].contiguous(), drawn[:, 1:].contiguous())
+
+
 @functools.lru_cache(maxsize=4)
 def load_task(
     source: str = "digits",

@@ -1,0 +1,121 @@
+"""Data-free learned alignment: synthetic token blocks drawn by a text's token counts
+(``unigram_blocks``, CLI ``--refine-data unigram:FILE``), labelled by the models' own mean
+predictions for training, keep-best and the report (``learned_refine(model_labels=True)``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedbasin.alignment import learned_refine, proxy_streams
+from fedbasin.data import unigram_blocks
+from fedbasin.models import build_model
+from fedbasin.training import cross_entropy
+from tests.helpers import (
+    GPT,
+    cli_error,
+    inputs,
+    rel_err,
+    run,
+    spec_of,
+    spy_on_cli_refine,
+    trained_like,
+)
+from tests.test_tokenizer_data import NEEDS_SHARED_TEXT, _gpt2, shakespeare_excerpt
+
+
+def test_unigram_blocks_follow_the_counts():
+    ids = torch.tensor([0, 0, 0, 3] * 50)  # token 0 three times as often as token 3; the others never
+    blocks = unigram_blocks(ids, 8, 400, 16, seed=0)
+    assert blocks.inputs.shape == blocks.targets.shape == (400, 16)
+    assert torch.equal(blocks.inputs[:, 1:], blocks.targets[:, :-1])  # next-token targets of one drawn row
+    tokens = torch.cat([blocks.inputs.reshape(-1), blocks.targets[:, -1]])
+    assert set(tokens.unique().tolist()) == {0, 3}
+    assert float((tokens == 0).double().mean()) == pytest.approx(0.75, abs=0.01)  # 6,800 draws: σ = 0.005
+    again = unigram_blocks(ids, 8, 400, 16, seed=0)
+    assert torch.equal(again.inputs, blocks.inputs) and not torch.equal(unigram_blocks(ids, 8, 400, 16, seed=1).inputs,
+                                                                        blocks.inputs)
+    for bad in (torch.tensor([], dtype=torch.long), torch.tensor([0, 8])):
+        with pytest.raises(ValueError, match=r"token ids in \[0, 8\)"):
+            unigram_blocks(bad, 8, 4, 16)
+
+
+def _pair():
+    return [trained_like("gpt", GPT, seed=s, dtype=torch.float32).state_dict() for s in (1, 2)]
+
+
+def _refine(a, b, data, steps=8, **options):
+    return learned_refine(spec_of("gpt", GPT), build_model("gpt", GPT), a, [b], cross_entropy, data.batches,
+                          data.selection, data.evaluation, steps=steps, lr=0.05, eval_every=2, **options)
+
+
+def _mean_prediction(a, b, x):
+    model = build_model("gpt", GPT)
+    with torch.no_grad():
+        return sum(torch.func.functional_call(model, s, (x,)).softmax(-1) for s in (a, b)) / 2
+
+
+def test_model_labels_score_every_split_on_the_models_mean_prediction():
+    """With model_labels the selection and report losses are the cross-entropy against p̄, the two
+    models' mean prediction (the same figures as splits labelled with p̄ by hand); refinement keeps the
+    candidate's function and never raises the selection loss."""
+    a, b = _pair()
+    blocks = unigram_blocks(torch.arange(0, GPT["vocab_size"], 3), GPT["vocab_size"], 100, GPT["block_size"])
+    data = proxy_streams(blocks, 8, seed=0)
+    result = _refine(a, b, data, model_labels=True)
+    by_hand = proxy_streams(blocks, 8, seed=0)
+    by_hand.selection = [(x, _mean_prediction(a, b, x)) for x, _ in by_hand.selection]
+    by_hand.evaluation = [(x, _mean_prediction(a, b, x)) for x, _ in by_hand.evaluation]
+    reference = _refine(a, b, by_hand, steps=1)  # no training needed: the start's scores only
+    assert result.initial_loss == pytest.approx(reference.initial_loss, rel=1e-6)
+    assert result.evaluation_initial_loss == pytest.approx(reference.evaluation_initial_loss, rel=1e-6)
+    labels = _refine(a, b, proxy_streams(blocks, 8, seed=0), steps=1)  # the drawn next tokens: another score
+    assert abs(labels.initial_loss - result.initial_loss) > 0.1
+    assert result.best_loss <= result.initial_loss and result.best_loss == min(v for _, v in result.history)
+    x = inputs("gpt", GPT, torch.float32)[0]
+    assert rel_err(run("gpt", GPT, result.states[0], x, torch.float32), run("gpt", GPT, b, x, torch.float32)) < 1e-5
+
+
+def test_model_labels_refuse_a_soft_label_weight():
+    a, b = _pair()
+    blocks = unigram_blocks(torch.arange(GPT["vocab_size"]), GPT["vocab_size"], 20, GPT["block_size"])
+    with pytest.raises(ValueError, match="leave soft_labels at 0"):
+        _refine(a, b, proxy_streams(blocks, 8, seed=0), model_labels=True, soft_labels=0.5)
+
+
+@NEEDS_SHARED_TEXT
+def test_unigram_proxy_from_the_cli(tmp_path, monkeypatch, capsys):
+    """``--refine-data unigram:FILE``: the proxy holds only tokens of FILE's training split, drawn
+    (not its text), refinement is told to label every split with the models' predictions (sparse
+    top-k, through a vocabulary), the summary says so, and the aligned candidate keeps its function; options that cannot apply are
+    refused in one line."""
+    from fedbasin.checkpoint import build_torch_model, load_checkpoint
+    from fedbasin.cli import main
+    from fedbasin.data import load_task
+
+    text = shakespeare_excerpt(tmp_path, 20_000)
+    ref, cand = _gpt2(tmp_path / "ref", 1), _gpt2(tmp_path / "cand", 2)
+    seen = {}
+    spy_on_cli_refine(monkeypatch, lambda k: seen.update(k))
+    argv = ["align", ref, cand, "--out", tmp_path / "out", "--refine-data", f"unigram:{text}", "--refine-steps", "2",
+            "--refine-examples", "60", "--iterations", "1"]
+    assert main([str(a) for a in argv + ["--refine-vocabulary", "seen", "--refine-soft-label-top-k", "4"]]) == 0
+    summary = json.loads(capsys.readouterr().out)["refinement"]
+    assert summary["proxy"] == "unigram" and summary["labels"] == "models" and summary["proxy_examples"] == 60
+    assert seen["model_labels"] is True and seen["soft_labels"] == 0.0 and seen["soft_label_top_k"] == 4
+    train_tokens = set(load_task(f"text:{text}", tokenizer=str(ref), block_size=32).train.token_ids().tolist())
+    drawn = seen["batches"].split
+    assert set(torch.cat([drawn.inputs.reshape(-1), drawn.targets.reshape(-1)]).tolist()) <= train_tokens
+    original, aligned = load_checkpoint(str(cand)), load_checkpoint(str(tmp_path / "out"))
+    tokens = torch.tensor([[5, 17, 260, 11, 464]])
+    with torch.no_grad():
+        before = build_torch_model(original)(tokens).logits
+        after = build_torch_model(aligned)(tokens).logits
+    assert float((after - before).norm() / before.norm()) < 1e-5
+    assert "labelled by the models' predictions alone" in cli_error(capsys, argv + ["--refine-soft-labels", "0.5"])
+    assert "add --refine-soft-label-top-k K" in cli_error(capsys, argv + ["--refine-vocabulary", "seen"])
+    assert "has no effect without --refine-soft-labels" in cli_error(
+        capsys, [a if a != f"unigram:{text}" else f"text:{text}" for a in argv] + ["--refine-soft-label-top-k", "4"])
+
