@@ -583,8 +583,10 @@ def _refiner(args, ref, command: str):
     if args.refine_start == "activations" and args.symmetry == "permutation":
         raise UsageError("--refine-start activations finds an orthogonal residual map: it needs --symmetry orthogonal")
     if unigram:  # the text's training split gives the counts; the proxy is drawn from them
+        if not args.refine_data.partition(":")[2]:
+            raise UsageError("--refine-data unigram:FILE needs the text file whose token counts it draws from")
         task = _task_for(ref, "text:" + args.refine_data.partition(":")[2], args.tokenizer, args.reference, command,
-                         "--refine-data")
+                         "--refine-data", shown=args.refine_data)
         proxy = unigram_blocks(task.train.token_ids(), int(ref.config.vocab_size), args.refine_examples,
                                task.train.inputs.shape[1])
     else:
@@ -637,7 +639,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
 def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command: str, option: str,
-              proxy_size: int = 0):
+              proxy_size: int = 0, shown: str | None = None):
     """Load ``source`` for ``checkpoint``, refusing data the model cannot read (one-line errors).
 
     Text is tokenised with ``tokenizer``, else with the tokenizer saved in the checkpoint's
@@ -658,7 +660,7 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
     try:
         task = load_task(source, **options)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
-        raise InputError(f"{option} {source}: {exc}") from None
+        raise InputError(f"{option} {shown or source}: {exc}") from None
     family = {"gpt2": "gpt", "vit": "vit"}.get(checkpoint.family, checkpoint.family)
     if family != task.family:
         raise InputError(f"{path} is a {checkpoint.family} model but {option} {task.name} "

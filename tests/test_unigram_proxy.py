@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from transformers.utils import logging as transformers_logging
 
 from fedbasin.alignment import learned_refine, proxy_streams
 from fedbasin.data import unigram_blocks
@@ -24,6 +25,10 @@ from tests.helpers import (
     trained_like,
 )
 from tests.test_tokenizer_data import NEEDS_SHARED_TEXT, _gpt2, shakespeare_excerpt
+
+# transformers makes its log handler on first use, bound to the sys.stderr of that moment: make it now, at
+# collection, so that it does not keep a test's closed capsys stream when this file runs first
+transformers_logging.get_logger("transformers")
 
 
 def test_unigram_blocks_follow_the_counts():
@@ -115,6 +120,9 @@ def test_unigram_proxy_from_the_cli(tmp_path, monkeypatch, capsys):
         after = build_torch_model(aligned)(tokens).logits
     assert float((after - before).norm() / before.norm()) < 1e-5
     assert "labelled by the models' predictions alone" in cli_error(capsys, argv + ["--refine-soft-labels", "0.5"])
+    missing = [a if a != f"unigram:{text}" else f"unigram:{tmp_path / 'missing.txt'}" for a in argv]
+    assert f"--refine-data unigram:{tmp_path / 'missing.txt'}: text file" in cli_error(capsys, missing)
+    assert "needs the text file" in cli_error(capsys, [a if a != f"unigram:{text}" else "unigram:" for a in argv])
     assert "add --refine-soft-label-top-k K" in cli_error(capsys, argv + ["--refine-vocabulary", "seen"])
     assert "has no effect without --refine-soft-labels" in cli_error(
         capsys, [a if a != f"unigram:{text}" else f"text:{text}" for a in argv] + ["--refine-soft-label-top-k", "4"])
