@@ -263,7 +263,7 @@ def _refuse_ineffective_options(args) -> None:
         rules.append((REFINE_OPTIONS, "has no effect without --refine-data"))
         if args.command != "barrier" and "seen_tokens" not in given:
             rules.append((("tokenizer",), "has no effect without --seen-tokens or --refine-data"))
-    if "refine_soft_labels" not in given and not str(getattr(args, "refine_data", None)).startswith("unigram:"):
+    if "refine_soft_labels" not in given and not (getattr(args, "refine_data", None) or "").startswith("unigram:"):
         why = "has no effect without --refine-soft-labels or --refine-data unigram:FILE"
         rules.append((("refine_soft_label_top_k",), why))
     if "seen_tokens" not in given:
@@ -583,10 +583,11 @@ def _refiner(args, ref, command: str):
     if args.refine_start == "activations" and args.symmetry == "permutation":
         raise UsageError("--refine-start activations finds an orthogonal residual map: it needs --symmetry orthogonal")
     if unigram:  # the text's training split gives the counts; the proxy is drawn from them
-        if not args.refine_data.partition(":")[2]:
+        text_file = args.refine_data.partition(":")[2]
+        if not text_file:
             raise UsageError("--refine-data unigram:FILE needs the text file whose token counts it draws from")
-        task = _task_for(ref, "text:" + args.refine_data.partition(":")[2], args.tokenizer, args.reference, command,
-                         "--refine-data", shown=args.refine_data)
+        task = _task_for(ref, "text:" + text_file, args.tokenizer, args.reference, command, "--refine-data",
+                         shown=args.refine_data)
         proxy = unigram_blocks(task.train.token_ids(), int(ref.config.vocab_size), args.refine_examples,
                                task.train.inputs.shape[1])
     else:
@@ -640,7 +641,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command: str, option: str,
               proxy_size: int = 0, shown: str | None = None):
-    """Load ``source`` for ``checkpoint``, refusing data the model cannot read (one-line errors).
+    """Load ``source`` for ``checkpoint``, refusing data the model cannot read (one-line errors that
+    name ``option`` and ``shown``, the data as the user gave it, else ``source``).
 
     Text is tokenised with ``tokenizer``, else with the tokenizer saved in the checkpoint's
     directory, else character by character; blocks are the model's context length."""
@@ -661,12 +663,12 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
         task = load_task(source, **options)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
         raise InputError(f"{option} {shown or source}: {exc}") from None
+    where = f"{option} {shown or task.name}"
     family = {"gpt2": "gpt", "vit": "vit"}.get(checkpoint.family, checkpoint.family)
     if family != task.family:
-        raise InputError(f"{path} is a {checkpoint.family} model but {option} {task.name} "
-                         f"needs a {task.family} model")
+        raise InputError(f"{path} is a {checkpoint.family} model but {where} needs a {task.family} model")
     if text:
-        _check_vocabulary(checkpoint, task, path, command, option, tokenizer)
+        _check_vocabulary(checkpoint, task, path, where, tokenizer)
     return task
 
 
@@ -703,12 +705,11 @@ def _context_length(checkpoint) -> int | None:
     return None
 
 
-def _check_vocabulary(checkpoint, task, path: str, command: str, option: str, tokenizer: str | None) -> None:
+def _check_vocabulary(checkpoint, task, path: str, where: str, tokenizer: str | None) -> None:
     """Refuse token ids the model has no embedding for, and character tokens for a model whose
-    vocabulary is not that text's characters."""
+    vocabulary is not that text's characters (``where``: the option and data the messages name)."""
     vocab = int(checkpoint.config.vocab_size)
     size = task.tokenizer.vocab_size
-    where = f"{option} {task.name}"
     if tokenizer is None and size != vocab:
         raise InputError(f"{where}: character-level tokens ({size} symbols) do not match the {vocab}-token "
                          f"vocabulary of {path}; pass --tokenizer DIR with the tokenizer the model was trained with")

@@ -123,6 +123,9 @@ def test_unigram_proxy_from_the_cli(tmp_path, monkeypatch, capsys):
     missing = [a if a != f"unigram:{text}" else f"unigram:{tmp_path / 'missing.txt'}" for a in argv]
     assert f"--refine-data unigram:{tmp_path / 'missing.txt'}: text file" in cli_error(capsys, missing)
     assert "needs the text file" in cli_error(capsys, [a if a != f"unigram:{text}" else "unigram:" for a in argv])
+    small = {ref: _gpt2(tmp_path / "small_ref", 3, vocab=1000), cand: _gpt2(tmp_path / "small_cand", 4, vocab=1000)}
+    # the GPT-2 tokenizer saved beside them has more ids than they embed
+    assert f"--refine-data unigram:{text}: tokenizer" in cli_error(capsys, [small.get(a, a) for a in argv])
     assert "add --refine-soft-label-top-k K" in cli_error(capsys, argv + ["--refine-vocabulary", "seen"])
     assert "has no effect without --refine-soft-labels" in cli_error(
         capsys, [a if a != f"unigram:{text}" else f"text:{text}" for a in argv] + ["--refine-soft-label-top-k", "4"])
