@@ -2,7 +2,8 @@
 
 Aligns seed 1 to seed 0 by weight matching (orthogonal, √count token rows, head × 2) and prints:
 
-* ``attention``: seed 0's loss on the first 48 validation blocks, and with every attention output zeroed;
+* ``attention``: seed 0's loss on the first 48 validation blocks, and with every attention output's weight zeroed
+  (what attention reads then reaches nothing; the output biases, constants, stay);
 * ``families``: seed 0's loss rise when one family of tensors (token / position embedding, output head, each
   layer's attention or MLP) is replaced by the midpoint's, on the 141 validation blocks;
 * ``objective``: weight matching's objective J and its share per family, for the matched candidate and for each
@@ -61,9 +62,9 @@ def main(argv=None) -> None:
         return mean_loss(build_torch_model(a, state), split, 32)
 
     first = validation.subset(torch.arange(48))
-    no_attention = {k: torch.zeros_like(v) if re.search(r"\.attn\.c_proj\.", k) else v for k, v in a.state.items()}
+    no_attention = {k: torch.zeros_like(v) if re.search(r"\.attn\.c_proj\.weight$", k) else v for k, v in a.state.items()}
     print(json.dumps({"attention": {"seed 0": round(loss(a.state, first), 4),
-                                    "seed 0, attention outputs zeroed": round(loss(no_attention, first), 4)}}))
+                                    "seed 0, attention output weights zeroed": round(loss(no_attention, first), 4)}}))
     own, midpoint = loss(a.state), interpolate(a.state, matched, 0.5)
     rise = {name: round(loss({k: midpoint[k] if re.search(pattern, "." + k) else v for k, v in a.state.items()}) - own, 4)
             for name, pattern in FAMILIES.items()}
