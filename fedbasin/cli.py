@@ -212,6 +212,9 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
                    help="with --refine-vocabulary proxy|seen: each step's softmax covers that step's own tokens "
                    "and K other tokens of the vocabulary drawn the same way (instead of the whole vocabulary): "
                    "cheaper steps on a large vocabulary")
+    g.add_argument("--refine-seed", type=_nonnegative_int, default=0, metavar="S",
+                   help="seed of the refinement's randomness: which proxy examples train, select and report, the "
+                   "batch order, the λ draws, the sampled vocabulary tokens (and unigram:FILE's blocks)")
     g.add_argument("--refine-eval-every", type=_positive_int, default=10,
                    help="score the alignment on the selection split every N steps (keep-best)")
     g.add_argument("--refine-start", choices=["weights", "activations"], default="weights",
@@ -227,7 +230,7 @@ MATCHING_OPTIONS = ("symmetry", "iterations", "tol", "seen_tokens", "token_weigh
 REFINE_OPTIONS = ("refine_steps", "refine_examples", "refine_selection_fraction", "refine_evaluation_fraction", "refine_lr", "refine_head_lr", "refine_permutations", "refine_group",
                   "refine_lambda", "refine_schedule", "refine_batch_size", "refine_soft_labels",
                   "refine_soft_label_top_k", "refine_dual", "refine_workers", "refine_vocabulary_samples",
-                  "refine_vocabulary_batch_samples", "refine_eval_every", "refine_start", "refine_vocabulary")
+                  "refine_vocabulary_batch_samples", "refine_seed", "refine_eval_every", "refine_start", "refine_vocabulary")
 STREAM_UNSUPPORTED = ("seen_tokens", "token_weighting", "head_weight", "tokenizer", "refine_data", *REFINE_OPTIONS)
 
 
@@ -589,7 +592,7 @@ def _refiner(args, ref, command: str):
         task = _task_for(ref, "text:" + text_file, args.tokenizer, args.reference, command, "--refine-data",
                          shown=args.refine_data)
         proxy = unigram_blocks(task.train.token_ids(), int(ref.config.vocab_size), args.refine_examples,
-                               task.train.inputs.shape[1])
+                               task.train.inputs.shape[1], seed=args.refine_seed)
     else:
         task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
                          proxy_size=args.refine_examples)
@@ -598,7 +601,7 @@ def _refiner(args, ref, command: str):
     # selection/report batches of at most 32 examples whose logits stay under 2^26 values: GPT-2's
     # 50,257 tokens give 10 blocks of 128, and its head's product then runs 2.7 times faster per value
     # than with 32 blocks (a 206 MB output instead of 823 MB; merging.md §13)
-    data = proxy_streams(proxy, args.refine_batch_size, seed=0, selection_fraction=selection,
+    data = proxy_streams(proxy, args.refine_batch_size, seed=args.refine_seed, selection_fraction=selection,
                          evaluation_fraction=evaluation, eval_batch_size=eval_batch_size(task, module, most=32))
     refine = functools.partial(
         learned_refine, ref.spec, module, loss_fn=cross_entropy, batches=data.batches,
@@ -611,8 +614,9 @@ def _refiner(args, ref, command: str):
         vocabulary_samples=args.refine_vocabulary_samples,
         vocabulary_batch_samples=args.refine_vocabulary_batch_samples, soft_labels=args.refine_soft_labels,
         soft_label_top_k=args.refine_soft_label_top_k, dual=args.refine_dual, batch_workers=args.refine_workers,
-        to_module_state=ref.adapter.from_standard, progress=True, model_labels=unigram)
-    info = {"steps": args.refine_steps, "lr": args.refine_lr, "head_lr": args.refine_head_lr or args.refine_lr,
+        to_module_state=ref.adapter.from_standard, progress=True, model_labels=unigram, seed=args.refine_seed)
+    info = {"steps": args.refine_steps, "seed": args.refine_seed, "lr": args.refine_lr,
+            "head_lr": args.refine_head_lr or args.refine_lr,
             "proxy_examples": len(proxy), "proxy": "unigram" if unigram else "data",
             "labels": "models" if unigram else "data", "selection_fraction": selection, "evaluation_fraction": evaluation,
             "soft_labels": args.refine_soft_labels,

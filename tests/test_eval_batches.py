@@ -110,3 +110,26 @@ def test_server_proxy_split_shares(text_file):
                 {"proxy-evaluation-fraction": -0.1}):
         with pytest.raises(RunConfigError, match="proxy-selection-fraction=.* proxy-evaluation-fraction=.*: needs"):
             resolve_run_config(bad)
+
+
+def test_cli_refinement_seed(tmp_path, text_file, monkeypatch, capsys):
+    """--refine-seed S seeds the proxy's split, the batch order and learned_refine's own draws, and the
+    summary records it: the same seed writes the same candidate, another seed another one (0 is the default)."""
+    from fedbasin.cli import main
+
+    ref, cand = _gpt2(tmp_path / "ref", 1), _gpt2(tmp_path / "cand", 2)
+    seen = []
+    spy_on_cli_refine(monkeypatch, lambda k: seen.append((k["seed"], torch.cat([x for x, _ in k["selection"]]))))
+
+    def refined(name, *seed):
+        out = tmp_path / name
+        assert main(["align", str(ref), str(cand), "--out", str(out), "--refine-data", f"text:{text_file}",
+                     "--refine-steps", "3", "--refine-examples", "60", "--refine-batch-size", "8", "--iterations", "1",
+                     "--refine-workers", "1", "--refine-lambda", "0.2", "0.8", *seed]) == 0
+        summary = json.loads(capsys.readouterr().out)["refinement"]
+        return summary["seed"], (out / "model.safetensors").read_bytes()
+
+    default, again, other = refined("default"), refined("zero", "--refine-seed", "0"), refined("three", "--refine-seed", "3")
+    assert [s for s, _ in seen] == [0, 0, 3] and (default[0], again[0], other[0]) == (0, 0, 3)
+    assert torch.equal(seen[0][1], seen[1][1]) and not torch.equal(seen[0][1], seen[2][1])
+    assert default[1] == again[1] and default[1] != other[1]
