@@ -86,7 +86,8 @@ def main(argv=None) -> dict:
     print("| seed | " + " | ".join(args.slices) + " | wall s |")
     for seed in args.seeds:
         print(f"| {seed} | " + " | ".join(f"{rows[seed][n]:.4f}" for n in args.slices) + f" | {rows[seed]['wall_seconds']} |")
-    print("| mean ± sd | " + " | ".join(f"{summary['slices'][n]['mean']:.4f} ± {summary['slices'][n]['std']:.4f}"
+    digits = {name: 1 if name == "wall_seconds" else 4 for name in summary["slices"]}
+    print("| mean ± sd | " + " | ".join(f"{summary['slices'][n]['mean']:.{digits[n]}f} ± {summary['slices'][n]['std']:.{digits[n]}f}"
                                        for n in [*args.slices, "wall_seconds"]) + " |")
     return summary
 
