@@ -266,7 +266,7 @@ def _refuse_ineffective_options(args) -> None:
         rules.append((REFINE_OPTIONS, "has no effect without --refine-data"))
         if args.command != "barrier" and "seen_tokens" not in given:
             rules.append((("tokenizer",), "has no effect without --seen-tokens or --refine-data"))
-    if "refine_soft_labels" not in given and not (getattr(args, "refine_data", None) or "").startswith("unigram:"):
+    if "refine_soft_labels" not in given and not _unigram_proxy(args):
         why = "has no effect without --refine-soft-labels or --refine-data unigram:FILE"
         rules.append((("refine_soft_label_top_k",), why))
     if "seen_tokens" not in given:
@@ -567,7 +567,7 @@ def _refiner(args, ref, command: str):
     if args.refine_vocabulary_batch_samples and args.refine_soft_labels:
         raise UsageError("--refine-vocabulary-batch-samples trains on the labels: it cannot be combined with "
                          "--refine-soft-labels")
-    unigram = args.refine_data.startswith("unigram:")
+    unigram = _unigram_proxy(args)
     if unigram and args.refine_soft_labels:
         raise UsageError(f"--refine-soft-labels: --refine-data {args.refine_data} is labelled by the models' "
                          "predictions alone (soft labels of weight 1)")
@@ -674,6 +674,11 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
     if text:
         _check_vocabulary(checkpoint, task, path, where, tokenizer)
     return task
+
+
+def _unigram_proxy(args) -> bool:
+    """Whether ``--refine-data`` is ``unigram:FILE`` (synthetic blocks the models' predictions label)."""
+    return (getattr(args, "refine_data", None) or "").startswith("unigram:")
 
 
 def _refine_vocabulary(args, proxy, train):
