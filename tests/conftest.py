@@ -12,6 +12,15 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # transformers makes its log handler on first use, bound to the sys.stderr of that moment: make it
+    # now, so that it never keeps a test's closed capsys stream (a later test's warning then fails
+    # with "Logging error" whichever test file happened to run first)
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:
+        pass
+    else:
+        transformers_logging.get_logger("transformers")
     name = config.getoption("--mutate")
     if name:
         MUTATIONS[name]()

@@ -69,12 +69,24 @@ def _forcing(function, **forced):
     return mutant
 
 
+def _replace_result(owner, name: str, identity) -> None:
+    """``owner.name`` still runs (whatever arguments the code passes) but returns
+    ``identity(result)``: the identity element of the result's shape instead of the step found."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def mutant(*args, **kwargs):
+        return identity(original(*args, **kwargs))
+
+    setattr(owner, name, mutant)
+
+
 def weights_ignored() -> None:
     """The aligned average gives every model with a positive weight the same weight."""
     from fedbasin.alignment.merge import average_states
 
-    def mutant(states, weights):  # invalid weights (negative, NaN, inf) pass through to the real checks
-        return average_states(states, [1.0 if 0 < w < float("inf") else w for w in weights])
+    def mutant(states, weights, *args, **kwargs):  # invalid weights (negative, NaN, inf) reach the real checks
+        return average_states(states, [1.0 if 0 < w < float("inf") else w for w in weights], *args, **kwargs)
 
     replace_everywhere(average_states, mutant)
 
@@ -95,27 +107,27 @@ def refinement_returns_start() -> None:
 
 def head_step_identity() -> None:
     """Weight matching never moves heads (no head permutation, no within-head maps)."""
+    from fedbasin.alignment.group import HeadMap
     from fedbasin.alignment.matching import _Matcher
 
-    _Matcher.head_step = lambda self, a, state: None
+    for step in ("head_step", "head_maps"):  # the full step and the maps-only sweeps
+        _replace_result(_Matcher, step, lambda found: HeadMap(perm=torch.arange(found.perm.numel())))
 
 
 def mlp_step_identity() -> None:
     """Weight matching never permutes MLP neurons."""
+    from fedbasin.alignment.group import NeuronMap
     from fedbasin.alignment.matching import _Matcher
 
-    _Matcher.neuron_step = lambda self, m, state: None
+    _replace_result(_Matcher, "neuron_step", lambda found: NeuronMap(perm=torch.arange(found.perm.numel())))
 
 
 def residual_step_identity() -> None:
     """Weight matching never rotates the residual stream (identity O, also as the second start)."""
     from fedbasin.alignment.matching import _Matcher
 
-    def mutant(self, state, axes=None):
-        first = state[self.spec.residual[0][0]]
-        return torch.eye(self.spec.width, dtype=first.dtype, device=first.device)
-
-    _Matcher.residual_step = mutant
+    _replace_result(_Matcher, "residual_step",
+                    lambda found: torch.eye(*found.shape, dtype=found.dtype, device=found.device))
 
 
 def gauge_skipped() -> None:

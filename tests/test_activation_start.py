@@ -276,7 +276,7 @@ def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsy
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out)["refinement"]
     assert summary["start"] == "activations"
-    assert summary["selection_loss_best"] <= summary["selection_loss_start"]
+    assert summary["selection_loss_best"] < summary["selection_loss_start"]
     x = torch.randint(0, 26, (3, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got = build_torch_model(load_checkpoint(out))(x).logits
@@ -287,7 +287,7 @@ def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsy
     assert main(argv + ["--refine-vocabulary-batch-samples", "3", "--out", str(tmp_path / "batch")]) == 0
     summary = json.loads(capsys.readouterr().out)["refinement"]
     assert summary["vocabulary_batch_samples"] == 3 and summary["vocabulary"] == "proxy" and seen[-1] == 3
-    assert summary["selection_loss_best"] <= summary["selection_loss_start"]
+    assert summary["selection_loss_best"] < summary["selection_loss_start"]
     with torch.no_grad():
         assert rel_err(build_torch_model(load_checkpoint(tmp_path / "batch"))(x).logits, want) < 1e-5
     full = [a for a in argv if a not in ("--refine-vocabulary", "proxy")]

@@ -4,12 +4,10 @@ endpoint with the candidate's function."""
 
 from __future__ import annotations
 
-import re
-
-from tests.helpers import cli_error
-
 import json
+import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import torch
 from fedbasin.checkpoint import build_torch_model, load_checkpoint, save_checkpoint
 from fedbasin.cli import main
 from fedbasin.data import load_task
+from tests.helpers import cli_error
 
 SHARED = Path(os.environ.get("FEDBASIN_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 TOKENIZER = SHARED / "gpt2_tokenizer"
@@ -78,8 +77,8 @@ def test_align_refines_on_text_with_the_models_own_tokenizer(tmp_path, text_file
                  "--iterations", "3", "--tol", "0"]) == 0
     summary = json.loads(capsys.readouterr().out)["refinement"]
     assert summary["tokenizer"] == str(ref)  # found beside the reference's weights
-    assert summary["selection_loss_best"] <= summary["selection_loss_start"]
-    assert summary["evaluation_loss"] == summary["evaluation_loss"]  # reported (not NaN)
+    assert summary["selection_loss_best"] < summary["selection_loss_start"]
+    assert math.isfinite(summary["evaluation_loss"])  # reported, a finite loss
     # the written endpoint is the candidate's function (float32)
     ids = torch.randint(0, 50257, (3, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from transformers.utils import logging as transformers_logging
 
 from fedbasin.alignment import learned_refine, proxy_streams
 from fedbasin.data import unigram_blocks
@@ -25,10 +24,6 @@ from tests.helpers import (
     trained_like,
 )
 from tests.test_tokenizer_data import NEEDS_SHARED_TEXT, _gpt2, shakespeare_excerpt
-
-# transformers makes its log handler on first use, bound to the sys.stderr of that moment: make it now, at
-# collection, so that it does not keep a test's closed capsys stream when this file runs first
-transformers_logging.get_logger("transformers")
 
 
 def test_unigram_blocks_follow_the_counts():
