@@ -354,7 +354,11 @@ def test_exit_codes_are_documented():
 
 
 def test_valid_run_still_succeeds(models, tmp_path, capsys):
-    """The checks refuse only bad input: the same models and an existing checkpoint as --out work."""
-    out = tmp_path / "ckpts" / "b"
+    """The checks refuse only bad input: an existing checkpoint (not an input) as --out is replaced;
+    the record of how its old weights were trained (train.json) goes with them, other files stay."""
+    out = _save_vit(tmp_path / "trained", 9)
+    (out / "train.json").write_text('{"seed": 9}')
+    (out / "tokenizer.json").write_text("{}")
     assert main(["merge", models["a"], models["b"], "--out", str(out), "--weights", "0,1", "--iterations", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["weights"] == [0.0, 1.0]
+    assert not (out / "train.json").exists() and (out / "tokenizer.json").read_text() == "{}"

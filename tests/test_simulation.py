@@ -193,7 +193,7 @@ def test_a_failed_flwr_run_is_an_error_and_the_superlink_is_stopped(tmp_path, mo
 
     def spy(command, *args, **kwargs):
         process = real_popen(command, *args, **kwargs)
-        if command[0] == "flower-superlink":
+        if Path(command[0]).name == "flower-superlink":
             started.append(process)
         return process
 
