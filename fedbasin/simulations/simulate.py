@@ -294,7 +294,7 @@ def _refusal(output: str) -> str | None:
     end = closing[-1]
     count = int(_REFUSED.search(lines[end])[1])
     errors = [i for i in range(end) if "ERROR" in lines[i]][-count:] or list(range(max(0, end - count), end))
-    problems = [re.sub(r"^.*?ERROR\s*:?\s*", "", lines[i]) for i in errors]
+    problems = [re.sub(r"^.*?\bERROR\b[\]\s:|-]*", "", lines[i]) for i in errors]
     return "; ".join(p for p in problems if p)
 
 
