@@ -113,20 +113,22 @@ def missing_ancestors(path: str | os.PathLike) -> list[Path]:
     return missing
 
 
-def write_problem(path: str | os.PathLike) -> str | None:
-    """Why ``path`` cannot be written (atomically replaced or created), or None when it can.
+def write_problem(path: str | os.PathLike, replaced: bool = True) -> str | None:
+    """Why ``path`` cannot be written, or None when it can: atomically replaced or created
+    (``replaced``), or, for a directory that is only written into, created or written into.
 
     Probes, by creating and removing a hidden directory, the nearest existing directory above
-    ``path`` (where its temporary sibling goes) and ``path`` itself where it is a directory (it is
-    replaced, or written into); an existing file is opened for appending (nothing is written). A
-    probe is the only check that also holds for root: permissions, read-only file systems and
-    immutable (``chattr +i``) directories and files are all caught."""
+    ``path`` (where a temporary sibling goes, or ``path`` is created) and ``path`` itself where it
+    is a directory; an existing file is opened for appending (nothing is written). A probe is the
+    only check that also holds for root: permissions, read-only file systems and immutable
+    (``chattr +i``) directories and files are all caught."""
     path = Path(path)
     missing = missing_ancestors(path)
     anchor = (missing[-1] if missing else path.absolute()).parent
     if not anchor.is_dir():
         return f"{anchor} is not a directory"
-    for directory in (anchor, *([path] if path.is_dir() else [])):
+    existing = [path] if path.is_dir() else []
+    for directory in ([anchor] if replaced or not existing else []) + existing:
         try:
             os.rmdir(tempfile.mkdtemp(prefix=".fedbasin-probe-", dir=directory))
         except OSError as exc:

@@ -63,7 +63,7 @@ def check_out_dir(out_dir: Path, fresh: bool, overwrite: bool) -> list[str]:
             "outputs: set resume=true to continue that run, overwrite=true (fedbasin "
             "simulate --overwrite) to replace it, or choose another out-dir"
         )
-    if problem := write_problem(out_dir):
+    if problem := write_problem(out_dir, replaced=False):  # a run writes into out-dir
         raise OutDirError(f"out-dir {out_dir} is not writable: {problem}")
     return entries
 
