@@ -28,7 +28,6 @@ import math
 import os
 import re
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ import torch
 from torch import nn
 
 from .alignment.adapters import Adapter, fedbasin_adapter
-from .atomic import exchange, publish
+from .atomic import exchange, publish, sweep_stale, temporary_sibling
 from .models import FAMILIES, build_model, make_config
 
 CONFIG_FILE = "config.json"
@@ -356,11 +355,19 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+#: files that describe one checkpoint's weights (how they were trained): replaced with them, never
+#: carried over to the weights that replace them
+TRAIN_RECORD = "train.json"  # what `fedbasin train` wrote these weights with
+WEIGHT_RECORDS = (TRAIN_RECORD,)
+
+
 def _keep_sidecars(old: Path, new: Path) -> None:
     """Copy files of the checkpoint being replaced (tokenizer, README, ...) that ``new`` lacks;
-    weights and ``config.json`` are never carried over."""
+    weights, ``config.json`` and the records of the old weights (:data:`WEIGHT_RECORDS`) are
+    never carried over: they would describe weights that are gone."""
     for item in old.iterdir():
-        if item.is_file() and not (new / item.name).exists() and not _WEIGHT_FILE.search(item.name):
+        if (item.is_file() and not (new / item.name).exists() and not _WEIGHT_FILE.search(item.name)
+                and item.name not in WEIGHT_RECORDS):
             shutil.copy2(item, new / item.name)
 
 
@@ -379,8 +386,9 @@ def _atomic_replace_dir(path: Path, write) -> None:
             f"{path} is a non-empty directory without {CONFIG_FILE}; refusing to replace it"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:12]
-    tmp = path.parent / f".{path.name}.tmp-{tag}"
+    sweep_stale(path.parent)  # what killed writes left here (fedbasin.atomic)
+    tmp = temporary_sibling(path)
+    tag = tmp.name.rpartition(".tmp-")[2]
     os.mkdir(tmp)
     try:
         write(tmp)

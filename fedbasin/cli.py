@@ -13,8 +13,8 @@ import functools
 import json
 import math
 import os
+import re
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -53,7 +53,15 @@ class OutputError(CliError):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (``prog: message (see prog --help)``, exit 2)."""
+    """argparse with one-line errors (``prog: message (see prog --help)``, exit 2).
+
+    A value that starts like a negative number (``-1,1``, ``-0.5``, ``-inf``) is taken as an
+    option's value, not as an unknown option, so its type can judge it (no option of fedbasin
+    looks like a number)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
@@ -340,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", choices=["train", "test"], help="split the losses are measured on")
     p.add_argument("--max-examples", type=_nonnegative_int, default=2000, metavar="N",
                    help="evaluate on the first N examples of the split (0: all)")
-    p.add_argument("--points", type=_positive_int, default=11, help="λ grid size (≥ 2), λ evenly spaced in [0, 1]")
+    p.add_argument("--points", type=_bounded(_integer, 2, False, "an integer >= 2"), default=11, help="λ grid size (≥ 2), λ evenly spaced in [0, 1]")
     p.add_argument("--align", action="store_true", help="align B to A first; report vanilla and aligned curves")
     p.add_argument("--plot", metavar="PNG", help="also draw the curves (vanilla, aligned) to this PNG file")
     _matching_options(p)
@@ -385,28 +393,13 @@ def _same_architecture(reference, other, role: str, path: str) -> None:
         raise InputError(f"{role} {path}: {why}")
 
 
-def _missing_ancestors(path: Path) -> list[Path]:
-    """The directories above ``path`` (nearest first) that do not exist yet."""
-    missing = []
-    for parent in path.absolute().parents:
-        if parent.exists():
-            break
-        missing.append(parent)
-    return missing
-
-
 def _check_writable(path: Path, option: str) -> None:
-    """A file or directory can be created at ``path``: probe its nearest existing ancestor by
-    creating (and removing) a hidden directory, so permissions, read-only file systems and
-    non-directories in the way are all caught before any work."""
-    missing = _missing_ancestors(path)
-    anchor = (missing[-1] if missing else path.absolute()).parent
-    if not anchor.is_dir():
-        raise OutputError(f"{option} {path}: {anchor} is not a directory")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".fedbasin-probe-", dir=anchor))
-    except OSError as exc:
-        raise OutputError(f"{option} {path}: cannot write in {anchor} ({exc.strerror})") from None
+    """Something can be written at ``path`` (:func:`fedbasin.atomic.write_problem`: a probe write
+    in the directories involved), checked before any work."""
+    from fedbasin.atomic import write_problem
+
+    if problem := write_problem(path):
+        raise OutputError(f"{option} {path}: {problem}")
 
 
 def check_checkpoint_output(out: str, option: str = "--out") -> None:
@@ -434,7 +427,9 @@ def _save(out: str, reference, standard_state: dict) -> None:
     from fedbasin.checkpoint import save_checkpoint
 
     state = {k: v.cpu() for k, v in reference.adapter.from_standard(standard_state).items()}
-    created = _missing_ancestors(Path(out))
+    from fedbasin.atomic import missing_ancestors
+
+    created = missing_ancestors(Path(out))
     try:
         save_checkpoint(out, reference.family, reference.config, state, kind=reference.kind)
     except OSError as exc:  # disk full, quota, permissions changed meanwhile: nothing is left
@@ -773,12 +768,51 @@ def cmd_barrier(args) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
+_INPUT_OPTIONS = {"reference": "REFERENCE", "candidate": "CANDIDATE", "models": "MODEL", "a": "A", "b": "B",
+                  "checkpoint": "CHECKPOINT", "data": "--data", "refine_data": "--refine-data",
+                  "seen_tokens": "--seen-tokens", "tokenizer": "--tokenizer"}
+
+
+def _input_paths(args) -> list[tuple[str, Path]]:
+    """(what, path) of every existing file or directory the command reads: checkpoints, and the
+    file or directory of a ``KIND:PATH`` data spec and of ``--tokenizer``."""
+    found = []
+    for dest, what in _INPUT_OPTIONS.items():
+        values = getattr(args, dest, None)
+        for value in values if isinstance(values, list) else [values]:
+            if not value:
+                continue
+            candidates = [value] if dest in ("reference", "candidate", "models", "a", "b", "checkpoint",
+                                            "tokenizer") else [value, value.partition(":")[2]]
+            for text in candidates:
+                if text and Path(text).exists():
+                    found.append((what, Path(text)))
+                    break
+    return found
+
+
+def _refuse_input_as_output(output: str, option: str, args) -> None:
+    """An output that is an input, lies inside one or holds one would replace it: refused."""
+    out = Path(output).resolve()
+    for what, path in _input_paths(args):
+        inp = path.resolve()
+        how = ("is" if out == inp else "is inside" if inp in out.parents
+               else "holds" if out in inp.parents else None)
+        if how:
+            raise OutputError(f"{option} {output} {how} the input {path} ({what}); an output never "
+                              "replaces an input: choose another path")
+
+
 def _check_outputs(args) -> None:
-    """Output paths are usable before any work starts."""
+    """Output paths are usable, and replace no input, before any work starts."""
+    outputs = []
     if args.command in ("align", "merge", "train") and getattr(args, "out", None):
-        check_checkpoint_output(args.out)
+        outputs.append((args.out, "--out", check_checkpoint_output))
     if getattr(args, "plot", None):
-        check_file_output(args.plot, "--plot")
+        outputs.append((args.plot, "--plot", check_file_output))
+    for output, option, check in outputs:
+        _refuse_input_as_output(output, option, args)
+        check(output, option)
 
 
 def _one_line(text: str) -> str:
@@ -924,8 +958,7 @@ def _refuse_overwrite(out: Path, overwrite: bool) -> None:
 def cmd_train(args) -> int:
     import time
 
-    from fedbasin.atomic import atomic_write
-    from fedbasin.checkpoint import save_checkpoint
+    from fedbasin.checkpoint import TRAIN_RECORD, save_checkpoint
     from fedbasin.training import RECIPES, train
 
     out = Path(args.out)
@@ -951,8 +984,9 @@ def cmd_train(args) -> int:
                "kind": ckpt_kind, "family": family, "seed": args.seed, "epochs": epochs, "lr": lr,
                "batch_size": batch_size, "train_examples": len(task.train), **stats,
                "test_loss": test["loss"], "test_accuracy": test["accuracy"], "seconds": round(seconds, 1)}
-    save_checkpoint(out, family, config, {k: v.cpu() for k, v in model.state_dict().items()}, kind=ckpt_kind)
-    atomic_write(out / "train.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
+    # train.json is part of the checkpoint's atomic write: it never describes other weights
+    save_checkpoint(out, family, config, {k: v.cpu() for k, v in model.state_dict().items()}, kind=ckpt_kind,
+                    extra_files=lambda tmp: (tmp / TRAIN_RECORD).write_text(json.dumps(summary, indent=2)))
     return _emit(summary)
 
 

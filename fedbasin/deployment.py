@@ -13,16 +13,42 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 FEDERATION = "local-deployment"
+
+
+def flower_executable(name: str) -> str:
+    """The path of Flower's ``name`` command (``flower-superlink``, ``flower-supernode``, ``flwr``):
+    on PATH, else beside the running interpreter (``venv/bin/fedbasin`` run without the venv's
+    ``bin`` on PATH). ``FileNotFoundError`` names both places when it is in neither."""
+    found = shutil.which(name)
+    if found:
+        return found
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    raise FileNotFoundError(f"{name} is neither on PATH nor beside the interpreter in {beside.parent}; "
+                            "install flwr into this Python environment (pip install -e .)")
+
+
+def flower_env(env: dict) -> dict:
+    """``env`` with the interpreter's directory at the end of PATH where it is missing, so that the
+    processes Flower starts in turn (SuperExec, ServerApp, ClientApp) find their commands too."""
+    directory = str(Path(sys.executable).parent)
+    path = env.get("PATH", "")
+    if directory in path.split(os.pathsep):
+        return dict(env)
+    return {**env, "PATH": os.pathsep.join(p for p in (path, directory) if p)}
 
 
 def free_ports(count: int) -> list[int]:
@@ -82,7 +108,7 @@ class LocalFederation:
         self.home.mkdir(parents=True, exist_ok=True)
         self.link_port = free_ports(1)[0]
         self.processes: dict[str, subprocess.Popen] = {}
-        self.env = dict(os.environ if env is None else env, FLWR_HOME=str(self.home),
+        self.env = dict(flower_env(dict(os.environ if env is None else env)), FLWR_HOME=str(self.home),
                         FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
         tls = (f'root-certificates = "{certificates / "ca.crt"}"\n' if certificates else "insecure = true\n")
         (self.home / "config.toml").write_text(
@@ -104,7 +130,7 @@ class LocalFederation:
         return process
 
     def start_superlink(self, timeout: float = 60) -> subprocess.Popen:
-        command = ["flower-superlink", "--host", "127.0.0.1", "--port", str(self.link_port)]
+        command = [flower_executable("flower-superlink"), "--host", "127.0.0.1", "--port", str(self.link_port)]
         if self.certificates:
             c = self.certificates
             command += ["--ssl-ca-certfile", str(c / "ca.crt"), "--ssl-certfile", str(c / "server.pem"),
@@ -118,7 +144,7 @@ class LocalFederation:
         return process
 
     def start_supernode(self, name: str, node_config: str, private_key: Path | None = None) -> subprocess.Popen:
-        command = ["flower-supernode", "--superlink", f"127.0.0.1:{self.link_port}",
+        command = [flower_executable("flower-supernode"), "--superlink", f"127.0.0.1:{self.link_port}",
                    "--port", str(free_ports(1)[0]), "--node-config", node_config]
         command += ["--root-certificates", str(self.certificates / "ca.crt")] if self.certificates else ["--insecure"]
         if private_key is not None:
@@ -190,7 +216,7 @@ class LocalFederation:
 
     def flwr(self, *args: str, timeout: float = 120) -> dict:
         """``flwr ARGS --format json`` against this federation; the parsed JSON reply."""
-        done = subprocess.run(["flwr", *args, "--format", "json"], env=self.env, capture_output=True,
+        done = subprocess.run([flower_executable("flwr"), *args, "--format", "json"], env=self.env, capture_output=True,
                               text=True, timeout=timeout, check=False)
         try:
             reply = json.loads(done.stdout)
@@ -222,4 +248,4 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-__all__ = ["LocalFederation", "free_ports", "wait_for", "write_node_keys"]
+__all__ = ["LocalFederation", "flower_env", "flower_executable", "free_ports", "wait_for", "write_node_keys"]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import safetensors.torch
@@ -261,11 +264,13 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, saved, monkeypatch)
 
 def test_overwrite_replaces_weights_keeps_sidecars_and_refuses_foreign_dirs(tmp_path, saved):
     (saved / "tokenizer.json").write_text("{}")
+    (saved / "train.json").write_text('{"seed": 0}')  # describes the weights being replaced
     other = fedbasin_model("gpt", GPT, seed=1)
     save_checkpoint(saved, "gpt", other.config, other.state_dict())
     state = load_checkpoint(saved).state
     assert all(torch.equal(state[k], v) for k, v in other.state_dict().items())
     assert (saved / "tokenizer.json").read_text() == "{}"
+    assert not (saved / "train.json").exists()  # never left beside weights it does not describe
     assert leftovers(tmp_path) == []
     foreign = tmp_path / "home"
     foreign.mkdir()
@@ -273,3 +278,57 @@ def test_overwrite_replaces_weights_keeps_sidecars_and_refuses_foreign_dirs(tmp_
     with pytest.raises(FileExistsError, match="refusing to replace"):
         save_checkpoint(foreign, "gpt", other.config, other.state_dict())
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+# ----------------------------------------------------------------------------------------------
+# what killed writes leave behind
+
+
+def _dead_pid() -> int:
+    """The PID of a process that has exited (and been reaped)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    return int(done.stdout)
+
+
+@pytest.mark.parametrize("writer", ["checkpoint", "file"])
+def test_the_next_write_removes_stale_temporaries_of_its_own_naming_only(tmp_path, writer):
+    """A killed writer's ``.NAME.tmp-PID-HEX`` (its PID gone) is removed when the next write into
+    that directory starts; a live writer's temporaries, temporaries of the old naming younger than
+    a day, and every other name stay."""
+    from fedbasin.atomic import OLD_TEMPORARY_AGE_S, atomic_write
+
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        dead = _dead_pid()
+        stale_dir = tmp_path / f".ckpt.tmp-{dead}-0123456789ab"
+        stale_dir.mkdir()
+        (stale_dir / "model.safetensors").write_bytes(b"half a file")
+        stale_file = tmp_path / f".results.json.tmp-{dead}-abcdefabcdef.json"
+        stale_file.write_text("{")
+        old_naming = tmp_path / ".curves.png.0123456789ab.tmp.png"
+        old_naming.write_bytes(b"png")
+        days_ago = time.time() - 2 * OLD_TEMPORARY_AGE_S
+        os.utime(old_naming, (days_ago, days_ago))
+        kept = [
+            tmp_path / f".ckpt.tmp-{live.pid}-0123456789ab",  # a concurrent writer, still running
+            tmp_path / f".other.tmp-{os.getpid()}-0123456789ab",  # this process's own
+            tmp_path / ".ckpt.tmp-fedcba987654",  # old naming, recent: its writer may still run
+            tmp_path / f"ckpt.tmp-{dead}-0123456789ab",  # not hidden: not fedbasin's naming
+            tmp_path / f".ckpt.old-{dead}-0123456789ab",  # may hold the only copy of a checkpoint
+            tmp_path / f".notes.tmp-{dead}-xyz",  # no tag of ours
+            tmp_path / "round-0001.damaged-20240101-000000",
+            tmp_path / "notes.txt",
+        ]
+        for path in kept:
+            path.mkdir() if "ckpt" in path.name else path.write_text("mine")
+        if writer == "checkpoint":
+            model = fedbasin_model("gpt", GPT)
+            save_checkpoint(tmp_path / "ckpt", "gpt", model.config, model.state_dict())
+        else:
+            atomic_write(tmp_path / "results.json", lambda tmp: tmp.write_text("{}"))
+        assert not stale_dir.exists() and not stale_file.exists() and not old_naming.exists()
+        assert all(path.exists() for path in kept), [p.name for p in kept if not p.exists()]
+        assert live.poll() is None
+    finally:
+        live.communicate(b"")

@@ -98,16 +98,21 @@ def _usage_fails(capsys, root: Path, argv: list, *culprits: str) -> str:
 @pytest.mark.parametrize(
     "weights, culprit",
     [("nan,1", "weight 0 is nan"), ("1,-1", "weight 1 is -1"), ("0,0", "all weights are zero"),
-     ("1,inf", "weight 1 is inf"), ("1,two", "weight 1 is 'two'")],
+     ("1,inf", "weight 1 is inf"), ("1,two", "weight 1 is 'two'"), ("-1,1", "weight 0 is -1"),
+     ("-0.5,2", "weight 0 is -0.5"), ("-inf,1", "weight 0 is -inf")],
 )
-def test_merge_refuses_bad_weights(models, tmp_path, capsys, weights, culprit):
-    _usage_fails(capsys, tmp_path, ["merge", models["a"], models["b"], "--out", tmp_path / "m",
-                                    "--weights", weights], "--weights", culprit)
+@pytest.mark.parametrize("joined", [False, True], ids=["--weights W", "--weights=W"])
+def test_merge_refuses_bad_weights(models, tmp_path, capsys, weights, culprit, joined):
+    """A value that starts like a negative number is the option's value, judged by it (not an
+    unknown option), written either way."""
+    given = [f"--weights={weights}"] if joined else ["--weights", weights]
+    _usage_fails(capsys, tmp_path, ["merge", models["a"], models["b"], "--out", tmp_path / "m", *given],
+                 "--weights", culprit)
 
 
 @pytest.mark.parametrize(
     "option, value",
-    [("--max-examples", "-5"), ("--max-examples", "many"), ("--points", "0"), ("--iterations", "2.5"),
+    [("--max-examples", "-5"), ("--max-examples", "many"), ("--points", "0"), ("--points", "1"), ("--iterations", "2.5"),
      ("--tol", "nan"), ("--tol", "-1")],
 )
 def test_barrier_refuses_bad_sizes(models, tmp_path, capsys, option, value):
@@ -353,8 +358,167 @@ def test_exit_codes_are_documented():
         assert f"| {getattr(cli, name)} |" in readme, name
 
 
+def _readme_exit_codes() -> list[int]:
+    """The codes of README.md's exit-code table ("the exit code says what went wrong")."""
+    text = (ROOT / "README.md").read_text()
+    rows = text[text.index("the exit code says what went wrong"):].splitlines()[1:]
+    codes = []
+    for line in rows:
+        if match := re.match(r"\| (\d+) \|", line):
+            codes.append(int(match[1]))
+        elif codes and not line.startswith("|"):
+            break
+    return codes
+
+
+def _raising(error):
+    def fail(*args, **kwargs):
+        raise error
+    return fail
+
+
+def _terminated(*args, **kwargs):
+    from fedbasin.simulations import simulate
+
+    raise simulate.Terminated("signal 15")
+
+
+# code -> (argv, culprit in the one stderr line, what to break first); {a}, {b}, {tmp} are filled in.
+# Elsewhere, too: 130 during a write (test_interrupt_during_write_leaves_nothing), 143 and 130 of a
+# real simulation (tests/test_processes.py), 1 for an unusable final model (tests/test_outputs.py).
+EXIT_TABLE_CASES = {
+    0: (["merge", "{a}", "{b}", "--out", "{tmp}/merged", "--iterations", "2"], None, None),
+    1: (["align", "{a}", "{b}", "--out", "{tmp}/aligned"], "out of GPU memory",
+        ("fedbasin.alignment", "weight_match", _raising(torch.OutOfMemoryError("CUDA out of memory")))),
+    2: (["merge", "{a}", "{b}", "--out", "{tmp}/merged", "--weights", "-1,1"], "weight 0 is -1", None),
+    3: (["merge", "{a}", "{tmp}/missing", "--out", "{tmp}/merged"], "missing", None),
+    4: (["merge", "{a}", "{b}", "--out", "{b}"], "is the input", None),
+    70: (["align", "{a}", "{b}", "--out", "{tmp}/aligned"], "internal error: ZeroDivisionError",
+         ("fedbasin.alignment", "weight_match", _raising(ZeroDivisionError("division by zero")))),
+    130: (["align", "{a}", "{b}", "--out", "{tmp}/aligned"], "interrupted",
+          ("fedbasin.alignment", "weight_match", _raising(KeyboardInterrupt()))),
+    143: (["simulate", "--out", "{tmp}/run"], "stopped by SIGTERM",
+          ("fedbasin.simulations.simulate", "simulate", _terminated)),
+}
+
+
+def test_every_exit_code_of_the_readme_table_has_a_trigger():
+    assert sorted(EXIT_TABLE_CASES) == sorted(_readme_exit_codes())
+
+
+@pytest.mark.parametrize("code", _readme_exit_codes())
+def test_the_readme_exit_code_table(models, tmp_path, capsys, monkeypatch, code):
+    """Walk README.md's table: each code from the CLI, with one line on stderr naming the cause (a
+    code added to the table without a case here fails above and here)."""
+    assert code in EXIT_TABLE_CASES, f"README.md lists exit code {code}: add a case to EXIT_TABLE_CASES"
+    argv, culprit, broken = EXIT_TABLE_CASES[code]
+    monkeypatch.delenv("FEDBASIN_DEBUG", raising=False)
+    if broken is not None:
+        module, name, replacement = broken
+        monkeypatch.setattr(__import__(module, fromlist=[name]), name, replacement)
+    argv = [a.format(tmp=tmp_path, **models) for a in argv]
+    try:
+        got = main(argv)
+    except SystemExit as exit_info:  # argparse's own errors
+        got = exit_info.code
+    captured = capsys.readouterr()
+    assert got == code, captured.err
+    assert "Traceback" not in captured.err
+    if code == 0:
+        assert json.loads(captured.out)["command"] == argv[0]
+        return
+    lines = _error_lines(captured.err)
+    assert len(lines) == 1 and lines[0].startswith(f"fedbasin {argv[0]}: ") and culprit in lines[0], captured.err
+
+
+# ---- outputs never replace inputs; probes find what root cannot write ----------------------
+
+
+@pytest.mark.parametrize("argv, culprit", [
+    (["merge", "{a}", "{b}", "--out", "{a}"], "is the input"),
+    (["align", "{a}", "{b}", "--out", "{b}"], "is the input"),
+    (["align", "{a}", "{b}", "--out", "{a}/inner"], "is inside the input"),
+    (["merge", "{a}", "{b}", "--out", "{ckpts}"], "holds the input"),
+    (["barrier", "{a}", "{b}", "--data", "digits", "--plot", "{a}/config.json"], "is inside the input"),
+    (["train", "--data", "text:{ckpts}/corpus.txt", "--out", "{ckpts}/corpus.txt", "--overwrite"], "is the input"),
+])
+def test_an_output_never_replaces_an_input(models, tmp_path, capsys, monkeypatch, argv, culprit):
+    calls = _spy_on_work(monkeypatch)
+    ckpts = tmp_path / "ckpts"
+    (ckpts / "corpus.txt").write_text("some text " * 50)
+    argv = [a.format(ckpts=ckpts, **models) for a in argv]
+    option = "--plot" if "--plot" in argv else "--out"
+    _fails(capsys, tmp_path, EXIT_OUTPUT, argv, f"{option} {argv[argv.index(option) + 1]}", culprit)
+    assert not calls
+
+
+@pytest.fixture
+def immutable(tmp_path):
+    """``make(path)``: nobody may write into ``path`` any more: ``chattr +i`` (root ignores
+    permission bits), mode 0555 for a normal user."""
+    made = []
+
+    def make(path: Path) -> Path:
+        if os.geteuid() != 0:
+            path.chmod(0o555)
+        elif subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False).returncode != 0:
+            pytest.skip("chattr +i is not available here")
+        made.append(path)
+        return path
+
+    yield make
+    for path in made:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+        else:
+            path.chmod(0o755)
+
+
+@pytest.mark.parametrize("existing", ["checkpoint", "empty"])
+def test_an_immutable_out_dir_is_refused_before_any_work(models, tmp_path, capsys, monkeypatch, immutable,
+                                                        existing):
+    calls = _spy_on_work(monkeypatch)
+    target = _save_vit(tmp_path / "old", 7) if existing == "checkpoint" else tmp_path / "old"
+    target.mkdir(exist_ok=True)
+    immutable(target)
+    _fails(capsys, tmp_path, EXIT_OUTPUT, ["align", models["a"], models["b"], "--out", target],
+           f"--out {target}", "cannot write in")
+    assert not calls
+
+
+def test_an_immutable_plot_file_is_refused_before_any_work(models, tmp_path, capsys, immutable):
+    target = tmp_path / "curve.png"
+    target.write_bytes(b"an earlier plot")
+    immutable(target)
+    _fails(capsys, tmp_path, EXIT_OUTPUT, ["barrier", models["a"], models["b"], "--data", "digits",
+                                           "--plot", target], f"--plot {target}", "cannot replace it")
+
+
+def test_simulate_refuses_an_unusable_out_dir_with_exit_4(tmp_path, capsys, monkeypatch, immutable):
+    from fedbasin.simulations import simulate
+
+    started = []
+    monkeypatch.setattr(simulate, "LocalSuperLink", lambda *a, **k: started.append(1) / 0)
+    target = tmp_path / "results.txt"
+    target.write_text("precious")
+    _fails(capsys, tmp_path, EXIT_OUTPUT, ["simulate", "--out", target], f"out-dir {target}", "not a directory")
+    (tmp_path / "locked").mkdir()
+    locked = immutable(tmp_path / "locked")
+    _fails(capsys, tmp_path, EXIT_OUTPUT, ["simulate", "--out", locked], f"out-dir {locked}", "not writable")
+    assert not started
+
+
+def test_simulate_missing_data_is_bad_input(tmp_path, capsys):
+    _fails(capsys, tmp_path, EXIT_INPUT, ["simulate", "--out", tmp_path / "run", "--run-config",
+                                          f"data='text:{tmp_path / 'nowhere.txt'}'"], "nowhere.txt")
+
+
 def test_valid_run_still_succeeds(models, tmp_path, capsys):
-    """The checks refuse only bad input: the same models and an existing checkpoint as --out work."""
-    out = tmp_path / "ckpts" / "b"
+    """The checks refuse only bad input: an existing checkpoint (not an input) as --out is replaced;
+    the record of how its old weights were trained (train.json) goes with them, other files stay."""
+    out = _save_vit(tmp_path / "trained", 9)
+    (out / "train.json").write_text('{"seed": 9}')
+    (out / "tokenizer.json").write_text("{}")
     assert main(["merge", models["a"], models["b"], "--out", str(out), "--weights", "0,1", "--iterations", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["weights"] == [0.0, 1.0]
+    assert not (out / "train.json").exists() and (out / "tokenizer.json").read_text() == "{}"

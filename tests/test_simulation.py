@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -137,6 +138,97 @@ def test_simulate_rejects_bad_options(tmp_path, capsys):
     ) == {"model.dim": 32, "symmetry": "permutation", "data": "text:a b.txt", "resume": True}
 
 
+def test_flower_commands_are_found_beside_the_interpreter(tmp_path, monkeypatch):
+    """``venv/bin/fedbasin`` run without the venv's bin on PATH: flower-superlink, flower-supernode
+    and flwr are taken from beside the interpreter, by simulate and by the deployment helper, and the
+    processes Flower starts get that directory on PATH too."""
+    import subprocess
+
+    from fedbasin import deployment
+    from fedbasin.deployment import flower_env, flower_executable
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("flower-superlink", "flower-supernode", "flwr"):
+        (bin_dir / name).write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))
+    for name in ("flower-superlink", "flower-supernode", "flwr"):
+        assert flower_executable(name) == str(bin_dir / name)
+    assert flower_env({"PATH": "/usr/bin"})["PATH"].split(os.pathsep) == ["/usr/bin", str(bin_dir)]
+    with pytest.raises(FileNotFoundError, match=f"flwr-nothing is neither on PATH nor beside .*{bin_dir}"):
+        flower_executable("flwr-nothing")
+
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def spy(command, *args, **kwargs):
+        started.append((command[0], kwargs.get("env", {}).get("PATH", "")))
+        raise Started
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    with pytest.raises(Started):
+        simulate.LocalSuperLink(tmp_path, {"PATH": str(tmp_path / "elsewhere")})
+    with pytest.raises(Started):
+        deployment.LocalFederation(tmp_path / "federation", env={"PATH": ""}).start_superlink()
+    assert [command for command, _ in started] == [str(bin_dir / "flower-superlink")] * 2
+    assert str(bin_dir) in started[1][1].split(os.pathsep)
+
+
+class _FakeSuperLink:
+    """Stands in for the private SuperLink: ``flwr list`` says the run completed."""
+
+    def __init__(self, home, env):
+        self.env = env
+
+    def flwr(self, *args, **kwargs):
+        import subprocess
+
+        reply = {"runs": [{"status": "finished:completed"}]}
+        return subprocess.CompletedProcess(args, 0, stdout=json.dumps(reply), stderr="")
+
+    def stop(self):
+        pass
+
+
+def test_a_refused_resume_keeps_the_earlier_log_and_names_the_damaged_file(tmp_path, monkeypatch, capsys):
+    """The ServerApp refuses resume=true on a damaged results.json (its own message, below): the
+    earlier run's flwr-run.log is kept whole (appended to, never truncated) and the last line on
+    stderr names the damaged file."""
+    from fedbasin.server.outputs import RunOutputs
+
+    out = tmp_path / "run"
+    config = resolve_run_config({"out-dir": str(out), "max-train-examples": 100, "resume": True,
+                                 "model.dim": 16, "model.depth": 1, "model.heads": 2, "model.mlp-dim": 16})
+    model = model_from_config(task_from_config(config), config, seed=0)
+    outputs = RunOutputs(out, "vit", model.config, config)
+    outputs.record(0, model.state_dict(), {"test_loss": 2.3, "test_accuracy": 0.1})
+    (out / "results.json").write_text((out / "results.json").read_text()[:40])  # cut short by a crash
+    earlier_log = "".join(f"INFO :      round {k} of the interrupted run\n" for k in range(148))
+    (out / simulate.LOG_FILE).write_text(earlier_log)
+    with pytest.raises(ValueError) as refused:  # what the ServerApp logs, then its closing line
+        outputs.resume()
+    streamed = f"Successfully started run 7\nERROR :   {refused.value}\nERROR :   run config refused (1 problem " \
+        "above): the run ends before round 1; nothing in out-dir was removed or overwritten\n"
+
+    def stream(link, command, log_path):
+        log_path.write_text(streamed)
+        return 0, streamed
+
+    monkeypatch.setattr(simulate, "LocalSuperLink", _FakeSuperLink)
+    monkeypatch.setattr(simulate, "_stream", stream)
+    assert cli("--out", str(out), "--run-config", "resume=true max-train-examples=100 model.dim=16 model.depth=1 "
+               "model.heads=2 model.mlp-dim=16") == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("fedbasin simulate: the ServerApp refused the run: cannot resume: ")
+    assert f"{out / 'results.json'} is damaged (JSONDecodeError" in last
+    log = (out / simulate.LOG_FILE).read_text()
+    assert log.startswith(earlier_log) and log.endswith(streamed) and "resume in" in log
+
+
 @pytest.mark.slow
 def test_simulation_trains_then_resumes_from_the_last_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
@@ -158,9 +250,11 @@ def test_simulation_trains_then_resumes_from_the_last_checkpoint(tmp_path, capsy
 
     # resume (a second `flwr run`): round 2 starts from the round-1 checkpoint, history is kept
     config = resolve_run_config({"num-server-rounds": 2, "out-dir": str(out), "resume": True})
+    first_log = (out / "flwr-run.log").read_text()
     resumed = simulate.simulate(config, num_supernodes=2)
     log = (out / "flwr-run.log").read_text()
-    assert f"resuming after round 1 from {out / 'round-0001'}" in log
+    assert log.startswith(first_log)  # the interrupted run's log is kept; the resume's is appended
+    assert f"resuming after round 1 from {out / 'round-0001'}" in log[len(first_log):]
     assert [r["round"] for r in resumed["rounds"]] == [0, 1, 2]
     assert resumed["rounds"][:2] == rounds
     assert (out / "round-0002" / "model.safetensors").is_file()
@@ -193,7 +287,7 @@ def test_a_failed_flwr_run_is_an_error_and_the_superlink_is_stopped(tmp_path, mo
 
     def spy(command, *args, **kwargs):
         process = real_popen(command, *args, **kwargs)
-        if command[0] == "flower-superlink":
+        if Path(command[0]).name == "flower-superlink":
             started.append(process)
         return process
 

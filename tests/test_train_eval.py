@@ -126,7 +126,7 @@ def test_train_refuses_bad_requests_before_training(tmp_path, monkeypatch, capsy
         (["--data", "digits", "--position", "rope", "--out", tmp_path / "x"], "--position applies to gpt"),
         (["--data", "digits", "--heads", "5", "--out", tmp_path / "x"], "not divisible by 5 heads"),
         (["--data", "mnist", "--out", tmp_path / "x"], "--data mnist: unknown data source"),
-        (["--data", "digits", "--tokenizer", tmp_path, "--out", tmp_path / "x"], "--tokenizer applies to text"),
+        (["--data", "digits", "--tokenizer", tmp_path / "kept", "--out", tmp_path / "x"], "--tokenizer applies to text"),
     ]
     for argv, message in cases:
         assert re.search(message, cli_error(capsys, ["train", *map(str, argv)]))

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from flwr.common.logger import log
 
-from fedbasin.atomic import atomic_write
+from fedbasin.atomic import atomic_write, write_problem
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.plots import save_figure
 
@@ -43,19 +43,28 @@ def write_json_atomic(path: Path, data) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
 
 
-def fresh_out_dir_entries(out_dir: Path, overwrite: bool) -> list[str]:
-    """The names already in ``out_dir`` (none if it does not exist yet); a fresh run refuses a
-    non-empty directory unless ``overwrite``, and a path that is not a directory."""
+class OutDirError(ValueError):
+    """``out-dir`` cannot be used (``fedbasin simulate`` exits 4; the ServerApp refuses the run)."""
+
+
+def check_out_dir(out_dir: Path, fresh: bool, overwrite: bool) -> list[str]:
+    """The names already in ``out_dir`` (none if it does not exist yet), after checking that the run
+    can write there (:func:`fedbasin.atomic.write_problem`: a probe write) and, for a ``fresh`` run,
+    that the directory is empty unless ``overwrite``: a fresh run never replaces earlier outputs.
+    Raises :class:`OutDirError`."""
+    out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"out-dir {out_dir} exists and is not a directory")
+        raise OutDirError(f"out-dir {out_dir} exists and is not a directory")
     entries = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
-    if entries and not overwrite:
+    if fresh and entries and not overwrite:
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
-        raise ValueError(
+        raise OutDirError(
             f"out-dir {out_dir} is not empty ({shown}); a fresh run never replaces earlier "
             "outputs: set resume=true to continue that run, overwrite=true (fedbasin "
             "simulate --overwrite) to replace it, or choose another out-dir"
         )
+    if problem := write_problem(out_dir, replaced=False):  # a run writes into out-dir
+        raise OutDirError(f"out-dir {out_dir} is not writable: {problem}")
     return entries
 
 
@@ -90,10 +99,8 @@ class RunOutputs:
         """Make ``out_dir`` ready for a fresh run. A non-empty directory is refused (a fresh run
         never deletes an earlier run's outputs) unless ``overwrite``; then this run's own kinds
         of files (round checkpoints, results, curves) are removed, and their names returned."""
-        entries = fresh_out_dir_entries(self.dir, overwrite)
+        entries = check_out_dir(self.dir, fresh=True, overwrite=overwrite)
         self.dir.mkdir(parents=True, exist_ok=True)
-        if not os.access(self.dir, os.W_OK | os.X_OK):
-            raise ValueError(f"out-dir {self.dir} is not writable")
         removed = []
         for name in entries:
             path = self.dir / name
@@ -117,6 +124,7 @@ class RunOutputs:
         ``ValueError`` naming it, unless ``rebuild_results`` (then a damaged file is kept aside
         and the history restarts; :meth:`unrecorded_rounds` lists what to re-evaluate).
         """
+        check_out_dir(self.dir, fresh=False, overwrite=False)
         rounds = self.saved_rounds()
         if not rounds:
             if (self.dir / RESULTS_FILE).exists():

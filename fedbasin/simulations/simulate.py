@@ -13,8 +13,10 @@ deprecated). ``fedbasin simulate`` wraps it so that one command starts, finishes
 4. stop the SuperLink and every process it started in every case, Ctrl-C and SIGTERM included.
 
 PROJECT is the directory holding fedbasin's ``pyproject.toml`` (a source checkout). Writes
-``OUT/results.json`` (plus checkpoints, ``curves.png`` and ``flwr-run.log``) and prints a
-per-round table.
+``OUT/results.json`` (plus checkpoints and ``curves.png``), appends the run's log to
+``OUT/flwr-run.log`` (an earlier run's log is never replaced) and prints a per-round table.
+Flower's commands are found on PATH, else beside the running interpreter
+(:func:`fedbasin.deployment.flower_executable`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -36,8 +37,9 @@ import time
 import tomllib
 from pathlib import Path
 
-from fedbasin.config import resolve_run_config
-from fedbasin.server.outputs import RESULTS_FILE, fresh_out_dir_entries
+from fedbasin.config import RunConfigError, resolve_run_config
+from fedbasin.deployment import flower_env, flower_executable
+from fedbasin.server.outputs import RESULTS_FILE, OutDirError, check_out_dir
 
 LOG_FILE = "flwr-run.log"
 
@@ -84,8 +86,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=textwrap.fill(
             "Run the fedbasin ServerApp/ClientApp as a local Flower simulation through `flwr run` on a "
             "private SuperLink that is stopped afterwards; print a per-round table and write "
-            "OUT/results.json, per-round checkpoints OUT/round-NNNN/, OUT/curves.png and OUT/flwr-run.log. "
-            "Exit code 2 when the run does not finish as finished:completed.", 78),
+            "OUT/results.json, per-round checkpoints OUT/round-NNNN/, OUT/curves.png and OUT/flwr-run.log "
+            "(appended to). Exit codes: 0 done, 1 the run failed or its final model is unusable, 2 a bad "
+            "option or run-config value (or one the ServerApp refused), 3 missing data, 4 an unusable --out.",
+            78),
         epilog=run_config_help(),
     )
     p.add_argument(
@@ -163,7 +167,7 @@ class LocalSuperLink:
         )
         self.env = {**env, "FLWR_HOME": str(home)}
         self.log = home / "superlink.log"
-        command = ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+        command = [flower_executable("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
                    "--host", "127.0.0.1", "--port", str(self.port),
                    "--control-api-address", f"127.0.0.1:{_free_port()}"]
         with open(self.log, "w") as log:
@@ -192,7 +196,7 @@ class LocalSuperLink:
         raise RuntimeError(f"flower-superlink did not come up on {self.address} within {timeout:.0f} s")
 
     def flwr(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(["flwr", *args], check=False, env=self.env, text=True, **kwargs)
+        return subprocess.run([flower_executable("flwr"), *args], check=False, env=self.env, text=True, **kwargs)
 
     def stop(self) -> None:
         """Stop the SuperLink and everything it started: the SuperExec it spawns runs in a session
@@ -259,19 +263,69 @@ def _raise_terminated(signum, frame):
     raise Terminated(f"signal {signum}")
 
 
+class RunFailed(RuntimeError):
+    """The run started but did not end as ``finished:completed`` (exit code 1)."""
+
+
+class DataMissing(FileNotFoundError):
+    """The run config's data cannot be found (exit code 3)."""
+
+
 def _check_out_dir(config: dict) -> Path:
-    """The output directory, refused before anything starts when a fresh run would find earlier
-    outputs there (the ServerApp checks again: it owns the directory)."""
+    """The output directory, refused before anything starts when it is unusable or a fresh run would
+    find earlier outputs there (:func:`~fedbasin.server.outputs.check_out_dir`; the ServerApp checks
+    again: it owns the directory)."""
     out = Path(config["out-dir"]).expanduser().resolve()
-    fresh_out_dir_entries(out, overwrite=config["resume"] or config["overwrite"])
+    check_out_dir(out, fresh=not config["resume"], overwrite=config["overwrite"])
     return out
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_REFUSED = re.compile(r"run config refused \((\d+) problems? above\)")
+
+
+def _refusal(output: str) -> str | None:
+    """The problems the ServerApp logged when it refused the run config (one line; None if it did
+    not): the lines before its closing ``run config refused (N problems above)`` line."""
+    lines = [_ANSI.sub("", line).strip() for line in output.splitlines()]
+    closing = [i for i, line in enumerate(lines) if _REFUSED.search(line)]
+    if not closing:
+        return None
+    end = closing[-1]
+    count = int(_REFUSED.search(lines[end])[1])
+    errors = [i for i in range(end) if "ERROR" in lines[i]][-count:] or list(range(max(0, end - count), end))
+    problems = [re.sub(r"^.*?\bERROR\b[\]\s:|-]*", "", lines[i]) for i in errors]
+    return "; ".join(p for p in problems if p)
+
+
+def _append_log(log_path: Path, out: Path, header: str) -> None:
+    """Append this invocation's log to ``out/flwr-run.log`` under a header line: the logs of earlier
+    runs in ``out`` (the one a resume continues, or the one a refused resume would describe) stay."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / LOG_FILE, "a") as log:
+        log.write(header)
+        log.write(log_path.read_text(errors="replace"))
+
+
+def _read_results(out: Path) -> dict:
+    path = out / RESULTS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise RunFailed(f"{path}: unreadable after the run ({type(error).__name__}: {_one_line(error)})") from None
+
+
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
 
 
 def _stream(link: LocalSuperLink, command: list[str], log_path: Path) -> tuple[int, str]:
     """Run ``flwr ...`` echoing its output to stderr and ``log_path``; returns (exit code, output)."""
     lines = []
     env = dict(link.env, PYTHONUNBUFFERED="1")  # flwr's log lines arrive as they happen, not when a pipe buffer fills
-    with open(log_path, "w") as log, subprocess.Popen(["flwr", *command], env=env, text=True,
+    with open(log_path, "w") as log, subprocess.Popen([flower_executable("flwr"), *command], env=env, text=True,
                                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         for line in proc.stdout:
             lines.append(line)
@@ -286,7 +340,8 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
 
     The data and model options are checked here first (a missing file fails before anything
     starts). ``project``: the Flower app directory (default: fedbasin's). Raises ``RuntimeError``
-    when the run does not end as ``finished:completed``.
+    when the run does not end as ``finished:completed`` (:class:`RunFailed`), :class:`RunConfigError`
+    when the ServerApp refused the run config (e.g. ``resume=true`` on a damaged ``results.json``).
     """
     import torch
 
@@ -297,7 +352,10 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
         raise ValueError(
             f"min-nodes={config['min-nodes']} exceeds --num-supernodes={num_supernodes}"
         )
-    model_from_config(task_from_config(config), config, seed=config["seed"])
+    try:
+        model_from_config(task_from_config(config), config, seed=config["seed"])
+    except FileNotFoundError as error:
+        raise DataMissing(f"run-config data={config['data']!r}: {_one_line(error)}") from None
     project = project or project_dir()
     out = _check_out_dir(config)
     run_config = " ".join(f"{k}={_toml(v)}" for k, v in {**config, "out-dir": str(out)}.items())
@@ -305,7 +363,9 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
     federation = (f"num-supernodes={num_supernodes} client-resources-num-cpus=1 "
                   f"client-resources-num-gpus={gpus}" + (" verbose=true" if verbose else ""))
     # one BLAS thread per process unless told otherwise: clients get one CPU each
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    env = flower_env({"OMP_NUM_THREADS": "1", **os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"})
+    header = (f"===== fedbasin simulate {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+              f"{'resume' if config['resume'] else 'fresh run'} in {out} =====\n")
     previous = None
     if threading.current_thread() is threading.main_thread():  # SIGTERM cleans up like Ctrl-C
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -319,25 +379,25 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
                 started = re.search(r"Successfully started run (\d+)", output)
                 run_id = started.group(1) if started else None
                 if run_id is None:
-                    raise RuntimeError(f"flwr run did not start a run (exit code {code}); see {out / LOG_FILE}")
+                    raise RunFailed(f"flwr run did not start a run (exit code {code}); see {out / LOG_FILE}")
                 listed = link.flwr("list", "--run-id", run_id, "--format", "json", capture_output=True)
                 runs = json.loads(listed.stdout or "{}").get("runs", [])
                 status = runs[0]["status"] if runs else f"unknown ({listed.stderr.strip()[-300:]})"
             finally:
                 link.stop()
                 if log_path.is_file():
-                    out.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(log_path, out / LOG_FILE)
+                    _append_log(log_path, out, header)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    results_path = out / RESULTS_FILE
-    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    if refused := _refusal(output):  # the ServerApp ran nothing; results.json is an earlier run's
+        raise RunConfigError([f"the ServerApp refused the run: {refused} (log: {out / LOG_FILE})"])
+    results = _read_results(out)
     final = results.get("final", {})
     if final.get("usable") is False:
         raise UnusableModelError(f"the final global model in {out} is unusable: {final.get('reason')}")
     if status != "finished:completed":
-        raise RuntimeError(f"run {run_id} ended as {status}; see {out / LOG_FILE}")
+        raise RunFailed(f"run {run_id} ended as {status}; see {out / LOG_FILE}")
     return results
 
 
@@ -356,8 +416,10 @@ def print_table(rounds: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``fedbasin simulate``: 0 done, 1 the final model is unusable, 2 bad options or a failed run,
-    130 / 143 stopped by SIGINT / SIGTERM (everything the run started is stopped first)."""
+    """``fedbasin simulate``, with the exit codes of README.md's table: 0 done, 1 the run failed or
+    its final model is unusable, 2 a bad option or run-config value, 3 missing data, 4 an unusable
+    out-dir, 130 / 143 stopped by SIGINT / SIGTERM (everything the run started is stopped first)."""
+    from fedbasin.cli import EXIT_FAILED, EXIT_INPUT, EXIT_OUTPUT, EXIT_USAGE
     from fedbasin.server.server_app import UnusableModelError
 
     try:
@@ -370,13 +432,16 @@ def run(args: argparse.Namespace) -> int:
         if args.num_supernodes < 1:
             raise ValueError(f"--num-supernodes must be at least 1, got {args.num_supernodes}")
         results = simulate(config, args.num_supernodes, args.verbose)
-    except UnusableModelError as error:
-        print(f"fedbasin simulate: {error}", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
+    except OutDirError as error:
+        print(f"fedbasin simulate: {_one_line(error)}", file=sys.stderr)
+        return EXIT_OUTPUT
+    except (UnusableModelError, RunFailed, OSError) as error:  # OSError: e.g. flwr not installed
+        print(f"fedbasin simulate: {_one_line(error)}", file=sys.stderr)
+        return EXIT_INPUT if isinstance(error, DataMissing) else EXIT_FAILED
+    except (ValueError, RuntimeError) as error:
         for line in str(error).splitlines():  # a refused run config: one line per key at fault
             print(f"fedbasin simulate: {line}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt as stopped:
         name, code = (("SIGTERM", EXIT_TERMINATED) if isinstance(stopped, Terminated)
                       else ("SIGINT", EXIT_INTERRUPTED))
