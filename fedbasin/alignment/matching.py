@@ -610,6 +610,7 @@ def weight_match(
     token_rows: torch.Tensor | None = None,
     release: bool = False,
     head_weight: float = 1.0,
+    like: dict | None = None,
 ) -> MatchResult:
     """Align ``candidate`` to ``reference`` (raw state dicts of the same architecture).
 
@@ -639,13 +640,16 @@ def weight_match(
 
     ``head_weight``: factor on the objective weight of the output head over the vocabulary
     (see the module docstring; no effect on models without a token embedding).
+    ``like``: the norm gains the candidate's tiny-gain dims are judged by besides its own
+    (default: the reference's; give the original gains when ``reference`` is already canonical,
+    e.g. a universe), see :func:`~fedbasin.alignment.canonical.canonicalize`.
     """
     if not (math.isfinite(head_weight) and head_weight > 0):
         raise ValueError(f"head_weight must be a finite number > 0, got {head_weight}")
     if token_rows is not None:
         return _match_on_token_rows(spec, reference, candidate, token_rows, mode=mode, iterations=iterations,
                                     tol=tol, weighting=weighting, init=init, progress=progress,
-                                    release=release, head_weight=head_weight)
+                                    release=release, head_weight=head_weight, like=like)
     if mode not in MODES:
         raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
     t0, cpu_t0 = time.perf_counter(), time.process_time()
@@ -654,7 +658,7 @@ def weight_match(
     given = candidate
     reference, candidate = _at_least_float32(reference), _at_least_float32(candidate)
     ref_c = canonicalize(spec, reference, "reference", validate=False)  # no copy if already canonical
-    cand_c = canonicalize(spec, candidate, "candidate", validate=False)
+    cand_c = canonicalize(spec, candidate, "candidate", validate=False, like=like or ref_c.gains)
     del reference, candidate
     if release:
         given.clear()
@@ -912,7 +916,8 @@ def _match_on_token_rows(spec, reference, candidate, token_rows, **options) -> M
     small = weight_match(spec, kept(reference), kept(candidate), **options)
     dtypes = {k: v.dtype for k, v in candidate.items()}
     gains = canonicalize(spec, _at_least_float32(reference), "reference", validate=False).gains
-    cand_c = canonicalize(spec, _at_least_float32(candidate), "candidate", validate=False)
+    cand_c = canonicalize(spec, _at_least_float32(candidate), "candidate", validate=False,
+                          like=options.get("like") or gains)
     if release:
         candidate.clear()
     state = apply_group(spec, cand_c.state, small.transform)
