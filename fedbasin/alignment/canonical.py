@@ -12,9 +12,11 @@ the gauge turn noise of size δ into δ/γ. So on those dims:
 * fold: the bias goes into the readers' biases first, ``b ← b + β_i W_i`` (row i of each reader
   on its residual axis), ``β_i ← 0``, then ``W_i ← γ_i W_i`` as usual (exact:
   ``(n_i γ_i + β_i) W_i + b = n_i (γ_i W_i) + (b + β_i W_i)``). Only when every reader has a bias;
-  otherwise ``β_i/γ_i`` as before. The dims are those tiny in the model's own gains or in
-  ``like`` (the reference's gains), so that a reference and the models aligned to it fold the
-  same dims alike;
+  otherwise ``β_i/γ_i`` as before. The dims are those tiny in the model's own gains, and with
+  ``like`` (a reference's gains) those tiny there and small here (``SMALL_GAIN``). A model
+  aligned to a reference then has the reference's tiny dims folded alike (:func:`fold_tiny` on
+  the aligned canonical state: ``b ← b + β_i W_i``, ``β_i ← 0`` with unit gains), so both fold
+  the same dims the same way;
 * gauge: those dims keep the canonical gain ``γ_i = 1`` (readers and bias unscaled).
 
 Gains with no tiny entry are folded and gauged exactly as before (bitwise).
@@ -31,6 +33,8 @@ from .spec import SymmetrySpec
 
 #: a gain is tiny when ``|γ_i| ≤ TINY_GAIN × median |γ|`` over its norm (see the module docstring)
 TINY_GAIN = 1e-2
+#: with ``like``: a dim tiny in the other model is folded alike where this one's is below this
+SMALL_GAIN = 1e-1
 
 
 @dataclass
@@ -46,10 +50,10 @@ def is_canonical(spec: SymmetrySpec, state: dict) -> bool:
     return all(n.weight is None or bool(torch.all(state[n.weight] == 1)) for n in spec.norms)
 
 
-def tiny_gains(gain: torch.Tensor) -> torch.Tensor:
-    """Mask of the dims with ``|γ_i| ≤ TINY_GAIN · median |γ|`` (zeros always; all for γ = 0)."""
+def tiny_gains(gain: torch.Tensor, factor: float = TINY_GAIN) -> torch.Tensor:
+    """Mask of the dims with ``|γ_i| ≤ factor · median |γ|`` (zeros always; all for γ = 0)."""
     size = gain.detach().abs().double()
-    return size <= TINY_GAIN * size.median()
+    return size <= factor * size.median()
 
 
 def _reader_biases(norm, state: dict) -> list[str] | None:
@@ -68,8 +72,10 @@ def canonicalize(spec: SymmetrySpec, state: dict, what: str = "model", validate:
                  like: dict | None = None) -> Canonical:
     """Fold every norm gain into its readers and untie tied tensors (function unchanged).
 
-    ``like``: the reference's gains (norm weight key → γ); dims tiny there are folded like the
-    model's own tiny dims (bias into the readers' biases, see the module docstring).
+    ``like``: another model's gains (norm weight key → γ), e.g. the reference's; a dim tiny there
+    and small here (``|γ_i| ≤ SMALL_GAIN · median |γ|``: the same dim in a model trained from it,
+    not a coincidence of another basis) is folded like the model's own tiny dims (bias into the
+    readers' biases, see the module docstring).
     A zero gain with a non-zero bias at the same index cannot be folded: ``ValueError``.
     """
     if validate:
@@ -92,7 +98,10 @@ def canonicalize(spec: SymmetrySpec, state: dict, what: str = "model", validate:
             raise ValueError(f"{what}: {norm.weight} has zero gain at {idx} with a non-zero bias; cannot fold")
         if not bool((gain == 1).all()):  # folding a unit gain changes nothing: no copy
             if norm.bias is not None:
-                _absorb_tiny_bias(norm, out, gain, like)
+                tiny, other = tiny_gains(gain), _tiny_mask(norm, like, gain.shape)
+                if other is not None:  # tiny there and small here (10 × the threshold)
+                    tiny = tiny | (other.to(tiny.device) & tiny_gains(gain, SMALL_GAIN))
+                _absorb_bias(norm, out, tiny)
             for key, axis in norm.readers:
                 out[key] = scale_axis(out[key], axis, gain)
             if norm.bias is not None:
@@ -102,13 +111,16 @@ def canonicalize(spec: SymmetrySpec, state: dict, what: str = "model", validate:
     return Canonical(out, gains, untied)
 
 
-def _absorb_tiny_bias(norm, out: dict, gain: torch.Tensor, like: dict | None) -> None:
-    """``b ← b + β_i W_i`` for every reader, ``β_i ← 0``, on the tiny dims i (in place on ``out``)."""
-    tiny = tiny_gains(gain)
-    other = None if like is None else like.get(norm.weight)
-    if other is not None and other.shape == gain.shape:
-        tiny = tiny | tiny_gains(other).to(tiny.device)
+def _tiny_mask(norm, gains: dict | None, shape) -> torch.Tensor | None:
+    gain = None if gains is None else gains.get(norm.weight)
+    return None if gain is None or gain.shape != shape else tiny_gains(gain)
+
+
+def _absorb_bias(norm, out: dict, tiny: torch.Tensor) -> None:
+    """``b ← b + β_i W_i`` for every reader, ``β_i ← 0``, on the dims i of ``tiny`` (in place on
+    ``out``); nothing when a reader has no bias."""
     beta = out[norm.bias]
+    tiny = tiny.to(beta.device)
     if not bool((tiny & (beta != 0)).any()):
         return
     biases = _reader_biases(norm, out)
@@ -118,6 +130,20 @@ def _absorb_tiny_bias(norm, out: dict, gain: torch.Tensor, like: dict | None) ->
     for (key, axis), bias in zip(norm.readers, biases):
         out[bias] = out[bias] + torch.tensordot(moved.to(out[key]), out[key], dims=([0], [axis])).to(out[bias])
     out[norm.bias] = beta - moved
+
+
+def fold_tiny(spec: SymmetrySpec, state: dict, gains: dict) -> dict:
+    """A canonical ``state`` (unit gains) with the norm bias of every dim tiny in ``gains`` moved
+    into the readers' biases (``b ← b + β_i W_i``, ``β_i ← 0``: same function); e.g. a model
+    aligned to a reference with the reference's gains, so both fold the same dims alike.
+    Returns ``state`` itself when nothing moves."""
+    out = dict(state)
+    for norm in spec.norms:
+        if norm.weight is not None and norm.bias is not None:
+            tiny = _tiny_mask(norm, gains, out[norm.bias].shape)
+            if tiny is not None and bool(tiny.any()):
+                _absorb_bias(norm, out, tiny)
+    return state if all(out[k] is state[k] for k in state) else out
 
 
 def to_gauge(spec: SymmetrySpec, state: dict, gains: dict) -> dict:

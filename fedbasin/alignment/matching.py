@@ -43,7 +43,7 @@ from scipy.optimize import linear_sum_assignment
 
 from fedbasin import heap
 
-from .canonical import canonicalize, to_gauge
+from .canonical import canonicalize, fold_tiny, to_gauge
 from .group import (
     GroupElement,
     HeadMap,
@@ -640,9 +640,11 @@ def weight_match(
 
     ``head_weight``: factor on the objective weight of the output head over the vocabulary
     (see the module docstring; no effect on models without a token embedding).
-    ``like``: the norm gains the candidate's tiny-gain dims are judged by besides its own
-    (default: the reference's; give the original gains when ``reference`` is already canonical,
-    e.g. a universe), see :func:`~fedbasin.alignment.canonical.canonicalize`.
+    ``like``: the reference's norm gains, whose tiny dims the aligned candidate folds alike
+    (:func:`~fedbasin.alignment.canonical.fold_tiny`; default: ``reference``'s own; give the
+    original gains when ``reference`` is already canonical, e.g. a universe): before matching
+    where the candidate's own gain is small too (same basis, e.g. trained from the reference),
+    and after it (aligned basis) everywhere.
     """
     if not (math.isfinite(head_weight) and head_weight > 0):
         raise ValueError(f"head_weight must be a finite number > 0, got {head_weight}")
@@ -833,6 +835,7 @@ def weight_match(
             state[key] = moved if g.residual is None else contract_axis(moved, axis, g.residual.to(moved))
             del moved
     state = {k: state[k] for k in order}
+    state = fold_tiny(spec, state, like or ref_c.gains)
     aligned = {} if release else {k: v.to(dtypes[k]) for k, v in to_gauge(spec, state, ref_c.gains).items()}
     canonical = {k: v.to(dtypes[k]) for k, v in state.items()}
     del state
@@ -920,7 +923,7 @@ def _match_on_token_rows(spec, reference, candidate, token_rows, **options) -> M
                           like=options.get("like") or gains)
     if release:
         candidate.clear()
-    state = apply_group(spec, cand_c.state, small.transform)
+    state = fold_tiny(spec, apply_group(spec, cand_c.state, small.transform), options.get("like") or gains)
     del cand_c
     small.state = {} if release else {k: v.to(dtypes[k]) for k, v in to_gauge(spec, state, gains).items()}
     small.canonical = {k: v.to(dtypes[k]) for k, v in state.items()}
