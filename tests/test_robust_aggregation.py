@@ -78,7 +78,9 @@ def test_the_cohort_is_judged_in_the_aligned_basis(caplog):
     spec, base = spec_of("vit", VIT), base_state()
     honest = transformed_copies(spec, base, 4, noise=1e-3)
     g = torch.Generator().manual_seed(5)
-    attacker = {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    # (0.1: raw distance 6.5 against the honest replies' 11; with the server model's tiny gain
+    # the honest replies used to look far only through the ill-conditioned bias β/γ)
+    attacker = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in base.items()}
     replies = [reply(n, ArrayRecord(s)) for n, s in zip(NODES, [*honest, attacker])]
     strategy = strategy_for(spec, base)
     with caplog.at_level("WARNING", logger="flwr"):

@@ -35,7 +35,7 @@ from torch import nn
 
 from fedbasin.models.weights import weightless_copy
 
-from .canonical import canonicalize, to_gauge
+from .canonical import canonicalize, fold_tiny, to_gauge
 from .group import GroupElement, HeadMap, NeuronMap, apply_group
 from .matching import MatchResult, hungarian, nuclear_norms, plane_procrustes, procrustes, residual_procrustes
 from .spec import SymmetrySpec, check_compatible
@@ -245,7 +245,8 @@ def activation_match(
         neurons.append(NeuronMap(hungarian(corr + TIE_BREAK * _unit_similarity(m, ref_c.state, cand_c.state, residual))))
     transform = GroupElement(residual, heads, neurons)
     dtypes = {k: v.dtype for k, v in candidate.items()}
-    canonical = {k: v.to(dtypes[k]) for k, v in apply_group(spec, cand_c.state, transform).items()}
+    aligned = fold_tiny(spec, apply_group(spec, cand_c.state, transform), ref_c.gains)
+    canonical = {k: v.to(dtypes[k]) for k, v in aligned.items()}
     state = to_gauge(spec, canonical, ref_c.gains)
     energy = float(s["residual_energy"])
     fit = [float(torch.trace(s["residual"])) / energy,

@@ -43,7 +43,7 @@ from scipy.optimize import linear_sum_assignment
 
 from fedbasin import heap
 
-from .canonical import canonicalize, to_gauge
+from .canonical import canonicalize, fold_tiny, to_gauge
 from .group import (
     GroupElement,
     HeadMap,
@@ -610,6 +610,7 @@ def weight_match(
     token_rows: torch.Tensor | None = None,
     release: bool = False,
     head_weight: float = 1.0,
+    like: dict | None = None,
 ) -> MatchResult:
     """Align ``candidate`` to ``reference`` (raw state dicts of the same architecture).
 
@@ -639,13 +640,18 @@ def weight_match(
 
     ``head_weight``: factor on the objective weight of the output head over the vocabulary
     (see the module docstring; no effect on models without a token embedding).
+    ``like``: the reference's norm gains, whose tiny dims the aligned candidate folds alike
+    (:func:`~fedbasin.alignment.canonical.fold_tiny`; default: ``reference``'s own; give the
+    original gains when ``reference`` is already canonical, e.g. a universe): before matching
+    where the candidate's own gain is small too (same basis, e.g. trained from the reference),
+    and after it (aligned basis) everywhere.
     """
     if not (math.isfinite(head_weight) and head_weight > 0):
         raise ValueError(f"head_weight must be a finite number > 0, got {head_weight}")
     if token_rows is not None:
         return _match_on_token_rows(spec, reference, candidate, token_rows, mode=mode, iterations=iterations,
                                     tol=tol, weighting=weighting, init=init, progress=progress,
-                                    release=release, head_weight=head_weight)
+                                    release=release, head_weight=head_weight, like=like)
     if mode not in MODES:
         raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
     t0, cpu_t0 = time.perf_counter(), time.process_time()
@@ -654,7 +660,7 @@ def weight_match(
     given = candidate
     reference, candidate = _at_least_float32(reference), _at_least_float32(candidate)
     ref_c = canonicalize(spec, reference, "reference", validate=False)  # no copy if already canonical
-    cand_c = canonicalize(spec, candidate, "candidate", validate=False)
+    cand_c = canonicalize(spec, candidate, "candidate", validate=False, like=like or ref_c.gains)
     del reference, candidate
     if release:
         given.clear()
@@ -829,6 +835,7 @@ def weight_match(
             state[key] = moved if g.residual is None else contract_axis(moved, axis, g.residual.to(moved))
             del moved
     state = {k: state[k] for k in order}
+    state = fold_tiny(spec, state, like or ref_c.gains)
     aligned = {} if release else {k: v.to(dtypes[k]) for k, v in to_gauge(spec, state, ref_c.gains).items()}
     canonical = {k: v.to(dtypes[k]) for k, v in state.items()}
     del state
@@ -912,10 +919,11 @@ def _match_on_token_rows(spec, reference, candidate, token_rows, **options) -> M
     small = weight_match(spec, kept(reference), kept(candidate), **options)
     dtypes = {k: v.dtype for k, v in candidate.items()}
     gains = canonicalize(spec, _at_least_float32(reference), "reference", validate=False).gains
-    cand_c = canonicalize(spec, _at_least_float32(candidate), "candidate", validate=False)
+    cand_c = canonicalize(spec, _at_least_float32(candidate), "candidate", validate=False,
+                          like=options.get("like") or gains)
     if release:
         candidate.clear()
-    state = apply_group(spec, cand_c.state, small.transform)
+    state = fold_tiny(spec, apply_group(spec, cand_c.state, small.transform), options.get("like") or gains)
     del cand_c
     small.state = {} if release else {k: v.to(dtypes[k]) for k, v in to_gauge(spec, state, gains).items()}
     small.canonical = {k: v.to(dtypes[k]) for k, v in state.items()}

@@ -141,7 +141,8 @@ def merge(
         check_compatible(spec, states[reference], states[i], (names[reference], names[i]))
     ref_c = canonicalize(spec, states[reference], names[reference], validate=False)
     if not align:
-        canon = [canonicalize(spec, s, names[i], validate=False).state for i, s in enumerate(states)]
+        canon = [canonicalize(spec, s, names[i], validate=False, like=ref_c.gains).state
+                 for i, s in enumerate(states)]
         merged = combine(canon, weights)
         return MergeResult(to_gauge(spec, merged, ref_c.gains), merged, [], seconds=time.perf_counter() - t0,
                            untied=ref_c.untied)
@@ -179,7 +180,7 @@ def merge(
                 candidate = states[k] if states[k] is not None else _restore(spec, *held.pop(k))
                 match = weight_match(spec, universe, candidate, mode=mode, iterations=iterations, tol=tol,
                                      weighting=weighting, token_rows=token_rows, head_weight=head_weight,
-                                     release=release and not readable[k])
+                                     release=release and not readable[k], like=gains)
                 del candidate
                 if not readable[k]:
                     states[k] = None  # weight_match emptied the dict
@@ -189,7 +190,7 @@ def merge(
             bar.update(1)
         for k in range(len(states)):  # only while combine runs, and only if it reads them
             if aligned[k] is None:
-                aligned[k] = (canonicalize(spec, states[k], names[k], validate=False).state
+                aligned[k] = (canonicalize(spec, states[k], names[k], validate=False, like=gains).state
                               if getattr(combine, "reads_unweighted", True) else {})
         if not last:  # the merge keeps its aligned models for the next pass: combine gets copies
             held.update((k, (aligned[k], m.transform)) for k, m in enumerate(matches)

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .canonical import canonicalize, to_gauge
+from .canonical import canonicalize, fold_tiny, to_gauge
 from .group import GroupElement, apply_group, compose
 from .matching import MODES, _Matcher, _Objective, progress_bar
 from .spec import SymmetrySpec
@@ -232,7 +232,7 @@ def stream_match(
             else:
                 element = sliced(layer_element(unit.layer), unit.layer)
                 element.residual = g.residual
-            state = apply_group(unit.spec, cand_c.state, element)
+            state = fold_tiny(unit.spec, apply_group(unit.spec, cand_c.state, element), ref_gains)
             state = to_gauge(unit.spec, state, {k: v for k, v in ref_gains.items() if k in state})
             write({k: v.to(dtypes[k]).cpu() for k, v in state.items()})
             bar.update(1)
