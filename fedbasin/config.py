@@ -86,7 +86,7 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "max-num-examples": 1000000,  # num-examples cap (0: none)
     "max-examples-ratio": 1.0,  # and at most this × the round's lower-median count (0: none)
     "outlier-threshold": 3.5,  # MAD rule in the aligned basis, and two equal camps fail the round (0: off)
-    "proxy-screening": 0.0,  # t > 0: exclude replies whose proxy loss > (1 + t) × max(lower median, previous model's)
+    "proxy-screening": 0.0,  # t > 0: exclude replies whose proxy loss > (1 + t) × the lower median of the cohort's proxy losses
     "clip-ratio": 0.0,  # >0: clip updates to this × the median update norm
     "aggregator": "mean",  # mean | trimmed-mean | median (coordinate-wise, after alignment)
     "trim-fraction": 0.25,  # trimmed-mean: fraction dropped at each end

@@ -102,8 +102,7 @@ class AlignedFedAvg(FedAvg):
     proxy_loss, proxy_screening : callable, float
         ``proxy_loss(state) -> float``: a model's loss on the server's proxy split (the ServerApp
         binds it). ``proxy_screening = t > 0``: before alignment, replies whose proxy loss is
-        above ``(1 + t)·max(lower median of the cohort's losses, the broadcast model's loss)`` are
-        excluded (:func:`~fedbasin.strategies.robust.proxy_outliers`); 0: off.
+        above ``(1 + t)`` × the lower median of the cohort's losses are excluded (:func:`~fedbasin.strategies.robust.proxy_outliers`); 0: off.
     clip_ratio : float
         > 0: clip every aligned update to ``clip_ratio`` × the median update norm.
     aggregator, trim_fraction : str, float
@@ -335,7 +334,7 @@ class AlignedFedAvg(FedAvg):
         states = [decoded.pop(n) for n in nodes]
         proxy_metrics = MetricRecord()
         if self.proxy_screening > 0 and states:
-            nodes, states = self._proxy_screen(server_round, template, nodes, states, proxy_metrics)
+            nodes, states = self._proxy_screen(server_round, nodes, states, proxy_metrics)
         weights = self._capped_weights(server_round, nodes, [accepted[n][1] for n in nodes])
         log(INFO, "round %d: %d valid replies, %d excluded", server_round, len(states),
             len(record["excluded"]))
@@ -540,11 +539,10 @@ class AlignedFedAvg(FedAvg):
                 )
         return weights
 
-    def _proxy_screen(self, server_round: int, template: ArrayRecord, nodes: list, states: list,
-                      metrics: MetricRecord) -> tuple[list, list]:
+    def _proxy_screen(self, server_round: int, nodes: list, states: list, metrics: MetricRecord) -> tuple[list, list]:
         """The replies whose proxy loss is not an outlier (:func:`~fedbasin.strategies.robust.proxy_outliers`);
         the others are excluded (stage ``"proxy"``). A loss that cannot be computed counts as
-        infinite; the broadcast model's, as absent."""
+        infinite."""
         t0 = time.perf_counter()
 
         def loss(state: dict) -> float:
@@ -555,13 +553,10 @@ class AlignedFedAvg(FedAvg):
                 return math.inf
 
         losses = [loss(s) for s in states]
-        previous = loss(_tensor_views(template))
-        previous = previous if math.isfinite(previous) else math.nan
-        bad = set(proxy_outliers(losses, previous, self.proxy_screening))
+        bad = set(proxy_outliers(losses, self.proxy_screening))
         for k in sorted(bad):
             self._exclude(server_round, nodes[k], f"proxy loss {losses[k]:.4g} is above (1 + {self.proxy_screening:g}) "
-                          f"× max(cohort lower median, previous model's {previous:.4g})", stage="proxy")
-        metrics["proxy_loss_previous"] = previous if math.isfinite(previous) else -1.0
+                          f"× the cohort's lower median", stage="proxy")
         metrics["proxy_screen_seconds"] = time.perf_counter() - t0
         return [n for k, n in enumerate(nodes) if k not in bad], [s for k, s in enumerate(states) if k not in bad]
 

@@ -205,20 +205,17 @@ def capped_counts(counts: list[float], most: float, ratio: float) -> tuple[list[
     return [min(n, limit) for n in counts], limit
 
 
-def proxy_outliers(losses: list[float], previous: float, factor: float) -> list[int]:
-    """Indices ``k`` whose proxy loss ``L_k > (1 + t)·max(q, L_g)`` (``t = factor``; ``q``: the
-    lower median of the losses, :func:`lower_median`; ``L_g``: the previous global model's loss
-    on the same proxy batches), and every non-finite ``L_k``.
+def proxy_outliers(losses: list[float], factor: float) -> list[int]:
+    """Indices ``k`` whose proxy loss ``L_k > (1 + t)·q`` (``t = factor``, ``q``: the lower
+    median of the finite losses, :func:`lower_median`), and every non-finite ``L_k``.
 
     Guarantee: with at most ``⌊K/2⌋`` hostile replies, ``q ≤`` the largest honest loss, so a
-    hostile reply is kept only if it does at most ``1 + t`` times worse on the proxy than the
-    worst honest reply or the previous model; an honest reply is excluded only if it does more
-    than ``1 + t`` times worse than another honest reply (and the previous model). The lower
-    median, unlike the MAD rule, is not moved by a camp of half the cohort."""
+    hostile reply is kept only if its proxy loss is at most ``1 + t`` times the worst honest
+    reply's; with fewer than ``K/2`` hostile, ``q ≥`` the smallest honest loss, so an honest
+    reply is excluded only if it does more than ``1 + t`` times worse than another honest reply.
+    Unlike the MAD rule, the lower median is not moved by a camp of half the cohort."""
     finite = [v for v in losses if math.isfinite(v)]
-    if not finite:
-        return list(range(len(losses)))
-    cut = (1.0 + factor) * max(lower_median(finite), previous if math.isfinite(previous) else 0.0)
+    cut = (1.0 + factor) * lower_median(finite) if finite else -math.inf
     return [k for k, v in enumerate(losses) if not math.isfinite(v) or v > cut]
 
 
