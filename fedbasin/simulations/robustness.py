@@ -19,8 +19,8 @@ default settings against no defence, on the clean replies.
     python -m fedbasin.simulations.robustness --out docs/robustness.json
 
 ``--colluders``: the colluder table instead, two hostile nodes (the last two) among K = 4 and
-K = 5 (the server holds a proxy split of 100 examples in every row, so that proxy screening can be
-compared), attacks:
+K = 5, 4 rounds of 3 local epochs at lr 0.005 (the server holds a proxy split of 100 examples in
+every row, so that proxy screening, ``proxy-screening = 0.5``, can be compared), attacks:
 
 * ``inflated``: label-flipped models (trained on ``y → C − 1 − y``) claiming 1e6 examples each
   (= ``max-num-examples``);

@@ -118,8 +118,10 @@ class AlignedFedAvg(FedAvg):
     Screening, in order: every reply is checked on its own against the broadcast model (no
     client error, one reply per node, one MetricRecord with a positive finite ``num-examples``,
     one ArrayRecord with the same keys, shapes and dtypes, finite values within
-    ``max_abs_weight``, foldable norm gains); counts are capped; after alignment the cohort is
-    screened; then the models are clipped and aggregated. Every exclusion is logged and kept in
+    ``max_abs_weight``, foldable norm gains); with ``proxy_screening``, replies far worse on the
+    proxy split than the cohort's lower median are excluded; counts are capped; after alignment
+    the cohort is screened (and an even cohort split into two equal camps fails the round); then
+    the models are clipped and aggregated. Every exclusion is logged and kept in
     ``screening[round] = {"excluded": [{"node", "stage", "reason"}], "capped": [...],
     "failed": reason or ""}``; nothing a client sends raises out of ``aggregate_train``. If no
     reply is left or the aggregate is not finite, the round fails: ``(None, metrics)`` keeps the
