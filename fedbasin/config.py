@@ -84,8 +84,9 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     # robust aggregation (server side; see fedbasin.strategies.AlignedFedAvg, docs/robustness.md)
     "max-abs-weight": 1e6,  # a reply holding any |value| above this is excluded
     "max-num-examples": 1000000,  # num-examples cap (0: none)
-    "max-examples-ratio": 10.0,  # and at most this × the round's median count (0: none)
-    "outlier-threshold": 3.5,  # MAD rule in the aligned basis (0: off)
+    "max-examples-ratio": 1.0,  # and at most this × the round's lower-median count (0: none)
+    "outlier-threshold": 3.5,  # MAD rule in the aligned basis, and two equal camps fail the round (0: off)
+    "proxy-screening": 0.0,  # t > 0: exclude replies whose proxy loss > (1 + t) × the lower median of the cohort's proxy losses
     "clip-ratio": 0.0,  # >0: clip updates to this × the median update norm
     "aggregator": "mean",  # mean | trimmed-mean | median (coordinate-wise, after alignment)
     "trim-fraction": 0.25,  # trimmed-mean: fraction dropped at each end
@@ -115,7 +116,7 @@ RANGES = (
       "universe-iterations", "min-nodes"), 1, True),
     (("seed", "proxy-size", "max-train-examples", "refine-steps", "distill-steps", "max-num-examples",
       "model.dim", "model.depth", "model.heads", "model.mlp-dim", "model.patch-size", "model.kv-heads",
-      "weight-decay", "max-examples-ratio", "outlier-threshold", "clip-ratio", "trim-fraction",
+      "weight-decay", "max-examples-ratio", "outlier-threshold", "proxy-screening", "clip-ratio", "trim-fraction",
       "lr", "fraction-train", "fraction-evaluate", "distill-label-weight", "refine-soft-labels", "refine-soft-label-top-k",
       "refine-workers", "refine-head-lr"),
      0, True),
@@ -164,7 +165,7 @@ def _value_problems(config: dict) -> list[str]:
     for key, allowed in CHOICES.items():
         if config[key] not in allowed:
             problems.append(f"run-config {key}={config[key]!r}; expected one of {allowed}")
-    for key, verb in (("refine-steps", "refines"), ("distill-steps", "distils")):
+    for key, verb in (("refine-steps", "refines"), ("distill-steps", "distils"), ("proxy-screening", "scores replies")):
         if config[key] > 0 and config["proxy-size"] < 10:
             problems.append(f"run-config {key}={config[key]} needs proxy-size >= 10 "
                             f"(got {config['proxy-size']}): the server {verb} on its proxy split")

@@ -197,14 +197,14 @@ def test_issue_examples_huge_finite_weights_and_example_counts(caplog):
     assert metrics["excluded_nodes"] == [44] and "node 44:" in caplog.text and "max_abs_weight" in caplog.text
     torch.testing.assert_close(arrays.to_torch_state_dict()["head.weight"], honest_aggregate(True)["head.weight"])
 
-    # two nodes claim 1e308 examples: capped (max_num_examples = 1e6), the mean stays finite and exact
+    # two nodes claim 1e308 examples: capped at max_examples_ratio (1) × the lower median count
+    # (the 2nd smallest of four: 100), the mean stays finite and exact
     states = [{k: v + i for k, v in base.items()} for i in range(4)]
     counts = [100, 100, 1e308, 1e308]
     strategy = strategy_for(spec, base, alignment=False, outlier_threshold=0.0)
     arrays, metrics = strategy.aggregate_train(2, [reply(n, ArrayRecord(s), c) for n, s, c in zip((1, 2, 3, 4), states, counts)])
-    cap = 1e6  # below 10 × the median of the capped counts, (100 + 1e6) / 2
     assert metrics["capped_nodes"] == [3, 4]
-    expected = (100 * 0 + 100 * 1 + cap * 2 + cap * 3) / (200 + 2 * cap)
+    expected = (0 + 1 + 2 + 3) / 4
     for key, value in base.items():
         torch.testing.assert_close(arrays.to_torch_state_dict()[key], value + expected)
 
@@ -250,5 +250,6 @@ def test_evaluation_counts_are_capped_and_deduplicated():
     metrics = strategy.aggregate_evaluate(
         1, [evaluation(1, 1.0, 10), evaluation(2, 1.0, 10), evaluation(3, 7.0, 10**12), evaluation(1, 99.0, 10)]
     )
-    # node 3: 1e12 → 1e6 (absolute cap) → 10 × median(10, 10, 1e6) = 100; node 1's second reply is dropped
-    assert metrics["eval_loss"] == pytest.approx((10 + 10 + 700) / 120)
+    # node 3: 1e12 → 1e6 (absolute cap) → 1 × the lower median of (10, 10, 1e6) = 10; node 1's second
+    # reply is dropped
+    assert metrics["eval_loss"] == pytest.approx((10 + 10 + 70) / 30)

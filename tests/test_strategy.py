@@ -126,7 +126,7 @@ def test_plain_fedavg_is_the_example_weighted_mean():
     spec = spec_of("vit", VIT)
     base = base_state()
     states = [{k: v + i for k, v in base.items()} for i in range(3)]
-    strategy = strategy_for(spec, base, alignment=False)
+    strategy = strategy_for(spec, base, alignment=False, max_examples_ratio=0.0)  # no count cap: the weights are the counts
     arrays, _ = strategy.aggregate_train(
         1, [reply(n, ArrayRecord(s), w) for n, s, w in zip(NODES, states, (1, 1, 2))]
     )

@@ -45,7 +45,7 @@ def test_round_output_is_the_example_weighted_aligned_average():
     spec = spec_of("vit", DIGITS_VIT)
     previous = trained_digits_vit(1)
     clients, replies = clients_and_replies()
-    arrays, metrics = strategy_for(spec, previous).aggregate_train(2, replies)
+    arrays, metrics = strategy_for(spec, previous, max_examples_ratio=0.0).aggregate_train(2, replies)
     merged = arrays.to_torch_state_dict()
     expected = aligned_average(spec, previous, clients, COUNTS)
     assert max_diff(merged, expected) < 1e-5
@@ -56,7 +56,7 @@ def test_round_output_is_the_example_weighted_aligned_average():
 def test_round_one_with_independent_inits_aligns_to_the_client_with_most_examples():
     spec = spec_of("vit", DIGITS_VIT)
     clients, replies = clients_and_replies()
-    strategy = strategy_for(spec, trained_digits_vit(1), independent_init=True)
+    strategy = strategy_for(spec, trained_digits_vit(1), independent_init=True, max_examples_ratio=0.0)
     merged = strategy.aggregate_train(1, replies)[0].to_torch_state_dict()
     # client 2 (60 examples) is the reference: the others are aligned to it, all averaged by count
     order = [2, 0, 1]
@@ -84,7 +84,7 @@ def test_server_side_refinement_output_is_what_gets_averaged():
         return RefineResult([to_gauge(spec, c, canonicalize(spec, reference).gains) for c in refined], refined,
                             [], initial_loss=2.0, best_loss=1.5, best_step=3)
 
-    arrays, metrics = strategy_for(spec, previous, refine=refine).aggregate_train(2, replies)
+    arrays, metrics = strategy_for(spec, previous, refine=refine, max_examples_ratio=0.0).aggregate_train(2, replies)
     expected = to_gauge(spec, weighted_mean(refined, COUNTS), canonicalize(spec, previous).gains)
     assert max_diff(arrays.to_torch_state_dict(), expected) < 1e-5
     assert max_diff(expected, aligned_average(spec, previous, clients, COUNTS)) > 0.05

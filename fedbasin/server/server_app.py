@@ -41,6 +41,7 @@ from fedbasin.config import (
 from fedbasin.models.weights import check_fits, holding_weights, release_weights
 from fedbasin.server.distill import (
     TeacherOutputs,
+    _logits_of,
     cache_teacher_outputs,
     ensemble_distill,
     random_crop_flip,
@@ -173,6 +174,30 @@ def robust_options(config: dict) -> dict:
     return {key.replace("-", "_"): config[key] for key in keys}
 
 
+def proxy_screen_options(model, task, config: dict, adapter=None) -> dict:
+    """``AlignedFedAvg`` keyword arguments of ``proxy-screening``: ``proxy_loss(state)``, the
+    example-weighted mean loss of a state (the spec's layout) on the proxy selection split (the
+    batches keep-best scores), on the run config's device; empty when the option is off."""
+    if config["proxy-screening"] <= 0:
+        return {}
+    if task.proxy is None:
+        raise ValueError(f"run-config proxy-screening={config['proxy-screening']} needs proxy data: "
+                         f"{task.name} has no proxy split (set proxy-size >= 10)")
+    adapter = adapter or model_adapter(task, model)[1]
+    selection = server_proxy_streams(task, model, config).selection
+    device = resolve_device(config["device"])
+
+    @torch.no_grad()
+    def proxy_loss(state: dict) -> float:
+        with holding_weights(model, adapter.from_standard(state), device):
+            model.eval()
+            total = sum(float(task.loss_fn(_logits_of(model(x.to(device))), y.to(device))) * len(y)
+                        for x, y in selection)
+        return total / sum(len(y) for _, y in selection)
+
+    return {"proxy_loss": proxy_loss, "proxy_screening": config["proxy-screening"]}
+
+
 def time_exchanges(grid: Grid) -> dict:
     """Wrap ``grid.send_and_receive`` to time each exchange: message type (``train``,
     ``evaluate``) → seconds from pushing the messages to holding every reply (the round-time
@@ -222,6 +247,7 @@ def run_server(grid: Grid, config: dict) -> dict:
             min_evaluate_nodes=config["min-nodes"],
             min_available_nodes=config["min-nodes"],
             **robust_options(config),
+            **proxy_screen_options(model, task, config, adapter),
             **distill,
             device=device,
         )

@@ -17,6 +17,18 @@ option on its own. Also reports the screening overhead per round: aggregation se
 default settings against no defence, on the clean replies.
 
     python -m fedbasin.simulations.robustness --out docs/robustness.json
+
+``--colluders``: the colluder table instead, two hostile nodes (the last two) among K = 4 and
+K = 5, 4 rounds of 3 local epochs at lr 0.005 (the server holds a proxy split of 100 examples in
+every row, so that proxy screening, ``proxy-screening = 0.5``, can be compared), attacks:
+
+* ``inflated``: label-flipped models (trained on ``y → C − 1 − y``) claiming 1e6 examples each
+  (= ``max-num-examples``);
+* ``other-model``: a model trained from its own seed on other data (the node's partition with
+  transposed images), the same every round, with an honest count;
+* ``label-flip``: label-flipped models with honest counts.
+
+    python -m fedbasin.simulations.robustness --colluders --out docs/robustness_colluders.json
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ from fedbasin.client.client_app import app as client_app
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
 from fedbasin.data.task import Split
 from fedbasin.models import build_model
-from fedbasin.server.server_app import robust_options
+from fedbasin.server.server_app import proxy_screen_options, robust_options
 from fedbasin.strategies import AlignedFedAvg
 
 ATTACKS = ("clean", "scaled", "random", "sign-flip", "inflated")
@@ -59,6 +71,15 @@ SETTINGS = {  # name: (alignment, run-config overrides of the robust keys)
     "Aligned, coordinate median only": (True, {**OFF, "aggregator": "median"}),
 }
 RUN_CONFIG = {"local-epochs": 3, "num-server-rounds": 3}
+COLLUDER_ATTACKS = ("clean", "inflated", "other-model", "label-flip")
+COLLUDER_SETTINGS = {
+    "AlignedFedAvg, no defence": (True, OFF),
+    "AlignedFedAvg, default screening": (True, {}),
+    "AlignedFedAvg, + proxy screening": (True, {"proxy-screening": 0.5}),
+    "Aligned, coordinate median only": (True, {**OFF, "aggregator": "median"}),
+}
+COLLUDER_CONFIG = {**RUN_CONFIG, "num-server-rounds": 4, "lr": 0.005, "proxy-size": 100}
+COLLUDER_COHORTS = ((4, 2), (5, 2))  # (K, colluders)
 
 
 class Grid:
@@ -83,13 +104,14 @@ class Federation:
     """K nodes running the real ClientApp; honest replies are cached by (node, round, model),
     so every setting shares the identical first round."""
 
-    def __init__(self, overrides: dict, clients: int):
+    def __init__(self, overrides: dict, clients: int, hostile: int = 1):
         self.overrides, self.clients = overrides, clients
         config = self.config = resolve_run_config(overrides)
         self.task = task_from_config(config)
         self.model = model_from_config(self.task, config, seed=config["seed"])
         self.spec = fedbasin_adapter(self.task.family, self.model.config).spec
         self.nodes = list(range(1, clients + 1))
+        self.hostile = self.nodes[clients - hostile:]  # the attackers: the last ``hostile`` nodes
         self.cache: dict = {}
 
     def context(self, node: int, run_config: dict | None = None) -> Context:
@@ -116,37 +138,60 @@ class Federation:
             state = build_model(self.task.family, self.model.config, seed=seed).state_dict()
         elif kind == "sign-flip":
             state = {k: 2 * broadcast[k] - v for k, v in state.items()}
+        elif kind == "inflated" and len(self.hostile) > 1:  # colluders: flipped labels, 1e6 each
+            state, n = self.relabelled(instruction, server_round, "flip"), 10**6
         elif kind == "inflated":
-            state, n = self.shuffled_labels(instruction, server_round), 10**12
+            state, n = self.relabelled(instruction, server_round, "shuffle"), 10**12
+        elif kind == "label-flip":
+            state = self.relabelled(instruction, server_round, "flip")
+        elif kind == "other-model":
+            state = self.other_model(instruction.metadata.dst_node_id)
         content = RecordDict({"arrays": ArrayRecord(state),
                               "metrics": MetricRecord({"train_loss": 1.0, "num-examples": n})})
         return Message(content, reply_to=instruction)
 
-    def shuffled_labels(self, instruction: Message, server_round: int) -> dict:
-        """The attacker's model trained on its partition with shuffled labels."""
-        from fedbasin.training import train
-
+    def relabelled(self, instruction: Message, server_round: int, how: str) -> dict:
+        """The attacker's model trained from the broadcast on its partition with shuffled labels
+        (``how="shuffle"``) or flipped ones, ``y → C − 1 − y`` (``"flip"``)."""
         node = instruction.metadata.dst_node_id
-        key = ("shuffled", node, server_round, _digest(instruction.content["arrays"]))
+        key = (how, node, server_round, _digest(instruction.content["arrays"]))
         if key not in self.cache:
             data = self.task.partition(self.clients, node - 1, seed=self.config["seed"])
-            g = torch.Generator().manual_seed(server_round)
-            data = Split(data.inputs, data.targets[torch.randperm(len(data), generator=g)],
-                         data.transform)
-            model = model_from_config(self.task, self.config, seed=self.config["seed"])
-            model.load_state_dict(instruction.content["arrays"].to_torch_state_dict())
-            train(model, data, epochs=self.config["local-epochs"], lr=self.config["lr"],
-                  batch_size=self.config["batch-size"], seed=server_round,
-                  weight_decay=self.config["weight-decay"])
-            self.cache[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if how == "flip":
+                targets = int(self.task.train.targets.max()) - data.targets
+            else:
+                g = torch.Generator().manual_seed(server_round)
+                targets = data.targets[torch.randperm(len(data), generator=g)]
+            self.cache[key] = self._trained(Split(data.inputs, targets, data.transform),
+                                            instruction.content["arrays"].to_torch_state_dict(), server_round)
         return self.cache[key]
+
+    def other_model(self, node: int) -> dict:
+        """A model trained from its own seed on other data (the node's partition with transposed
+        images) for ``local-epochs``; the same payload every round."""
+        key = ("other", node)
+        if key not in self.cache:
+            data = self.task.partition(self.clients, node - 1, seed=self.config["seed"])
+            data = Split(data.inputs.transpose(-1, -2).contiguous(), data.targets, data.transform)
+            start = model_from_config(self.task, self.config, seed=7000 + node).state_dict()
+            self.cache[key] = self._trained(data, start, 7000 + node)
+        return self.cache[key]
+
+    def _trained(self, data: Split, start: dict, seed: int) -> dict:
+        from fedbasin.training import train
+
+        model = model_from_config(self.task, self.config, seed=self.config["seed"])
+        model.load_state_dict(start)
+        train(model, data, epochs=self.config["local-epochs"], lr=self.config["lr"],
+              batch_size=self.config["batch-size"], seed=seed, weight_decay=self.config["weight-decay"])
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def strategy(self, alignment: bool, robust: dict) -> tuple[AlignedFedAvg, dict]:
         config = resolve_run_config({**self.overrides, **robust, "alignment": alignment})
         strategy = AlignedFedAvg(
             self.spec, alignment=alignment, iterations=config["align-iterations"],
             min_train_nodes=self.clients, min_available_nodes=self.clients,
-            **robust_options(config),
+            **robust_options(config), **proxy_screen_options(self.model, self.task, config),
         )
         return strategy, config
 
@@ -174,13 +219,13 @@ class Federation:
         """Rounds of configure_train → replies → aggregate_train; final test metrics."""
         strategy, config = self.strategy(alignment, robust)
         arrays = ArrayRecord(self.model.state_dict())
-        seconds, excluded, failed = [], [], 0
+        seconds, excluded, failed, reasons = [], [], 0, []
         for server_round in range(1, config["num-server-rounds"] + 1):
             instructions = list(strategy.configure_train(server_round, arrays, ConfigRecord(config),
                                                          Grid(self.nodes)))
             replies = [
                 self.attack(attack, m, server_round)
-                if attack != "clean" and m.metadata.dst_node_id == self.nodes[-1]
+                if attack != "clean" and m.metadata.dst_node_id in self.hostile
                 else self.honest(m, server_round)
                 for m in instructions
             ]
@@ -189,11 +234,13 @@ class Federation:
             seconds.append(metrics["aggregate_seconds"])
             excluded.append(list(metrics["excluded_nodes"]))
             failed += metrics["round_failed"]
+            reasons.append(strategy.screening[server_round]["failed"])
         model = model_from_config(self.task, self.config, seed=0)
         model.load_state_dict(arrays.to_torch_state_dict())
         test = self.task.evaluate(model, "test", "cpu")
         return {"accuracy": test["accuracy"], "loss": test["loss"],
-                "aggregate_seconds": seconds, "excluded": excluded, "failed_rounds": failed}
+                "aggregate_seconds": seconds, "excluded": excluded, "failed_rounds": failed,
+                "failures": reasons}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,11 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/robustness.json"))
     parser.add_argument("--repeats", type=int, default=7, help="timing repeats (overhead)")
     parser.add_argument("--overhead-only", action="store_true", help="skip the attack table")
+    parser.add_argument("--colluders", action="store_true",
+                        help="the colluder table (2 of 4, 2 of 5) instead of the one-attacker table")
     args = parser.parse_args(argv)
     for name, value in (("_run_id", 1), ("_task_id", 1), ("_node_id", 0)):
         setattr(TaskIdentity, name, value)  # a ServerApp process sets its run identity first
     torch.set_num_threads(1)
     started = time.perf_counter()
+    if args.colluders:
+        return colluders(args, argv, started)
     overrides = {**RUN_CONFIG, "seed": args.seed}
     federation = Federation(overrides, args.clients)
     table: dict = {}
@@ -236,24 +287,54 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def markdown(result: dict) -> str:
+def colluders(args, argv, started: float) -> int:
+    """The colluder table: every setting of :data:`COLLUDER_SETTINGS` against every attack of
+    :data:`COLLUDER_ATTACKS`, for each cohort of :data:`COLLUDER_COHORTS`."""
+    overrides = {**COLLUDER_CONFIG, "seed": args.seed}
+    table: dict = {}
+    bar = tqdm(total=len(COLLUDER_COHORTS) * len(COLLUDER_SETTINGS) * len(COLLUDER_ATTACKS), desc="colluders")
+    for clients, hostile in COLLUDER_COHORTS:
+        federation = Federation(overrides, clients, hostile)
+        for name, (alignment, robust) in COLLUDER_SETTINGS.items():
+            row = table[f"{name} ({hostile} of {clients})"] = {}
+            for attack in COLLUDER_ATTACKS:
+                row[attack] = federation.run(alignment, robust, attack)
+                row[attack]["hostile"] = federation.hostile
+                bar.update()
+    bar.close()
+    result = {
+        "command": "python -m fedbasin.simulations.robustness "
+                   + " ".join(sys.argv[1:] if argv is None else argv),
+        "seed": args.seed, "cohorts": COLLUDER_COHORTS, "run_config": overrides,
+        "machine": f"{platform.machine()}, {platform.processor() or platform.system()}, "
+                   f"torch {torch.__version__}, 1 thread",
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "table": table,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(markdown(result, COLLUDER_ATTACKS))
+    return 0
+
+
+def markdown(result: dict, attacks=ATTACKS) -> str:
     """The accuracy table and the overhead lines as Markdown."""
-    lines = ["| setting | " + " | ".join(ATTACKS) + " |", "|---" * (len(ATTACKS) + 1) + "|"]
+    lines = ["| setting | " + " | ".join(attacks) + " |", "|---" * (len(attacks) + 1) + "|"]
     for name, row in result["table"].items():
         cells = []
-        for attack in ATTACKS:
+        for attack in attacks:
             run = row[attack]
-            attacker = result["clients"]
-            caught = sum(attacker in e for e in run["excluded"]) if attack != "clean" else 0
-            honest = sum(len([n for n in e if n != attacker or attack == "clean"])
-                         for e in run["excluded"])
-            notes = [f"{caught}/{len(run['excluded'])} out"] if caught else []
+            hostile = set(run.get("hostile", [result.get("clients")])) if attack != "clean" else set()
+            caught = sum(len(hostile & set(e)) for e in run["excluded"])
+            honest = sum(len([n for n in e if n not in hostile]) for e in run["excluded"])
+            possible = len(hostile) * len(run["excluded"])
+            notes = [f"{caught}/{possible} out"] if caught else []
             notes += [f"{honest} honest out"] if honest else []
             notes += [f"{run['failed_rounds']} failed"] if run["failed_rounds"] else []
             cells.append(f"{run['accuracy']:.3f}" + (f" ({', '.join(notes)})" if notes else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
-    for name, t in result["overhead_per_round_clean"].items():
+    for name, t in result.get("overhead_per_round_clean", {}).items():
         lines.append(f"- {name}: aggregate_train {1000 * t['aggregate_seconds']:.1f} ms per round, "
                      f"of which cohort screening {1000 * t['screen_seconds']:.1f} ms")
     lines.append(f"- wall time {result['wall_seconds']} s")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import math
-import statistics
 import time
 import warnings
 from collections.abc import Iterable
@@ -31,10 +30,14 @@ from fedbasin.alignment import SymmetrySpec, average_states, canonicalize, merge
 from fedbasin.scratch import arrays_on_disk
 from fedbasin.strategies.robust import (
     AGGREGATORS,
+    SPLIT_RATIO,
     aggregate,
+    capped_counts,
     clip_updates,
     cohort_outliers,
     coordinate_median,
+    equal_split,
+    proxy_outliers,
 )
 
 MODES = ("orthogonal", "permutation")
@@ -42,6 +45,11 @@ MODES = ("orthogonal", "permutation")
 
 class ReplyError(ValueError):
     """A client reply that cannot be aggregated; the message says why."""
+
+
+class CohortSplit(RuntimeError):
+    """The cohort is two equal camps that disagree (:func:`~fedbasin.strategies.robust.equal_split`):
+    the round fails and keeps the previous global model; the message says why."""
 
 
 class AlignedFedAvg(FedAvg):
@@ -81,11 +89,20 @@ class AlignedFedAvg(FedAvg):
         (no overflow downstream).
     max_num_examples, max_examples_ratio : float
         Averaging weights are ``num-examples`` capped at ``max_num_examples`` and at
-        ``max_examples_ratio`` × the round's median count (0 disables a cap).
+        ``max_examples_ratio`` × the round's lower-median count (0 disables a cap); up to half
+        the cohort cannot raise that cap above an honest count
+        (:func:`~fedbasin.strategies.robust.capped_counts` states the weight share they can get).
     outlier_threshold : float
         MAD rule in the aligned basis (``fedbasin.strategies.robust``): a model whose distance
         to the other models' coordinate median, or whose update norm, is above
         ``med + t·max(1.4826·MAD, 0.15·med)`` is excluded (needs 3 or more replies; 0: off).
+        With the rule on, a cohort of an even number ``K ≥ 4`` of models that falls into two
+        equal camps far apart (:func:`~fedbasin.strategies.robust.equal_split`) fails the round:
+        at 50 % no rule can decide, so the previous global model is kept.
+    proxy_loss, proxy_screening : callable, float
+        ``proxy_loss(state) -> float``: a model's loss on the server's proxy split (the ServerApp
+        binds it). ``proxy_screening = t > 0``: before alignment, replies whose proxy loss is
+        above ``(1 + t)`` × the lower median of the cohort's losses are excluded (:func:`~fedbasin.strategies.robust.proxy_outliers`); 0: off.
     clip_ratio : float
         > 0: clip every aligned update to ``clip_ratio`` × the median update norm.
     aggregator, trim_fraction : str, float
@@ -101,8 +118,10 @@ class AlignedFedAvg(FedAvg):
     Screening, in order: every reply is checked on its own against the broadcast model (no
     client error, one reply per node, one MetricRecord with a positive finite ``num-examples``,
     one ArrayRecord with the same keys, shapes and dtypes, finite values within
-    ``max_abs_weight``, foldable norm gains); counts are capped; after alignment the cohort is
-    screened; then the models are clipped and aggregated. Every exclusion is logged and kept in
+    ``max_abs_weight``, foldable norm gains); with ``proxy_screening``, replies far worse on the
+    proxy split than the cohort's lower median are excluded; counts are capped; after alignment
+    the cohort is screened (and an even cohort split into two equal camps fails the round); then
+    the models are clipped and aggregated. Every exclusion is logged and kept in
     ``screening[round] = {"excluded": [{"node", "stage", "reason"}], "capped": [...],
     "failed": reason or ""}``; nothing a client sends raises out of ``aggregate_train``. If no
     reply is left or the aggregate is not finite, the round fails: ``(None, metrics)`` keeps the
@@ -133,8 +152,10 @@ class AlignedFedAvg(FedAvg):
         distill=None,
         max_abs_weight: float = 1e6,
         max_num_examples: float = 1_000_000,
-        max_examples_ratio: float = 10.0,
+        max_examples_ratio: float = 1.0,
         outlier_threshold: float = 3.5,
+        proxy_loss=None,
+        proxy_screening: float = 0.0,
         clip_ratio: float = 0.0,
         aggregator: str = "mean",
         trim_fraction: float = 0.25,
@@ -172,9 +193,12 @@ class AlignedFedAvg(FedAvg):
         for name, value in (("max_abs_weight", max_abs_weight),
                             ("max_num_examples", max_num_examples),
                             ("max_examples_ratio", max_examples_ratio),
-                            ("outlier_threshold", outlier_threshold), ("clip_ratio", clip_ratio)):
+                            ("outlier_threshold", outlier_threshold), ("clip_ratio", clip_ratio),
+                            ("proxy_screening", proxy_screening)):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if proxy_screening > 0 and not callable(proxy_loss):
+            raise ValueError("proxy_screening needs proxy_loss (a model's loss on the server's proxy split)")
         if max_abs_weight <= 0:
             raise ValueError(f"max_abs_weight must be positive, got {max_abs_weight}")
         self.spec = spec
@@ -190,6 +214,8 @@ class AlignedFedAvg(FedAvg):
         self.max_num_examples = max_num_examples
         self.max_examples_ratio = max_examples_ratio
         self.outlier_threshold = outlier_threshold
+        self.proxy_loss = proxy_loss
+        self.proxy_screening = proxy_screening
         self.clip_ratio = clip_ratio
         self.aggregator = aggregator
         self.trim_fraction = trim_fraction
@@ -308,6 +334,9 @@ class AlignedFedAvg(FedAvg):
                     del msg.content[name]
         nodes = sorted(accepted)  # the aggregate does not depend on the replies' arrival order
         states = [decoded.pop(n) for n in nodes]
+        proxy_metrics = MetricRecord()
+        if self.proxy_screening > 0 and states:
+            nodes, states = self._proxy_screen(server_round, nodes, states, proxy_metrics)
         weights = self._capped_weights(server_round, nodes, [accepted[n][1] for n in nodes])
         log(INFO, "round %d: %d valid replies, %d excluded", server_round, len(states),
             len(record["excluded"]))
@@ -322,6 +351,9 @@ class AlignedFedAvg(FedAvg):
                 merged, align_metrics = self._merge(server_round, template, nodes, states, weights)
                 if bad := _non_finite_keys(merged):
                     raise ValueError(f"the aggregate has non-finite values in {bad[:5]}")
+            except CohortSplit as split:
+                record["failed"] = str(split)
+                merged = None
             except Exception as error:  # noqa: BLE001 - a failed merge keeps the previous model
                 record["failed"] = f"aggregation failed: {_reason(error)}"
                 merged = None
@@ -333,6 +365,7 @@ class AlignedFedAvg(FedAvg):
                     self.train_metrics_aggr_fn,
                 )
                 metrics.update(align_metrics)
+                metrics.update(proxy_metrics)
                 metrics["align_seconds"] = time.perf_counter() - t_align
         if record["failed"]:
             log(WARNING, "round %d failed (%s); keeping the previous global model",
@@ -463,6 +496,12 @@ class AlignedFedAvg(FedAvg):
                 for i, reason in sorted(outliers.items()):
                     self._exclude(server_round, owners[clients[i]], reason, stage="cohort")
                 kept = [k for i, k in enumerate(clients) if i not in outliers]
+                if self.outlier_threshold > 0 and (split := equal_split([states[k] for k in kept])):
+                    camps = [[owners[kept[i]] for i in camp] for camp in split[:2]]
+                    raise CohortSplit(
+                        f"no majority: the {len(kept)} replies split into two equal camps, nodes "
+                        f"{camps[0]} and {camps[1]} (closest across {split[2]:.4g} > {SPLIT_RATIO:g} × "
+                        f"widest within {split[3]:.4g}); no rule can tell which camp is honest")
                 combine.reads_unweighted = self.clip_ratio > 0  # later calls need the centre only to clip
             group, group_weights = [states[k] for k in kept], [weights[k] for k in kept]
             if self.clip_ratio > 0:
@@ -490,14 +529,9 @@ class AlignedFedAvg(FedAvg):
 
     def _capped_weights(self, server_round: int, nodes: list, counts: list) -> list[float]:
         """Averaging weights: ``num-examples`` capped at ``max_num_examples`` and at
-        ``max_examples_ratio`` × the cohort's median count (0 disables either cap)."""
-        if not counts:
-            return []
-        limit = self.max_num_examples if self.max_num_examples > 0 else math.inf
-        counts_capped = [min(n, limit) for n in counts]
-        if self.max_examples_ratio > 0:
-            limit = min(limit, self.max_examples_ratio * statistics.median(counts_capped))
-        weights = []
+        ``max_examples_ratio`` × the cohort's lower-median count
+        (:func:`~fedbasin.strategies.robust.capped_counts`; 0 disables either cap)."""
+        weights, limit = capped_counts(counts, self.max_num_examples, self.max_examples_ratio)
         for node, n in zip(nodes, counts):
             if n > limit:
                 log(WARNING, "round %d: node %d reports %s=%.4g; capped at %.4g", server_round,
@@ -505,8 +539,28 @@ class AlignedFedAvg(FedAvg):
                 self.screening[server_round]["capped"].append(
                     {"node": node, "num_examples": n, "weight": limit}
                 )
-            weights.append(min(n, limit))
         return weights
+
+    def _proxy_screen(self, server_round: int, nodes: list, states: list, metrics: MetricRecord) -> tuple[list, list]:
+        """The replies whose proxy loss is not an outlier (:func:`~fedbasin.strategies.robust.proxy_outliers`);
+        the others are excluded (stage ``"proxy"``). A loss that cannot be computed counts as
+        infinite."""
+        t0 = time.perf_counter()
+
+        def loss(state: dict) -> float:
+            try:
+                return float(self.proxy_loss(state))
+            except Exception as error:  # noqa: BLE001 - a client model the proxy cannot run is excluded
+                log(WARNING, "round %d: proxy loss failed (%s)", server_round, _reason(error))
+                return math.inf
+
+        losses = [loss(s) for s in states]
+        bad = set(proxy_outliers(losses, self.proxy_screening))
+        for k in sorted(bad):
+            self._exclude(server_round, nodes[k], f"proxy loss {losses[k]:.4g} is above (1 + {self.proxy_screening:g}) "
+                          f"× the cohort's lower median", stage="proxy")
+        metrics["proxy_screen_seconds"] = time.perf_counter() - t0
+        return [n for k, n in enumerate(nodes) if k not in bad], [s for k, s in enumerate(states) if k not in bad]
 
     # -- reply checks -------------------------------------------------------------------------
 

@@ -15,7 +15,10 @@ model, or the coordinate-wise median ``m`` of the cohort when there is none):
   ``τ = r · med_k ‖θ_k − c‖``;
 * aggregators (:func:`aggregate`): example-weighted mean ``Σ w_k θ_k / Σ w_k``; coordinate-wise
   trimmed mean (drop the ``⌊f·K⌋`` largest and smallest values of every coordinate, average the
-  rest, unweighted); coordinate-wise median (unweighted; mean of the two middle values for even K).
+  rest, unweighted); coordinate-wise median (unweighted; mean of the two middle values for even K);
+* example counts (:func:`capped_counts`) and proxy losses (:func:`proxy_outliers`) are judged
+  against the cohort's lower median, which up to half the cohort cannot push above every honest
+  value; a cohort of two equal camps that disagree (:func:`equal_split`) cannot be decided at all.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ MIN_COHORT = 3  # the median of fewer models cannot tell an outlier from an hone
 MAD_SCALE = 1.4826  # MAD of a normal sample × this = its standard deviation
 RELATIVE_FLOOR = 0.15  # never flag a model within (1 + 0.15 t) × the median
 NEGLIGIBLE = 0.01  # nor one whose statistic is below this × the norm of the median model
+SPLIT_RATIO = 2.0  # two equal camps: every cross distance > this × every distance within a camp
 CHUNK = 2**18  # float64 values per block of the cohort (all K models together: 2 MiB per copy)
 
 
@@ -173,3 +177,87 @@ def aggregate(states: list[dict], weights: list[float], how: str, trim_fraction:
     if how == "median":
         return coordinate_median(states, release, on_key)
     raise ValueError(f"aggregator must be one of {AGGREGATORS}, got {how!r}")
+
+
+def lower_median(values: list[float]) -> float:
+    """The ``⌈K/2⌉``-th smallest of K values. If at most ``⌊K/2⌋`` of them are hostile, at least
+    ``⌈K/2⌉`` are honest, so it is at most the largest honest value; if fewer than ``K/2`` are
+    hostile, it is also at least the smallest honest value."""
+    return sorted(values)[(len(values) + 1) // 2 - 1]
+
+
+def capped_counts(counts: list[float], most: float, ratio: float) -> tuple[list[float], float]:
+    """Averaging weights ``w_k = min(n_k, M, ρ·q)`` and the cap, with ``q`` the lower median
+    (:func:`lower_median`) of ``min(n_k, M)`` (``M = most``, ``ρ = ratio``; 0 switches either
+    cap off).
+
+    Guarantee: let ``f ≤ ⌊K/2⌋`` of the K nodes collude, whatever counts they report. Then
+    ``q ≤`` the largest honest count, so every colluder's weight is at most ``ρ·q``; and at least
+    ``⌊K/2⌋ + 1 − f`` honest nodes report ``n ≥ q`` (weight ``≥ min(1, ρ)·q``). The colluders'
+    share of the total weight is therefore at most
+    ``f·ρ·q / (f·ρ·q + Σ_honest min(n_h, ρ·q)) ≤ f·ρ / (f·ρ + min(1, ρ)·(⌊K/2⌋ + 1 − f))``;
+    with ``ρ = 1`` and equal honest counts it is at most ``f / K`` (one half at ``f = K/2``).
+    Two colluders of four against honest counts of 100: weights 100, 100, 100ρ, 100ρ."""
+    limit = most if most > 0 else math.inf
+    capped = [min(n, limit) for n in counts]
+    if ratio > 0 and capped:
+        limit = min(limit, ratio * lower_median(capped))
+    return [min(n, limit) for n in counts], limit
+
+
+def proxy_outliers(losses: list[float], factor: float) -> list[int]:
+    """Indices ``k`` whose proxy loss ``L_k > (1 + t)·q`` (``t = factor``, ``q``: the lower
+    median of the finite losses, :func:`lower_median`), and every non-finite ``L_k``.
+
+    Guarantee: with at most ``⌊K/2⌋`` hostile replies, ``q ≤`` the largest honest loss, so a
+    hostile reply is kept only if its proxy loss is at most ``1 + t`` times the worst honest
+    reply's; with fewer than ``K/2`` hostile, ``q ≥`` the smallest honest loss, so an honest
+    reply is excluded only if it does more than ``1 + t`` times worse than another honest reply.
+    Unlike the MAD rule, the lower median is not moved by a camp of half the cohort."""
+    finite = [v for v in losses if math.isfinite(v)]
+    cut = (1.0 + factor) * lower_median(finite) if finite else -math.inf
+    return [k for k, v in enumerate(losses) if not math.isfinite(v) or v > cut]
+
+
+def pairwise_distances(states: list[dict]) -> torch.Tensor:
+    """``(K, K)`` Euclidean distances between the models over their floating entries (float64),
+    from Gram matrices accumulated over blocks of ``CHUNK // K`` coordinates."""
+    count = len(states)
+    width = max(1, CHUNK // max(1, count))
+    device = next(iter(states[0].values())).device
+    gram = torch.zeros(count, count, dtype=torch.float64, device=device)
+    for key in float_keys(states[0]):
+        flat = [s[key].detach().reshape(-1) for s in states]
+        for start in range(0, flat[0].numel(), width):
+            chunk = torch.stack([f[start:start + width].double() for f in flat])
+            gram += chunk @ chunk.T
+    sq = gram.diagonal()
+    return (sq[:, None] + sq[None, :] - 2 * gram).clamp_min(0).sqrt().cpu()
+
+
+def equal_split(states: list[dict], ratio: float = SPLIT_RATIO) -> tuple[list[int], list[int], float, float] | None:
+    """Two equal camps that disagree: for an even cohort of ``K ≥ 4`` models, halves ``A`` and ``B``
+    (``|A| = |B| = K/2``) with ``min_{a∈A, b∈B} ‖θ_a − θ_b‖ > ratio · max`` over the distances
+    within ``A`` and within ``B``. Returns ``(A, B, smallest cross distance, largest within
+    distance)``, or None.
+
+    If such halves exist, each camp is every member's ``K/2 − 1`` nearest others, so trying the
+    camp of each model's nearest neighbours finds them (K candidates). With half the cohort on
+    each side, no median, MAD or count rule can tell which camp is honest. Needs two models per
+    camp to measure a camp's spread: never true for ``K = 2`` (nor for odd K, which has a
+    majority)."""
+    count = len(states)
+    if count < 4 or count % 2:
+        return None
+    d = pairwise_distances(states)
+    half = count // 2
+    for i in range(count):
+        camp = sorted(int(j) for j in d[i].argsort(stable=True)[:half])
+        if i not in camp:  # ties at distance 0 with i itself
+            continue
+        other = [j for j in range(count) if j not in camp]
+        within = max(float(d[camp][:, camp].max()), float(d[other][:, other].max()))
+        cross = float(d[camp][:, other].min())
+        if cross > ratio * within:
+            return camp, other, cross, within
+    return None
