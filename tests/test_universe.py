@@ -65,7 +65,8 @@ def test_strategy_universe_passes_are_the_merge_universe_passes(monkeypatch):
     clients = [trained_digits_vit(s) for s in (2, 3, 4)]
     counts = [10, 30, 60]
     replies = [reply(n, ArrayRecord(s), c) for n, s, c in zip(NODES, clients, counts)]
-    arrays, metrics = strategy_for(spec, previous, universe_iterations=3).aggregate_train(2, replies)
+    strategy = strategy_for(spec, previous, universe_iterations=3, max_examples_ratio=0)  # the counts are the weights
+    arrays, metrics = strategy.aggregate_train(2, replies)
     merged = arrays.to_torch_state_dict()
     assert metrics["universe_passes"] == 3
     three = merge(spec, [previous, *clients], [0, *counts], universe_iterations=3)

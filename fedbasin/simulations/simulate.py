@@ -268,7 +268,8 @@ class RunFailed(RuntimeError):
 
 
 class DataMissing(FileNotFoundError):
-    """The run config's data cannot be found (exit code 3)."""
+    """An input the run config names (data, hf-pretrained, an hf-config file) cannot be found
+    (exit code 3)."""
 
 
 def _check_out_dir(config: dict) -> Path:
@@ -353,9 +354,13 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
             f"min-nodes={config['min-nodes']} exceeds --num-supernodes={num_supernodes}"
         )
     try:
-        model_from_config(task_from_config(config), config, seed=config["seed"])
+        task = task_from_config(config)
     except FileNotFoundError as error:
         raise DataMissing(f"run-config data={config['data']!r}: {_one_line(error)}") from None
+    try:
+        model_from_config(task, config, seed=config["seed"])
+    except FileNotFoundError as error:  # hf-pretrained / hf-config naming no file: an input is missing
+        raise DataMissing(_one_line(error)) from None
     project = project or project_dir()
     out = _check_out_dir(config)
     run_config = " ".join(f"{k}={_toml(v)}" for k, v in {**config, "out-dir": str(out)}.items())
