@@ -442,6 +442,38 @@ def _save(out: str, reference, standard_state: dict) -> None:
         raise OutputError(f"--out {out}: cannot write the checkpoint ({reason}); nothing was written") from None
 
 
+def _note_tiny_gains(summary: dict, gains: dict) -> None:
+    """The reference's tiny-gain dims (canonical.py) go into the summary, and one stderr line says
+    that the output's gauge differs from the reference's there (γ = 1)."""
+    from fedbasin.alignment.canonical import tiny_gain_dims
+
+    if dims := tiny_gain_dims(gains):
+        summary["tiny_gain_dims"] = dims
+        ref = summary.get("reference") or summary["models"][0]
+        print(f"fedbasin {summary['command']}: the reference has tiny norm gains (tiny_gain_dims in the summary): "
+              "the output keeps γ = 1 there, so its gauge differs from the reference's and averaging it with the "
+              f"raw reference is not the canonical interpolation; use the reference's gauged form instead "
+              f"(fedbasin align {ref} {ref} --out GAUGED)", file=sys.stderr)
+
+
+def _gauged_form(checkpoint, summary: dict) -> dict:
+    """The checkpoint's weights in its own gauge as the aligned models get it: itself, unless it
+    has tiny norm gains (then γ = 1 there, canonical.py; recorded as ``tiny_gain_dims``)."""
+    from fedbasin.alignment import canonicalize, to_gauge
+    from fedbasin.alignment.canonical import tiny_gain_dims
+
+    standard = _standard(checkpoint)
+    if not (dims := tiny_gain_dims(_gains(checkpoint.spec, standard))):
+        return checkpoint.state
+    summary["tiny_gain_dims"] = dims
+    c = canonicalize(checkpoint.spec, standard)
+    return checkpoint.adapter.from_standard(to_gauge(checkpoint.spec, c.state, c.gains))
+
+
+def _gains(spec, state: dict) -> dict:
+    return {n.weight: state[n.weight] for n in spec.norms if n.weight}
+
+
 def _emit(summary: dict) -> int:
     json.dump(summary, sys.stdout, indent=2)
     sys.stdout.write("\n")
@@ -481,6 +513,7 @@ def cmd_align(args) -> int:
     except ValueError as exc:
         raise InputError(str(exc)) from None
     _save(args.out, ref, aligned)
+    _note_tiny_gains(summary, _gains(ref.spec, ref.adapter.to_standard(ref.state)))
     return _emit(summary)
 
 
@@ -492,11 +525,13 @@ def _stream_align(args) -> int:
                               iterations=args.iterations, tol=args.tol, device=_device(args), progress=True)
     except (FileNotFoundError, KeyError, ValueError) as exc:
         raise InputError(str(exc)) from None
-    return _emit({
+    summary = {
         "command": "align", "stream": True, "reference": args.reference, "candidate": args.candidate,
         "out": args.out, "symmetry": args.symmetry, "iterations": result.iterations,
         "initial_objective": result.objective[0], "objective": result.objective, "seconds": round(result.seconds, 3),
-    })
+    }
+    _note_tiny_gains(summary, result.gains)
+    return _emit(summary)
 
 
 def cmd_merge(args) -> int:
@@ -514,6 +549,7 @@ def cmd_merge(args) -> int:
     summary = {"command": "merge", "models": paths, "weights": args.weights or [1.0] * len(paths), "out": args.out,
                "symmetry": None if args.no_align else args.symmetry}
     states = [_standard(c, device) for c in checkpoints]
+    gains = _gains(checkpoints[0].spec, states[0])
     try:
         if args.refine_data:
             merged, info = _refined_merge(args, checkpoints, states)
@@ -529,6 +565,7 @@ def cmd_merge(args) -> int:
     except ValueError as exc:
         raise InputError(str(exc)) from None
     _save(args.out, checkpoints[0], merged)
+    _note_tiny_gains(summary, gains)
     return _emit(summary)
 
 
@@ -749,7 +786,7 @@ def cmd_barrier(args) -> int:
                                   token_rows=_seen_tokens(args, a, "barrier"), head_weight=args.head_weight)
             summary.update(symmetry=args.symmetry, align_seconds=round(result.seconds, 3))
             aligned = a.adapter.from_standard({k: v.cpu() for k, v in result.state.items()})  # A's side
-            curves["aligned"] = interpolation_curve(a.state, aligned, loss_of, points=args.points)
+            curves["aligned"] = interpolation_curve(_gauged_form(a, summary), aligned, loss_of, points=args.points)
     except ValueError as exc:
         raise InputError(str(exc)) from None
     summary.update(curves["aligned" if args.align else "vanilla"].to_dict())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fedbasin.alignment import apply_group, canonicalize, random_group_element, to_gauge, weight_match
+from fedbasin.alignment.canonical import tiny_gain_dims
 from fedbasin.checkpoint import build_torch_model, load_checkpoint, save_checkpoint
 from fedbasin.cli import main
 
@@ -60,15 +61,48 @@ def test_align_keeps_candidate_function(vit_pair, capsys):
     assert torch.allclose(_outputs(out, x), _outputs(vit_pair / "b", x), atol=1e-4)
 
 
+def _off_tiny_dims(spec, state: dict, dims: dict) -> dict:
+    """Per tensor, the entries the tiny-gain rule (canonical.py) leaves as they are: all but the
+    tiny dims of a norm's gain and bias and of its readers' residual axis, and its readers' biases
+    (they take the norm bias of those dims, ``b + β_i W_i``)."""
+    keep = {k: torch.ones_like(v, dtype=torch.bool) for k, v in state.items()}
+    for norm in spec.norms:
+        if idx := dims.get(norm.weight):
+            for key in (norm.weight, norm.bias):
+                if key:
+                    keep[key][idx] = False
+            for key, axis in norm.readers:
+                keep[key].index_fill_(axis, torch.tensor(idx), False)
+                if (bias := key[: -len("weight")] + "bias") in keep:
+                    keep[bias][:] = False
+    return keep
+
+
 def test_align_recovers_planted_copy_and_barrier_vanishes(vit_pair, capsys):
+    """A planted copy of A comes back as A's gauged form: A itself except on A's tiny-gain dims
+    (trained_like draws one, 0.0011 × its median), where it keeps γ = 1 (canonical.py); the CLI says so."""
     out = vit_pair / "recovered"
-    _run(capsys, "align", vit_pair / "a", vit_pair / "a_moved", "--out", out, "--iterations", "50", "--tol", "0")
-    a, rec = load_checkpoint(vit_pair / "a").state, load_checkpoint(out).state
-    assert max(float((a[k] - rec[k]).abs().max()) for k in a) < 1e-3
+    assert main([str(a) for a in ("align", vit_pair / "a", vit_pair / "a_moved", "--out", out,
+                                  "--iterations", "50", "--tol", "0")]) == 0
+    captured = capsys.readouterr()
+    ckpt = load_checkpoint(vit_pair / "a")
+    a, rec, spec = ckpt.state, load_checkpoint(out).state, ckpt.spec
+    c = canonicalize(spec, a)
+    gauged, dims = to_gauge(spec, c.state, c.gains), tiny_gain_dims(c.gains)
+    assert dims and json.loads(captured.out)["tiny_gain_dims"] == dims
+    assert captured.err.count("tiny norm gains") == 1
+    x = torch.rand(5, 1, 8, 8)
+    assert torch.allclose(_outputs(out, x), _outputs(vit_pair / "a", x), atol=1e-5)  # A's function
+    assert max(float((gauged[k] - rec[k]).abs().max()) for k in a) < 1e-3  # A's gauged form
+    keep = _off_tiny_dims(spec, a, dims)
+    assert max(float(torch.where(keep[k], a[k] - rec[k], 0).abs().max()) for k in a) < 1e-3  # A off its tiny dims
+    _run(capsys, "align", vit_pair / "a", vit_pair / "a", "--out", vit_pair / "a_gauged")  # what the CLI advises
+    assert max(float((gauged[k] - v).abs().max()) for k, v in load_checkpoint(vit_pair / "a_gauged").state.items()) < 1e-5
     plot = vit_pair / "curve.png"
     summary = _run(capsys, "barrier", vit_pair / "a", vit_pair / "a_moved", "--data", "digits", "--align",
                    "--max-examples", "200", "--plot", plot)
-    assert len(summary["losses"]) == 11 and abs(summary["barrier"]) < 1e-3
+    assert len(summary["losses"]) == 11 and abs(summary["barrier"]) < 1e-5  # from A's gauged form
+    assert summary["tiny_gain_dims"] == dims
     assert plot.stat().st_size > 0
     vanilla = _run(capsys, "barrier", vit_pair / "a", vit_pair / "a_moved", "--data", "digits",
                    "--max-examples", "200", "--points", "5")

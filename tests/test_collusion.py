@@ -57,7 +57,10 @@ def test_two_colluders_of_four_get_at_most_the_stated_weight_share():
 
 def camps(spec, base, far: float, seed: int = 3) -> list[dict]:
     """Two camps of two models each: copies of ``base`` and of ``base`` moved by ``far`` (random
-    direction), each copy in a random basis with small noise."""
+    direction), each copy in a random basis with small noise. ``far`` about the weights' scale
+    (0.1) gives another function (outputs 130 % apart) whose copies still align alike; at 0.3 the
+    copies of the moved model align to ``base`` in different ways (13 apart within the camp, 23
+    across): such camps looked split only through the ill-conditioned β/γ of base's tiny gain."""
     g = torch.Generator().manual_seed(seed)
     other = {k: v + far * torch.randn(v.shape, generator=g) for k, v in base.items()}
     return [*transformed_copies(spec, base, 2, noise=1e-2), *transformed_copies(spec, other, 2, noise=1e-2)]
@@ -66,7 +69,7 @@ def camps(spec, base, far: float, seed: int = 3) -> list[dict]:
 @pytest.mark.parametrize("alignment", [False, True])
 def test_an_even_split_keeps_the_previous_model_and_says_so(alignment, caplog):
     spec, base = spec_of("vit", VIT), base_state()
-    states = camps(spec, base, far=0.3)
+    states = camps(spec, base, far=0.1)
     if not alignment:  # the same camps in one basis
         states = [*[{k: v + 1e-2 * torch.randn_like(v) for k, v in base.items()} for _ in range(2)],
                   *[{k: v + 0.3 for k, v in base.items()} for _ in range(2)]]

@@ -88,13 +88,16 @@ def test_the_strategy_aggregates_views_of_the_reply_bytes():
 
 def _previous_merge(spec, states, weights, reference=0, combine=None):
     """What ``merge`` computed before streaming (one pass): every model canonicalised up front,
-    each non-reference one weight-matched to the canonical reference, then combined."""
+    each non-reference one weight-matched to the canonical reference, then combined. The
+    reference's tiny-gain dims are folded alike in every model (``like=``: the canonical
+    reference no longer carries its gains, canonical.py)."""
     from fedbasin.alignment import average_states, canonicalize, to_gauge, weight_match
 
     combine = combine or average_states
     ref = canonicalize(spec, states[reference], validate=False)
-    canon = [canonicalize(spec, s, validate=False).state for s in states]
-    aligned = [canon[k] if k == reference else weight_match(spec, ref.state, canon[k], iterations=3).canonical
+    canon = [canonicalize(spec, s, validate=False, like=ref.gains).state for s in states]
+    aligned = [canon[k] if k == reference else
+               weight_match(spec, ref.state, canon[k], iterations=3, like=ref.gains).canonical
                for k in range(len(states))]
     return to_gauge(spec, combine(aligned, weights), ref.gains)
 

@@ -175,7 +175,7 @@ def activation_match(
     check_compatible(spec, reference, candidate)
     module_state = to_module_state or (lambda state: state)
     ref_c = canonicalize(spec, reference, "reference", validate=False)
-    cand_c = canonicalize(spec, candidate, "candidate", validate=False)
+    cand_c = canonicalize(spec, candidate, "candidate", validate=False, like=ref_c.gains)
     device = next(iter(ref_c.state.values())).device
     frozen = weightless_copy(model, device).eval()  # the states bring the weights
     recorder = _Recorder(spec, frozen, module_state)

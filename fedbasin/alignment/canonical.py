@@ -56,6 +56,15 @@ def tiny_gains(gain: torch.Tensor, factor: float = TINY_GAIN) -> torch.Tensor:
     return size <= factor * size.median()
 
 
+def tiny_gain_dims(gains: dict) -> dict[str, list[int]]:
+    """``{norm weight key: indices of its tiny dims}`` over ``gains`` (norm weight key → γ, e.g.
+    ``Canonical.gains``; norms without a tiny dim are left out): the dims on which a model gauged
+    with ``gains`` keeps ``γ_i = 1`` (:func:`to_gauge`), i.e. where its gauge differs from the
+    model those gains came from."""
+    return {key: idx for key, gain in gains.items()
+            if (idx := torch.nonzero(tiny_gains(gain)).flatten().tolist())}
+
+
 def _reader_biases(norm, state: dict) -> list[str] | None:
     """The bias key of every reader of ``norm`` (``….weight`` → ``….bias``), or None if one has none."""
     keys = []

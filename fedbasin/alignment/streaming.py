@@ -74,13 +74,15 @@ def units_of(spec: SymmetrySpec) -> list[Unit]:
 
 @dataclass
 class StreamResult:
-    """Objective per iteration (J, as in ``weight_match``), the transform, and timings."""
+    """Objective per iteration (J, as in ``weight_match``), the transform, timings, and the
+    reference's norm gains (norm weight key → γ: the gauge the candidate is written in)."""
 
     objective: list[float]
     transform: GroupElement
     iterations: int
     seconds: float
     phases: dict = field(default_factory=dict)
+    gains: dict = field(default_factory=dict)
 
 
 def _float32(state: dict) -> dict:
@@ -119,7 +121,8 @@ def stream_match(
         cand = _float32({k: v.to(device) for k, v in load_candidate(unit.keys).items()})
         unit.spec.validate(ref, "reference")
         unit.spec.validate(cand, "candidate")
-        return canonicalize(unit.spec, ref, validate=False), canonicalize(unit.spec, cand, validate=False)
+        ref_c = canonicalize(unit.spec, ref, validate=False)  # the candidate folds the reference's tiny dims alike
+        return ref_c, canonicalize(unit.spec, cand, validate=False, like=ref_c.gains)
 
     # pass 0: weights, normaliser, reference gains, K0 of the global unit
     norm = 0.0
@@ -225,7 +228,8 @@ def stream_match(
         for unit in units:
             raw = {k: v for k, v in load_candidate(unit.keys).items()}
             dtypes = {k: v.dtype for k, v in raw.items()}
-            cand_c = canonicalize(unit.spec, _float32({k: v.to(device) for k, v in raw.items()}), validate=False)
+            cand_c = canonicalize(unit.spec, _float32({k: v.to(device) for k, v in raw.items()}), validate=False,
+                                  like=ref_gains)
             del raw
             if unit.layer is None:
                 element = GroupElement(g.residual, [], [])
@@ -238,4 +242,4 @@ def stream_match(
             bar.update(1)
         bar.close()
         phases["write"] = time.perf_counter() - clock
-    return StreamResult(objective, g, done, time.perf_counter() - t0, phases)
+    return StreamResult(objective, g, done, time.perf_counter() - t0, phases, ref_gains)

@@ -283,7 +283,9 @@ def restrict(
         ``restrict(embed(θ)) = θ`` and the client's own contribution is kept where it was.
     residual_map: the O the client was embedded with (default :func:`default_residual_map`).
     gains: the client's norm gains (``canonicalize(spec_small, θ_small).gains``) to return the
-        model in the client's gauge; None returns the canonical form (unit gains).
+        model in the client's gauge; None returns the canonical form (unit gains). Dims where
+        they are tiny keep ``γ_i = 1`` (:func:`~fedbasin.alignment.canonical.to_gauge`), so
+        ``restrict(embed(θ))`` is then θ's gauged form: the same function, not θ's weights.
     small: a narrow state or shapes, only needed when ``spec_small`` does not record MLP widths.
     """
     check_embeddable(spec_small, spec_big)
