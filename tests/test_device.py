@@ -257,3 +257,19 @@ def test_running_out_of_device_memory_is_one_line_and_writes_nothing(tmp_path, c
     assert lines == [("fedbasin align: out of GPU memory (CUDA out of memory. Tried to allocate 20.00 GiB "
                       "(GPU 0; 79.1 GiB total)); nothing was written; try --device cpu")]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_norm_gains_on_device(device):
+    """The tiny-gain rule (norm bias folded into the readers' biases, γ = 1 in the gauge) runs where
+    the tensors are and gives the CPU's merge of noisy copies of a model with gains 1e-3 and 0."""
+    from tests.helpers import VIT, spec_of
+    from tests.test_tiny_gains import noisy, tiny_gain_model
+
+    spec = spec_of("vit", VIT)
+    models = noisy(tiny_gain_model(torch.float64), 3, 0.006, seed=0)
+    cpu = merge(spec, models, iterations=3)
+    on = merge(spec, [{k: v.to(device) for k, v in m.items()} for m in models], iterations=3)
+    assert {v.device.type for v in on.state.values()} == {device}
+    assert max(float((on.state[k].cpu() - cpu.state[k]).abs().max()) for k in cpu.state) < 1e-6
+    assert all(bool(torch.isfinite(v).all()) for v in on.state.values())
