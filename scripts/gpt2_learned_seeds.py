@@ -7,8 +7,8 @@ on the 141 validation blocks and on all 140 test blocks. Prints one row per seed
 standard deviation (and range) per slice; ``--out DIR`` keeps the endpoints, the JSON of every
 evaluation and ``summary.json``.
 
-    python scripts/gpt2_learned_seeds.py --pair /work/runs/gpt2pair6 --text ../shared/data/tinyshakespeare/input.txt \\
-        --out /work/runs/seeds --seeds 0 1 2
+    python scripts/gpt2_learned_seeds.py --pair runs/gpt2pair6 --text ../shared/data/tinyshakespeare/input.txt \\
+        --out runs/seeds --seeds 0 1 2
 """
 
 from __future__ import annotations

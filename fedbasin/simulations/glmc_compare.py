@@ -6,8 +6,8 @@ the barrier is evaluated on the test slice (the last 5% of the text, contiguous)
 ``--glmc-path`` in the Python given by ``--glmc-python`` (it needs transformers 4.50.1, POT and
 einops), through ``glmc_driver.py``; nothing of GLMC is copied here.
 
-    python -m fedbasin.simulations.glmc_compare RUN/seed0 RUN/seed1 --glmc-path /work/glmc \\
-        --glmc-python /work/glmc-venv/bin/python --out results.json
+    python -m fedbasin.simulations.glmc_compare RUN/seed0 RUN/seed1 --glmc-path $GLMC \\
+        --glmc-python $GLMC_PYTHON --out results.json
 
 Rows: vanilla; fedbasin permutation / orthogonal variants (weighting; matching on all token
 rows or on the tokens seen in training); GLMC permutation / orthogonal (15 iterations, embedding

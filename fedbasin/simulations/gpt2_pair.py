@@ -7,7 +7,7 @@ AdamW (lr 3e-4, weight decay 0.01), 5% linear warm-up then cosine decay, batch 3
 backward run under bfloat16 autocast (weights and optimiser in float32; the paper's scripts train
 with fp16 mixed precision on a GPU) unless ``--fp32``.
 
-    python -m fedbasin.simulations.gpt2_pair --seed 0 --epochs 6 --out /work/runs/gpt2pair
+    python -m fedbasin.simulations.gpt2_pair --seed 0 --epochs 6 --out runs/gpt2pair
 
 trains on the CPU (``--threads`` threads) unless ``--device cuda``: a GPU trains a pair of the same
 recipe, not the same pair (other kernels, other rounding).
