@@ -16,7 +16,7 @@ from dataclasses import fields
 from torch import nn
 
 from fedbasin.alignment.adapters import Adapter, fedbasin_adapter
-from fedbasin.alignment.refine import split_share_problem
+from fedbasin.alignment.proxy import split_share_problem
 from fedbasin.data import Task, load_task
 from fedbasin.models import FAMILIES, build_model
 from fedbasin.training import device_name_problem
