@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fedbasin.run_defaults import DEFAULT_RUN_CONFIG
+
 #: run-config key → generic config attribute (transformers maps it, e.g. GPT-2's ``n_embd``)
 SIZE_KEYS = {
     "model.dim": "hidden_size",
@@ -151,7 +153,6 @@ def _resolve(task, config: Mapping[str, object]):
     """``(PretrainedConfig, untied)``: ``untied`` when the named model ties its head and this
     run unties it."""
     from fedbasin.alignment.hf import SUPPORTED_MODEL_TYPES
-    from fedbasin.config import DEFAULT_RUN_CONFIG
     from fedbasin.data.sources import HFTokenizer
 
     if config["hf-config"] and config["hf-pretrained"]:

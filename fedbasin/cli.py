@@ -583,7 +583,7 @@ def _refiner(args, ref, command: str):
     """``refine(reference, candidates, **kw)`` on the proxy split of ``--refine-data`` (every matching and
     refinement option applied) and a summary of the data used."""
     from fedbasin.alignment import learned_refine, proxy_streams
-    from fedbasin.alignment.refine import split_share_problem
+    from fedbasin.alignment.proxy import split_share_problem
     from fedbasin.checkpoint import build_torch_model
     from fedbasin.config import eval_batch_size
     from fedbasin.data import unigram_blocks

@@ -31,7 +31,7 @@ from fedbasin.alignment.canonical import canonicalize, to_gauge
 from fedbasin.alignment.group import GroupElement, HeadMap, apply_group, contract_axis
 from fedbasin.alignment.matching import token_weights
 from fedbasin.checkpoint import build_torch_model, load_checkpoint
-from fedbasin.models.weights import weightless_copy
+from fedbasin.weights import weightless_copy
 from fedbasin.simulations.gpt2_pair import DEFAULT_TEXT, mean_loss, pair_data
 
 

@@ -12,7 +12,8 @@ import torch
 
 from fedbasin.alignment import apply_group, canonicalize, learned_refine, random_group_element, to_gauge
 from fedbasin.alignment.activations import activation_match
-from fedbasin.alignment.refine import _TrainingVocabulary, proxy_streams
+from fedbasin.alignment.proxy import proxy_streams
+from fedbasin.alignment.vocabulary import _TrainingVocabulary
 from fedbasin.data import load_task
 from fedbasin.models import build_model
 from fedbasin.training import cross_entropy

@@ -147,7 +147,7 @@ def server_round(device: str, refine_steps: int, distill_steps: int, **options):
     from fedbasin.config import resolve_run_config
     from fedbasin.data import load_task
     from fedbasin.models import build_model
-    from fedbasin.models.weights import release_weights
+    from fedbasin.weights import release_weights
     from fedbasin.server.server_app import make_distiller, make_refiner
     from fedbasin.strategies import AlignedFedAvg
     from fedbasin.training import resolve_device

@@ -10,7 +10,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedbasin.alignment import average_states, fedbasin_adapter
-from fedbasin.alignment.refine import proxy_streams
+from fedbasin.alignment.proxy import proxy_streams
 from fedbasin.config import resolve_run_config
 from fedbasin.data import load_task
 from fedbasin.models import build_model

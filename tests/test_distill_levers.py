@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedbasin.alignment import average_states
-from fedbasin.alignment.refine import proxy_streams
+from fedbasin.alignment.proxy import proxy_streams
 from fedbasin.config import resolve_run_config
 from fedbasin.data import Split, load_task
 from fedbasin.models import build_model

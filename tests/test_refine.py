@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from fedbasin.alignment import weight_match
 from fedbasin.alignment.group import apply_group
-from fedbasin.alignment.refine import _Delta, cayley, learned_refine, sinkhorn
+from fedbasin.alignment.parametrize import _Delta, cayley, sinkhorn
+from fedbasin.alignment.refine import learned_refine
 from fedbasin.models import build_model, make_config
 
 from .helpers import (

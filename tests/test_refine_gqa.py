@@ -17,7 +17,8 @@ from fedbasin.alignment import (
 )
 from fedbasin.alignment.group import check_group_perm
 from fedbasin.alignment.hf import hf_adapter
-from fedbasin.alignment.refine import _Delta, proxy_streams
+from fedbasin.alignment.parametrize import _Delta
+from fedbasin.alignment.proxy import proxy_streams
 from fedbasin.data.task import Split
 from fedbasin.training import cross_entropy
 

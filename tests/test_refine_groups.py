@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fedbasin.alignment import apply_group, canonicalize, learned_refine, random_group_element, to_gauge
-from fedbasin.alignment.refine import _Delta, proxy_streams
+from fedbasin.alignment.parametrize import _Delta
+from fedbasin.alignment.proxy import proxy_streams
 from fedbasin.data import load_task
 from fedbasin.models import build_model
 from fedbasin.training import cross_entropy

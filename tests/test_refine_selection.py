@@ -10,7 +10,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from fedbasin.alignment import learned_refine, weight_match
-from fedbasin.alignment.refine import proxy_streams
+from fedbasin.alignment.proxy import proxy_streams
 from fedbasin.data import Split, load_task
 from fedbasin.models import build_model
 from fedbasin.training import cross_entropy

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedbasin.alignment import canonicalize, to_gauge
-from fedbasin.alignment.refine import proxy_streams
+from fedbasin.alignment.proxy import proxy_streams
 from fedbasin.data import load_task
 from fedbasin.simulations import barriers
 

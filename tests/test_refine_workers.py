@@ -1,6 +1,6 @@
 """Learned refinement on several CPU threads (``batch_workers``): each training batch is cut into
 slices whose passes run side by side, and the gradient summed over the slices is the whole batch's
-(fedbasin.alignment.refine._Workers)."""
+(fedbasin.alignment.workers._Workers)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedbasin.alignment import learned_refine, proxy_streams
-from fedbasin.alignment.refine import _Workers
+from fedbasin.alignment.workers import _Workers
 from fedbasin.models import build_model
 from fedbasin.training import cross_entropy
 from tests.helpers import GPT, VIT, inputs, trained_like

@@ -1,5 +1,5 @@
 """Learned refinement on soft labels: the maps train on (1 − w)·labels + w·the mixed models' mean
-predicted probabilities (fedbasin.alignment.refine, ``soft_labels``)."""
+predicted probabilities (fedbasin.alignment.soft_labels)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from fedbasin.alignment import fedbasin_adapter, learned_refine, proxy_streams
-from fedbasin.alignment.refine import TrainingStream, _soft_labels, _TrainingVocabulary, _Workers
+from fedbasin.alignment.proxy import TrainingStream
+from fedbasin.alignment.soft_labels import _soft_labels
+from fedbasin.alignment.vocabulary import _TrainingVocabulary
+from fedbasin.alignment.workers import _Workers
 from fedbasin.config import RunConfigError, resolve_run_config
 from fedbasin.data import load_task
 from fedbasin.models import build_model
@@ -115,7 +118,7 @@ def test_soft_label_refusals(monkeypatch):
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match=f"soft_label_top_k must be an integer >= 0 .*, got {bad!r}"):
             learned_refine(*args, data.batches, data.selection, steps=2, soft_labels=0.5, soft_label_top_k=bad)
-    monkeypatch.setattr("fedbasin.alignment.refine.SOFT_LABEL_BYTES", 1000)
+    monkeypatch.setattr("fedbasin.alignment.soft_labels.SOFT_LABEL_BYTES", 1000)
     with pytest.raises(ValueError, match=r"the targets of 180 training examples would take 0.0 GiB .* or sparse top-k"):
         learned_refine(*args, data.batches, data.selection, steps=2, soft_labels=0.5)
     with pytest.raises(ValueError, match=r"the targets of 180 training examples .* a smaller top-k"):

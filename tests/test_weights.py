@@ -1,4 +1,4 @@
-"""A module's architecture apart from its weights (fedbasin.models.weights), the scratch file
+"""A module's architecture apart from its weights (fedbasin.weights), the scratch file
 behind distillation's teacher cache and kept state (fedbasin.scratch), and a ServerApp run that
 holds no model copy of its own."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedbasin.models import build_model
-from fedbasin.models.weights import holding_weights, release_weights, weightless_copy
+from fedbasin.weights import holding_weights, release_weights, weightless_copy
 from fedbasin.scratch import ScratchTensors
 from tests.helpers import DIGITS_VIT
 

@@ -15,7 +15,8 @@ from .group import (
 from .interpolation import Curve, interpolate, interpolation_curve, lambda_grid, loss_barrier
 from .matching import MatchResult, weight_match
 from .merge import MergeResult, average_states, merge
-from .refine import ProxyStreams, RefineResult, learned_refine, proxy_streams, refined_merge
+from .proxy import ProxyStreams, proxy_streams
+from .refine import RefineResult, learned_refine, refined_merge
 from .spec import AttentionSpec, Linear, MLPSpec, Norm, SymmetrySpec, check_compatible
 from .width import embed, merge_heterogeneous, restrict
 

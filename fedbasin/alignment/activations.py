@@ -33,7 +33,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from fedbasin.models.weights import weightless_copy
+from fedbasin.weights import weightless_copy
 
 from .canonical import canonicalize, fold_tiny, to_gauge
 from .group import GroupElement, HeadMap, NeuronMap, apply_group

@@ -53,6 +53,7 @@ from .group import (
     contract_axis,
     rotary_planes,
 )
+from .progress import progress_bar
 from .spec import AttentionSpec, MLPSpec, SymmetrySpec, check_compatible
 
 MODES = ("orthogonal", "permutation")
@@ -953,10 +954,3 @@ class _Point:
         if value >= self.value:
             return _Point(state, g, value, terms)
         return self
-
-
-def progress_bar(total: int, enabled: bool, desc: str, unit: str):
-    """A tqdm bar on stderr; a silent no-op bar when ``enabled`` is False."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, leave=False, disable=not enabled)

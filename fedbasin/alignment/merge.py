@@ -18,7 +18,8 @@ import torch
 
 from .canonical import canonicalize, to_gauge
 from .group import GroupElement, apply_group, inverse
-from .matching import MatchResult, progress_bar, weight_match
+from .matching import MatchResult, weight_match
+from .progress import progress_bar
 from .spec import SymmetrySpec, check_compatible
 
 

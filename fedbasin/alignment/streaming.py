@@ -26,7 +26,8 @@ import torch
 
 from .canonical import canonicalize, fold_tiny, to_gauge
 from .group import GroupElement, apply_group, compose
-from .matching import MODES, _Matcher, _Objective, progress_bar
+from .matching import MODES, _Matcher, _Objective
+from .progress import progress_bar
 from .spec import SymmetrySpec
 
 

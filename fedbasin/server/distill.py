@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedbasin.alignment.refine import all_finite, check_step_options, keep_best_record
-from fedbasin.models.weights import check_fits, weight_groups
+from fedbasin.alignment.keep_best import all_finite, check_step_options, keep_best_record
+from fedbasin.weights import check_fits, weight_groups
 from fedbasin.scratch import ScratchTensors
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -38,7 +38,7 @@ from fedbasin.config import (
     resolve_run_config,
     task_from_config,
 )
-from fedbasin.models.weights import check_fits, holding_weights, release_weights
+from fedbasin.weights import check_fits, holding_weights, release_weights
 from fedbasin.server.distill import (
     TeacherOutputs,
     _logits_of,
@@ -118,7 +118,7 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
     translates them to the model's own keys and back. With ``in_place`` the merged state is the
     student, trained in place (no copy of the model: the ServerApp's strategy discards it for the
     result); otherwise it is left as it was. ``model``
-    may have released its weights (:func:`~fedbasin.models.weights.release_weights`): each call
+    may have released its weights (:func:`~fedbasin.weights.release_weights`): each call
     lends it the states it runs, on the run config's device."""
     if task.proxy is None:
         raise ValueError(f"run-config distill-steps={config['distill-steps']} needs proxy data: "

@@ -154,14 +154,14 @@ def _distiller(shape: dict, steps: int, cache: bool = True):
     """``distill(merged, clients)`` as the ServerApp builds it (:func:`ensemble_distill`), on
     random-token proxy batches (4 × 64 tokens or the context length, seed 0; two training batches, one selection
     batch). As in the ServerApp, the architecture module has released its weights
-    (:func:`~fedbasin.models.weights.release_weights`) and holds the states it runs for the call
+    (:func:`~fedbasin.weights.release_weights`) and holds the states it runs for the call
     only; the merge is the student, trained in place."""
     import itertools
 
     import torch
 
     from fedbasin.models import build_model
-    from fedbasin.models.weights import holding_weights, release_weights
+    from fedbasin.weights import holding_weights, release_weights
     from fedbasin.server.distill import cache_teacher_outputs, ensemble_distill
 
     model = release_weights(build_model("gpt", shape, seed=0))

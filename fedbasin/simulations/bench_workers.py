@@ -23,7 +23,8 @@ import time
 import torch
 
 from fedbasin.alignment import fedbasin_adapter
-from fedbasin.alignment.refine import _Delta, _Workers
+from fedbasin.alignment.parametrize import _Delta
+from fedbasin.alignment.workers import _Workers
 from fedbasin.models import build_model, make_config
 from fedbasin.training import RECIPES, cross_entropy
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fedbasin.alignment import average_states, canonicalize, merge, to_gauge
-from fedbasin.alignment.refine import learned_refine, proxy_streams
+from fedbasin.alignment import learned_refine, proxy_streams
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.data import load_task
 from fedbasin.models import build_model, make_config

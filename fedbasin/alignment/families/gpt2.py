@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from . import Family, register
+from .registry import Family, register
 from .table import Table, prenorm_spec
 
 _RAW = re.compile(r"^transformer\.h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias)$")

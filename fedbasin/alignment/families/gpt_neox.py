@@ -15,8 +15,8 @@ import re
 
 import torch
 
-from . import Family, register
 from .llama import rotary_fraction
+from .registry import Family, register
 from .table import Table, prenorm_spec
 
 TABLE = Table(

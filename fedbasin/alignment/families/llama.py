@@ -9,7 +9,7 @@ query heads. Biases: Qwen2 has q/k/v biases; Llama's ``attention_bias`` adds q/k
 
 from __future__ import annotations
 
-from . import Family, register
+from .registry import Family, register
 from .table import Table, prenorm_spec
 
 TABLE = Table(

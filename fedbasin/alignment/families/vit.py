@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from . import Family, register
+from .registry import Family, register
 from .table import Table, prenorm_spec
 
 # legacy module path inside a layer -> transformers-5 module path
