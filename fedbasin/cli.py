@@ -21,17 +21,18 @@ import torch
 from torch import nn
 
 from fedbasin import heap
+from fedbasin.commandline import (  # the README's exit-code table and the --help formatter
+    EXIT_FAILED,
+    EXIT_INPUT,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OUTPUT,
+    EXIT_USAGE,
+    HelpFormatter,
+)
 
 # ------------------------------------------------------------------------------------------------
-# errors and exit codes (the table in README.md, "Command line")
-
-EXIT_OK = 0
-EXIT_FAILED = 1  # the command ran but failed (reported by the command itself)
-EXIT_USAGE = 2  # invalid option value or combination
-EXIT_INPUT = 3  # an input checkpoint or data set is missing, unreadable, mismatched or not finite
-EXIT_OUTPUT = 4  # an output path is unusable (not writable, read-only, not a checkpoint, disk full)
-EXIT_INTERNAL = 70  # a bug: please report it (FEDBASIN_DEBUG=1 shows the traceback)
-EXIT_INTERRUPTED = 130  # Ctrl-C / SIGINT; nothing partial is left behind
+# errors (exit codes: fedbasin.commandline, the table in README.md, "Command line")
 
 
 class CliError(Exception):
@@ -86,15 +87,6 @@ def _number(text: str) -> float:
 
 DATA_HELP = ("digits (scikit-learn, offline) | cifar10 (Hugging Face hub) | cifar10:DIR (train.parquet + "
              "test.parquet) or cifar10:FILE.parquet | text:FILE (UTF-8 text, character tokens)")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: X)" where an option has a real default (not None, False or "")."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default == "" or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def _bounded(parse, low: float, strict: bool, what: str, high: float | None = None):

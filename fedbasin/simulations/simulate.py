@@ -37,6 +37,14 @@ import time
 import tomllib
 from pathlib import Path
 
+from fedbasin.commandline import (
+    EXIT_FAILED,
+    EXIT_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_OUTPUT,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+)
 from fedbasin.config import RunConfigError, resolve_run_config
 from fedbasin.deployment import flower_env, flower_executable
 from fedbasin.server.outputs import RESULTS_FILE, OutDirError, check_out_dir
@@ -74,7 +82,7 @@ def run_config_help() -> str:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from fedbasin.cli import HelpFormatter
+    from fedbasin.commandline import HelpFormatter
 
     class Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
         pass
@@ -256,7 +264,6 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, handled like Ctrl-C (the same clean-up) but reported with its own exit code."""
 
 
-EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT / SIGTERM, as a shell reports them
 
 
 def _raise_terminated(signum, frame):
@@ -424,7 +431,6 @@ def run(args: argparse.Namespace) -> int:
     """``fedbasin simulate``, with the exit codes of README.md's table: 0 done, 1 the run failed or
     its final model is unusable, 2 a bad option or run-config value, 3 missing data, 4 an unusable
     out-dir, 130 / 143 stopped by SIGINT / SIGTERM (everything the run started is stopped first)."""
-    from fedbasin.cli import EXIT_FAILED, EXIT_INPUT, EXIT_OUTPUT, EXIT_USAGE
     from fedbasin.server.server_app import UnusableModelError
 
     try:
