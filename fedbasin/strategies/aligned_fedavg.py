@@ -384,7 +384,7 @@ class AlignedFedAvg(FedAvg):
         metrics["aggregate_seconds"] = time.perf_counter() - t0
         metrics["num_excluded"] = len(excluded)
         metrics["excluded_nodes"] = excluded
-        metrics["capped_nodes"] = [c["node"] for c in record["capped"]]
+        metrics["capped_nodes"] = sorted(c["node"] for c in record["capped"])
         metrics["round_failed"] = int(bool(record["failed"]))
         self.train_metrics[server_round] = metrics
         if merged is None:
@@ -507,7 +507,7 @@ class AlignedFedAvg(FedAvg):
                     self._exclude(server_round, owners[clients[i]], reason, stage="cohort")
                 kept = [k for i, k in enumerate(clients) if i not in outliers]
                 if self.outlier_threshold > 0 and (split := equal_split([states[k] for k in kept])):
-                    camps = [[owners[kept[i]] for i in camp] for camp in split[:2]]
+                    camps = [sorted(owners[kept[i]] for i in camp) for camp in split[:2]]
                     raise CohortSplit(
                         f"no majority: the {len(kept)} replies split into two equal camps, nodes "
                         f"{camps[0]} and {camps[1]} (closest across {split[2]:.4g} > {SPLIT_RATIO:g} × "
