@@ -261,6 +261,29 @@ def test_simulation_trains_then_resumes_from_the_last_checkpoint(tmp_path, capsy
 
 
 @pytest.mark.slow
+def test_a_seeded_simulation_repeats_bit_for_bit(tmp_path):
+    """Two runs of one seeded command: Flower draws new node ids and the replies arrive in
+    another order, yet every per-round figure and every checkpoint is the same to the last bit
+    (docs/flower.md, "Repeatability"). Four clients: the merge's float sums (and round 1's
+    reference among clients tied at the count cap) depend on the order of the replies, so
+    ordering them by node id would repeat only when the 4! orders happen to coincide."""
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        config = resolve_run_config({"num-server-rounds": 1, "init": "client", "partitioner": "dirichlet",
+                                     "max-train-examples": 800, "seed": 3, "out-dir": str(out)})
+        results = simulate.simulate(config, num_supernodes=4)
+        figures = [{k: v for k, v in r.items() if k.endswith(("_loss", "_accuracy", "align_gain"))}
+                   for r in results["rounds"]]
+        models = [(out / f"round-{r['round']:04d}" / "model.safetensors").read_bytes() for r in results["rounds"]]
+        runs.append((figures, models))
+    assert [sorted(f) for f in runs[0][0]][1] == ["align_gain", "eval_accuracy", "eval_loss", "test_accuracy",
+                                                  "test_loss", "train_loss"]
+    assert runs[0][0] == runs[1][0]  # floats compared exactly
+    assert runs[0][1] == runs[1][1]
+
+
+@pytest.mark.slow
 def test_a_failed_flwr_run_is_an_error_and_the_superlink_is_stopped(tmp_path, monkeypatch):
     """`flwr run --stream` exits 0 when the ServerApp fails; `simulate` asks `flwr list` instead."""
     import subprocess

@@ -74,18 +74,20 @@ def test_server_side_refinement_output_is_what_gets_averaged():
     spec = spec_of("vit", DIGITS_VIT)
     previous = trained_digits_vit(1)
     clients, replies = clients_and_replies()
-    refined = []
+    refined, order = [], []  # order: the client behind each model refine gets (replies come in content order)
 
     def refine(reference, others, include_reference):
         assert include_reference is False and len(others) == 3
-        for i, s in enumerate(others):  # a stand-in "refinement": weight matching then one more exact move
+        for i, s in enumerate(others):
+            order.append(next(k for k, c in enumerate(clients) if all(torch.equal(c[n], s[n]) for n in c)))  # a stand-in "refinement": weight matching then one more exact move
             start = weight_match(spec, reference, s).canonical
             refined.append(apply_group(spec, start, random_group_element(spec, 40 + i, dtype=torch.float32)))
         return RefineResult([to_gauge(spec, c, canonicalize(spec, reference).gains) for c in refined], refined,
                             [], initial_loss=2.0, best_loss=1.5, best_step=3)
 
     arrays, metrics = strategy_for(spec, previous, refine=refine, max_examples_ratio=0.0).aggregate_train(2, replies)
-    expected = to_gauge(spec, weighted_mean(refined, COUNTS), canonicalize(spec, previous).gains)
+    assert sorted(order) == [0, 1, 2]
+    expected = to_gauge(spec, weighted_mean(refined, [COUNTS[k] for k in order]), canonicalize(spec, previous).gains)
     assert max_diff(arrays.to_torch_state_dict(), expected) < 1e-5
     assert max_diff(expected, aligned_average(spec, previous, clients, COUNTS)) > 0.05
     assert metrics["align_gain"] == pytest.approx(0.5) and metrics["refine_heldout_loss"] == pytest.approx(1.5)

@@ -12,6 +12,7 @@ Per round, with client states ``θ_k`` and example counts ``n_k``:
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import time
@@ -121,7 +122,10 @@ class AlignedFedAvg(FedAvg):
     ``max_abs_weight``, foldable norm gains); with ``proxy_screening``, replies far worse on the
     proxy split than the cohort's lower median are excluded; counts are capped; after alignment
     the cohort is screened (and an even cohort split into two equal camps fails the round); then
-    the models are clipped and aggregated. Every exclusion is logged and kept in
+    the models are clipped and aggregated. The replies are taken in the order of their content
+    (:func:`reply_order_key`) and client metrics are averaged with exact sums
+    (:func:`weighted_metric_mean`, the default ``*_metrics_aggr_fn``): the aggregate and its
+    metrics depend neither on node ids nor on arrival order. Every exclusion is logged and kept in
     ``screening[round] = {"excluded": [{"node", "stage", "reason"}], "capped": [...],
     "failed": reason or ""}``; nothing a client sends raises out of ``aggregate_train``. If no
     reply is left or the aggregate is not finite, the round fails: ``(None, metrics)`` keeps the
@@ -162,6 +166,8 @@ class AlignedFedAvg(FedAvg):
         device: str | torch.device | None = None,
         **kwargs,
     ) -> None:
+        kwargs.setdefault("train_metrics_aggr_fn", weighted_metric_mean)
+        kwargs.setdefault("evaluate_metrics_aggr_fn", weighted_metric_mean)
         super().__init__(**kwargs)
         try:
             self.device = None if device is None else torch.device(device)
@@ -315,6 +321,7 @@ class AlignedFedAvg(FedAvg):
         record = self.screening[server_round] = {"excluded": [], "capped": [], "failed": ""}
         accepted: dict[int, tuple] = {}  # node -> (message id, num-examples, content)
         decoded: dict[int, dict] = {}  # node -> state (views of the reply's bytes)
+        order: dict[int, bytes] = {}  # node -> content key (reply_order_key)
         for msg in replies:
             node = msg.metadata.src_node_id
             try:
@@ -324,7 +331,9 @@ class AlignedFedAvg(FedAvg):
                         f"round (kept its reply {accepted[node][0][:12]})"
                     )
                 weight = self._num_examples(msg)
-                decoded[node] = self._checked_state(msg, template)
+                state = self._checked_state(msg, template)
+                order[node] = reply_order_key(weight, msg.content, template)
+                decoded[node] = state
             except Exception as error:  # noqa: BLE001 - no client content may stop the round
                 self._exclude(server_round, node, _reason(error))
                 continue
@@ -332,7 +341,8 @@ class AlignedFedAvg(FedAvg):
             if self.consume_replies:  # the state's views now hold the bytes: freed once aligned
                 for name in _array_record_names(msg.content):
                     del msg.content[name]
-        nodes = sorted(accepted)  # the aggregate does not depend on the replies' arrival order
+        # the aggregate depends on neither the replies' arrival order nor the node ids (random per run)
+        nodes = sorted(accepted, key=lambda n: (order[n], n))
         states = [decoded.pop(n) for n in nodes]
         proxy_metrics = MetricRecord()
         if self.proxy_screening > 0 and states:
@@ -374,7 +384,7 @@ class AlignedFedAvg(FedAvg):
         metrics["aggregate_seconds"] = time.perf_counter() - t0
         metrics["num_excluded"] = len(excluded)
         metrics["excluded_nodes"] = excluded
-        metrics["capped_nodes"] = [c["node"] for c in record["capped"]]
+        metrics["capped_nodes"] = sorted(c["node"] for c in record["capped"])
         metrics["round_failed"] = int(bool(record["failed"]))
         self.train_metrics[server_round] = metrics
         if merged is None:
@@ -497,7 +507,7 @@ class AlignedFedAvg(FedAvg):
                     self._exclude(server_round, owners[clients[i]], reason, stage="cohort")
                 kept = [k for i, k in enumerate(clients) if i not in outliers]
                 if self.outlier_threshold > 0 and (split := equal_split([states[k] for k in kept])):
-                    camps = [[owners[kept[i]] for i in camp] for camp in split[:2]]
+                    camps = [sorted(owners[kept[i]] for i in camp) for camp in split[:2]]
                     raise CohortSplit(
                         f"no majority: the {len(kept)} replies split into two equal camps, nodes "
                         f"{camps[0]} and {camps[1]} (closest across {split[2]:.4g} > {SPLIT_RATIO:g} × "
@@ -644,6 +654,43 @@ class AlignedFedAvg(FedAvg):
                     server_round, key, value)
                 del metrics[key]
         return metrics
+
+
+ORDER_KEY_BYTES = 1 << 16  # of each array, read by reply_order_key
+
+
+def reply_order_key(weight: float, content: RecordDict, template: ArrayRecord) -> bytes:
+    """The order of a checked reply among the round's replies: a digest of its weight (example
+    count) and of the first :data:`ORDER_KEY_BYTES` of each array (the broadcast's keys). Flower's
+    node ids are drawn at random per run and replies arrive in any order; sorting by content
+    makes the aggregate (float sums, the round-1 reference among equal counts, universe passes)
+    a function of the set of replies, so a seeded run repeats bit for bit. Replies whose keys
+    tie (equal counts and equal leading bytes of every array) fall back to node-id order."""
+    digest = hashlib.sha1(repr(float(weight)).encode())
+    arrays = content[_array_record_names(content)[0]]
+    for key in template:
+        digest.update(arrays[key].data[:ORDER_KEY_BYTES])
+    return digest.digest()
+
+
+def weighted_metric_mean(records: list[RecordDict], weighting_key: str) -> MetricRecord:
+    """Flower's ``aggregate_metricrecords`` (the ``weighting_key``-weighted mean of every other
+    metric, element-wise for lists) with exactly rounded sums (``math.fsum``): the result does
+    not depend on the order of ``records``, i.e. on the replies' arrival order."""
+    metrics = [next(iter(r.metric_records.values())) for r in records]
+    total = math.fsum(float(m[weighting_key]) for m in metrics)
+    terms: dict[str, list] = {}
+    for m in metrics:
+        share = float(m[weighting_key]) / total
+        for key, value in m.items():
+            if key != weighting_key:
+                terms.setdefault(key, []).append(
+                    [v * share for v in value] if isinstance(value, list) else value * share)
+    return MetricRecord({
+        key: ([math.fsum(column) for column in zip(*values, strict=True)]
+              if isinstance(values[0], list) else math.fsum(values))
+        for key, values in terms.items()
+    })
 
 
 def _array_view(array: Array) -> np.ndarray:
