@@ -45,7 +45,7 @@ def test_universe_stops_when_the_merge_no_longer_moves():
     spec = spec_of("vit", DIGITS_VIT)
     states = [trained_digits_vit(s) for s in (1, 2, 3)]
     result = merge(spec, states, universe_iterations=20, universe_tol=0.05)
-    assert len(result.universe_change) < 20
+    assert 2 <= len(result.universe_change) < 20  # more than one pass, and it stopped early
     assert result.universe_change[-1] < 0.05 <= min(result.universe_change[:-1])
 
 
