@@ -107,7 +107,9 @@ def _config_from_type(model_type: str, config: Mapping[str, object], vocab_size:
     if hasattr(hf_config, "head_dim"):
         hf_config.head_dim = config["model.dim"] // config["model.heads"]
     hf_config.vocab_size = vocab_size
-    hf_config.max_position_embeddings = config["block-size"]
+    from fedbasin.alignment.families import family
+
+    setattr(hf_config, family(model_type).data_fields["block_size"], config["block-size"])
     inner = tokenizer.tokenizer if tokenizer is not None else None
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(hf_config, name, getattr(inner, name, None))
@@ -138,7 +140,9 @@ def _config_from_file(source: str):
 
 
 def _positions(hf_config) -> int | None:
-    return getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    from fedbasin.alignment.families import family
+
+    return family(hf_config.model_type).context_length(hf_config)
 
 
 def model_config(task, config: Mapping[str, object]):

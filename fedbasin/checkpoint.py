@@ -76,6 +76,28 @@ class Checkpoint:
     def spec(self):
         return self.adapter.spec
 
+    # what the model reads, as its family declares it (fedbasin: the config class; Hugging Face:
+    # the registered Family) — callers ask here instead of branching on family names
+
+    @property
+    def data(self) -> str:
+        """``"text"`` (token ids → next-token logits) or ``"images"`` (pixels → class logits)."""
+        return self.config.data if self.kind == "fedbasin" else _hf_family(self.family).data
+
+    def data_values(self) -> dict:
+        """The config fields the data fixes, in fedbasin names (``vocab_size``, ``block_size``;
+        ``image_size``, ``channels``, ``num_classes``)."""
+        if self.kind == "fedbasin":
+            return {name: getattr(self.config, name) for name in self.config.data_fields}
+        return _hf_family(self.family).data_values(self.config)
+
+    @property
+    def context_length(self) -> int | None:
+        """Tokens per example the model takes (None for image models)."""
+        if self.kind == "fedbasin":
+            return int(self.config.block_size) if "block_size" in self.config.data_fields else None
+        return _hf_family(self.family).context_length(self.config)
+
 
 # ----------------------------------------------------------------------------------------------
 # per-kind helpers
@@ -87,6 +109,12 @@ def _is_hf_config(config) -> bool:
     except ImportError:  # transformers is an optional extra
         return False
     return isinstance(config, PretrainedConfig)
+
+
+def _hf_family(model_type: str):
+    from .alignment.families import family
+
+    return family(model_type)
 
 
 def _hf():

@@ -1,8 +1,10 @@
 """``fedbasin align | merge | barrier | simulate``: the alignment core on checkpoints.
 
 Checkpoints are directories (``config.json`` + ``model.safetensors``) of fedbasin models or of
-Hugging Face models (GPT-2, ViT), detected from the config. A JSON summary goes to stdout;
-progress bars and log lines go to stderr. Outputs are written atomically.
+Hugging Face models of every registered family (GPT-2, ViT, Llama/Mistral/Qwen2, GPT-NeoX;
+``fedbasin.alignment.families``), detected from the config; what a model reads (text or images)
+and its context length are its family's declarations, never a branch on names here. A JSON
+summary goes to stdout; progress bars and log lines go to stderr. Outputs are written atomically.
 """
 
 from __future__ import annotations
@@ -685,16 +687,16 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
     options = {"proxy_size": proxy_size}
     if text:
         options["tokenizer"] = tokenizer
-        if _context_length(checkpoint):
-            options["block_size"] = _context_length(checkpoint)
+        if checkpoint.context_length:
+            options["block_size"] = checkpoint.context_length
     try:
         task = load_task(source, **options)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
         raise InputError(f"{option} {shown or source}: {exc}") from None
     where = f"{option} {shown or task.name}"
-    family = {"gpt2": "gpt", "vit": "vit"}.get(checkpoint.family, checkpoint.family)
-    if family != task.family:
-        raise InputError(f"{path} is a {checkpoint.family} model but {where} needs a {task.family} model")
+    if checkpoint.data != task.data:
+        raise InputError(f"{path} is a {checkpoint.family} model but {where} holds {task.data}; "
+                         f"{checkpoint.family} models read {checkpoint.data}")
     if text:
         _check_vocabulary(checkpoint, task, path, where, tokenizer)
     return task
@@ -727,15 +729,6 @@ def _seen_tokens(args, checkpoint, command: str):
     from fedbasin.alignment.matching import token_weights
 
     return token_weights(task.train.token_ids(), int(checkpoint.config.vocab_size), args.token_weighting)
-
-
-def _context_length(checkpoint) -> int | None:
-    """The model's context length (None for models without one, e.g. a ViT)."""
-    config = checkpoint.config
-    for name in ("n_positions", "block_size", "max_position_embeddings"):
-        if getattr(config, name, None):
-            return int(getattr(config, name))
-    return None
 
 
 def _check_vocabulary(checkpoint, task, path: str, where: str, tokenizer: str | None) -> None:
@@ -949,7 +942,7 @@ def _new_model(args, task, recipe: dict):
     family = "vit" if name.endswith("vit") else "gpt"
     if family != task.family:
         needs = "image data (digits, cifar10)" if family == "vit" else "text data (text:FILE)"
-        holds = "images" if task.family == "vit" else "text"
+        holds = task.data
         raise UsageError(f"--model {name} needs {needs}; --data {args.data} holds {holds}")
     given = {k: getattr(args, k) for k in _SHAPE_OPTIONS if getattr(args, k) is not None}
     shape = {**recipe["model"], **given}
@@ -1019,17 +1012,6 @@ def cmd_train(args) -> int:
     return _emit(summary)
 
 
-def _data_fields(checkpoint) -> dict:
-    """The config fields the data fixes, in fedbasin names (HF configs translated)."""
-    c = checkpoint.config
-    if checkpoint.kind == "hf" and checkpoint.family == "vit":
-        return {"image_size": c.image_size, "channels": c.num_channels, "num_classes": c.num_labels}
-    if checkpoint.kind == "hf":
-        return {"vocab_size": c.vocab_size, "block_size": c.n_positions}
-    names = ("image_size", "channels", "num_classes") if checkpoint.family == "vit" else ("vocab_size", "block_size")
-    return {k: getattr(c, k) for k in names}
-
-
 def cmd_eval(args) -> int:
     import time
 
@@ -1037,7 +1019,7 @@ def cmd_eval(args) -> int:
 
     device = _device(args)
     ckpt = _load(args.checkpoint, "checkpoint")
-    fields = _data_fields(ckpt)
+    fields = ckpt.data_values()
     task = _task_for(ckpt, args.data, args.tokenizer, args.checkpoint, "eval", "--data")
     for key, value in task.model_overrides.items():
         have = fields.get(key)

@@ -78,6 +78,12 @@ class Task:
     tokenizer: object | None = None
     _partitions: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def data(self) -> str:
+        """What the examples are, in a model family's terms (``Family.data``): ``"images"`` for the
+        ``vit`` family's data, ``"text"`` (token blocks) for ``gpt``'s."""
+        return "images" if self.family == "vit" else "text"
+
     def partition(
         self,
         num_partitions: int,

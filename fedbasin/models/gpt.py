@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -12,6 +13,9 @@ from .layers import Block, init_weights, make_norm
 
 @dataclass
 class GPTConfig:
+    data: ClassVar[str] = "text"  # what the model reads (as a Hugging Face Family declares it)
+    data_fields: ClassVar[tuple[str, ...]] = ("vocab_size", "block_size")  # the fields the data fixes
+
     vocab_size: int = 65
     block_size: int = 64
     dim: int = 64

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -12,6 +13,9 @@ from .layers import Block, init_weights, make_norm
 
 @dataclass
 class ViTConfig:
+    data: ClassVar[str] = "images"  # what the model reads (as a Hugging Face Family declares it)
+    data_fields: ClassVar[tuple[str, ...]] = ("image_size", "channels", "num_classes")  # the fields the data fixes
+
     image_size: int = 8
     patch_size: int = 2
     channels: int = 1

@@ -100,4 +100,5 @@ FAMILY = register(Family(
     from_standard=from_standard,
     ignored_file_keys=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
     tie=("transformer.wte.weight", "lm_head.weight"),
+    data_fields={"vocab_size": "vocab_size", "block_size": "n_positions"},
 ))  # fmt: skip

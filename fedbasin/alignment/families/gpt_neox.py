@@ -100,4 +100,6 @@ FAMILY = register(Family(
     to_file_key=lambda key: "embed_out.weight" if key == "lm_head.weight" else key,
     ignored_file_keys=(r"\.attention\.bias$", r"\.attention\.masked_bias$", r"\.rotary_emb\.inv_freq$"),
     tie=("gpt_neox.embed_in.weight", "lm_head.weight"),
+    data="text",
+    data_fields={"vocab_size": "vocab_size", "block_size": "max_position_embeddings"},
 ))  # fmt: skip

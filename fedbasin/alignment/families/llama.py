@@ -62,4 +62,6 @@ FAMILY = register(Family(
     },
     spec=spec,
     tie=("model.embed_tokens.weight", "lm_head.weight"),
+    data="text",
+    data_fields={"vocab_size": "vocab_size", "block_size": "max_position_embeddings"},
 ))  # fmt: skip

@@ -11,6 +11,9 @@ from typing import Callable
 from ..spec import SymmetrySpec
 
 
+DATA_KINDS = ("text", "images")
+
+
 def _same(state: dict, config=None) -> dict:
     return dict(state)
 
@@ -34,6 +37,11 @@ class Family:
         module layout (ViT's transformers-4 names); default unchanged.
     ignored_file_keys: regexes of stored keys the class ignores on load (legacy buffers).
     tie: (embedding, head) module keys shared when ``config.tie_word_embeddings`` is true.
+    data: what the model reads: ``"text"`` (token ids → next-token logits) or ``"images"``
+        (pixels → class logits); the data a command is given must be of this kind.
+    data_fields: fedbasin data field → config attribute, for the fields the data fixes
+        (``vocab_size`` and ``block_size``, the context length, for text; ``image_size``,
+        ``channels``, ``num_classes`` for images). The one place a context length is read.
     """
 
     classes: dict[str, tuple[str, str]]
@@ -45,10 +53,27 @@ class Family:
     ignored_file_keys: tuple[str, ...] = ()
     tie: tuple[str, str] | None = None
     notes: dict = field(default_factory=dict)
+    data: str = "text"
+    data_fields: dict[str, str] = field(
+        default_factory=lambda: {"vocab_size": "vocab_size", "block_size": "max_position_embeddings"})
+
+    def __post_init__(self):
+        if self.data not in DATA_KINDS:
+            raise ValueError(f"{self.model_types}: data {self.data!r} is not one of {DATA_KINDS}")
 
     @property
     def model_types(self) -> tuple[str, ...]:
         return tuple(self.classes)
+
+    def data_values(self, config) -> dict:
+        """The fields the data fixes, in fedbasin names (``{"vocab_size": …, "block_size": …}``)."""
+        return {name: getattr(config, attribute) for name, attribute in self.data_fields.items()}
+
+    def context_length(self, config) -> int | None:
+        """Tokens per example the model takes (None for a model without one, e.g. a ViT)."""
+        attribute = self.data_fields.get("block_size")
+        value = getattr(config, attribute, None) if attribute else None
+        return int(value) if value else None
 
     def ignores(self, key: str) -> bool:
         return any(re.search(pattern, key) for pattern in self.ignored_file_keys)

@@ -99,4 +99,6 @@ FAMILY = register(Family(
     from_file_key=lambda key: rename(key, legacy=module_is_legacy()),
     to_file_key=lambda key: rename(key, legacy=True),
     ignored_file_keys=(r"^vit\.pooler\.",),
+    data="images",
+    data_fields={"image_size": "image_size", "channels": "num_channels", "num_classes": "num_labels"},
 ))  # fmt: skip

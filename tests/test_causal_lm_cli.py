@@ -1,0 +1,118 @@
+"""`fedbasin eval | barrier | align --refine-data` on every registered Hugging Face causal-LM family
+(Llama with grouped-query attention, Mistral, Qwen2, GPT-NeoX), each a tiny random model saved with
+the GPT-2 tokenizer, on an excerpt of Tiny Shakespeare: the context length and the data kind come
+from the family registry, so nothing in the CLI is GPT-2 only."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from fedbasin.alignment.families import family  # noqa: E402
+from fedbasin.alignment.hf import hf_config_class, hf_model_class  # noqa: E402
+from fedbasin.checkpoint import build_torch_model, load_checkpoint, save_checkpoint  # noqa: E402
+from fedbasin.cli import main  # noqa: E402
+from tests.helpers import cli_error  # noqa: E402
+from tests.test_tokenizer_data import NEEDS_SHARED_TEXT, TOKENIZER, shakespeare_excerpt  # noqa: E402
+
+pytestmark = NEEDS_SHARED_TEXT
+
+VOCAB, CONTEXT = 50257, 16
+SHAPE = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=24,
+             max_position_embeddings=CONTEXT, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+FAMILIES = {
+    "llama": dict(num_key_value_heads=2),  # grouped-query attention: 2 query heads per key/value head
+    "mistral": dict(num_key_value_heads=2),
+    "qwen2": dict(num_key_value_heads=2),  # q/k/v biases
+    "gpt_neox": dict(num_attention_heads=2),  # head dim 8, a quarter of it rotary (NeoX default)
+}
+
+
+def _save(path, model_type: str, seed: int):
+    config = hf_config_class(model_type)(**{**SHAPE, **FAMILIES[model_type]})
+    torch.manual_seed(seed)
+    model = hf_model_class(model_type)(config)
+    with torch.no_grad():  # spread the weights like a trained model's
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_checkpoint(path, model_type, config, model.state_dict(), kind="hf")
+    for item in TOKENIZER.iterdir():
+        shutil.copy(item, path / item.name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    return shakespeare_excerpt(tmp_path_factory.mktemp("text"), 12_000)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    return request.param, _save(root / "m0", request.param, 1), _save(root / "m1", request.param, 2)
+
+
+def _run(capsys, argv) -> dict:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)
+
+
+def test_the_family_declares_its_context_length_and_data(pair):
+    model_type, m0, _ = pair
+    checkpoint = load_checkpoint(m0)
+    assert family(model_type).data == "text"
+    assert family(model_type).context_length(checkpoint.config) == CONTEXT
+
+
+def test_eval(pair, text_file, capsys):
+    model_type, m0, _ = pair
+    summary = _run(capsys, ["eval", m0, "--data", f"text:{text_file}", "--max-examples", 8])
+    assert summary["family"] == model_type and summary["examples"] == 8
+    assert math.isfinite(summary["loss"]) and 0 <= summary["accuracy"] <= 1
+
+
+def test_barrier(pair, text_file, capsys):
+    _, m0, m1 = pair
+    plain = _run(capsys, ["barrier", m0, m1, "--data", f"text:{text_file}", "--points", 3, "--max-examples", 8])
+    aligned = _run(capsys, ["barrier", m0, m1, "--data", f"text:{text_file}", "--points", 3, "--max-examples", 8,
+                            "--align", "--iterations", 2])
+    for curve in (plain, aligned, aligned["vanilla"]):
+        assert len(curve["losses"]) == 3 and all(math.isfinite(x) for x in curve["losses"])
+    assert aligned["losses"][-1] == pytest.approx(plain["losses"][-1])  # λ = 1: model A either way
+
+
+def test_align_refines_on_text(pair, text_file, capsys, tmp_path):
+    _, m0, m1 = pair
+    out = tmp_path / "aligned"
+    summary = _run(capsys, ["align", m0, m1, "--out", out, "--refine-data", f"text:{text_file}",
+                            "--refine-steps", 4, "--refine-examples", 40, "--refine-batch-size", 8,
+                            "--iterations", 2])["refinement"]
+    assert summary["tokenizer"] == str(m0) and summary["proxy_examples"] == 40
+    ids = torch.randint(0, VOCAB, (2, CONTEXT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = build_torch_model(load_checkpoint(out))(ids).logits
+        want = build_torch_model(load_checkpoint(m1))(ids).logits
+    assert float((got - want).abs().max()) < 1e-4
+
+
+def test_merge_refines_on_text(pair, text_file, capsys, tmp_path):
+    _, m0, m1 = pair
+    out = tmp_path / "merged"
+    summary = _run(capsys, ["merge", m0, m1, "--out", out, "--refine-data", f"text:{text_file}",
+                            "--refine-steps", 2, "--refine-examples", 40, "--refine-batch-size", 8,
+                            "--iterations", 2])["refinement"]
+    assert math.isfinite(summary["evaluation_loss"]) and (out / "model.safetensors").is_file()
+
+
+def test_images_are_refused_in_one_line_naming_the_family(pair, capsys):
+    model_type, m0, _ = pair
+    message = cli_error(capsys, ["eval", m0, "--data", "digits"])
+    assert f"is a {model_type} model but --data digits holds images; {model_type} models read text" in message
