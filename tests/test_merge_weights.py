@@ -116,3 +116,33 @@ def test_cli_merge_weights(tmp_path, capsys):
     assert "weight 1 is 'x', not a number" in message
     assert re.search(">= 0", cli_error(capsys, ["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "n"), "--weights", "1,-1"]))
     assert not (tmp_path / "n").exists()
+
+
+def test_combiners_are_declared_and_plain_callables_are_wrapped():
+    """The merge's ``combine`` is a :class:`Combiner` (default :class:`WeightedAverage`); a plain
+    ``(states, weights)`` callable, and a combiner that never reports entries through ``on_key``,
+    give the default's merge bitwise, universe passes included."""
+    from fedbasin.alignment import Combiner, WeightedAverage, as_combiner
+
+    spec = spec_of("vit", VIT)
+    states = [trained_like("vit", VIT, seed=s).state_dict() for s in (1, 2, 3)]
+    options = dict(weights=[0.0, 1.0, 2.0], universe_iterations=2, universe_tol=-1.0, iterations=2)
+
+    class Silent(Combiner):  # never calls on_key
+        calls = 0
+
+        def combine(self, states, weights, on_key=None):
+            Silent.calls += 1
+            return average_states(states, weights)
+
+    expected = merge(spec, states, **options)
+    for combine in (WeightedAverage(), average_states, lambda s, w: average_states(s, w), Silent()):
+        result = merge(spec, [dict(s) for s in states], combine=combine, **options)
+        assert all(torch.equal(result.state[k], expected.state[k]) for k in expected.state)
+        assert result.universe_change == expected.universe_change
+    assert Silent.calls == 2
+    assert isinstance(as_combiner(None), WeightedAverage) and isinstance(as_combiner(average_states), WeightedAverage)
+    with pytest.raises(TypeError, match="Combiner"):
+        merge(spec, states, combine="mean")
+    with pytest.raises(TypeError):
+        Combiner()  # combine() is abstract

@@ -376,14 +376,16 @@ def test_lean_universe_merge_holds_one_form_of_each_model(monkeypatch, weights, 
 
     monkeypatch.setattr(merge_module, "weight_match", sampled(merge_module.weight_match))
 
-    def combine(states, weights, on_key=None):
-        def entry_done(key, tensor):
-            on_key(key, tensor)
-            samples.append(_live_tensor_bytes())
-        if not reads_unweighted:  # a mean over the weighted models alone, like the strategy's
-            states, weights = zip(*[(s, w) for s, w in zip(states, weights) if w])
-        return sampled(merge_module.average_states)(list(states), list(weights), release=True, on_key=entry_done)
+    class Sampled(merge_module.Combiner):
+        def combine(self, states, weights, on_key=None):
+            def entry_done(key, tensor):
+                on_key(key, tensor)
+                samples.append(_live_tensor_bytes())
+            if not self.reads_unweighted:  # a mean over the weighted models alone, like the strategy's
+                states, weights = zip(*[(s, w) for s, w in zip(states, weights) if w])
+            return sampled(merge_module.average_states)(list(states), list(weights), release=True, on_key=entry_done)
 
+    combine = Sampled()
     combine.reads_unweighted = reads_unweighted
 
     largest = max(v.numel() * v.element_size() for v in base.values())

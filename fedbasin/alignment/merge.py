@@ -8,10 +8,10 @@ first alignment target (e.g. the previous global model in federated rounds).
 
 from __future__ import annotations
 
-import functools
-import inspect
+import abc
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +73,67 @@ def average_states(states: list[dict], weights: list[float], release: bool = Fal
     return out
 
 
+class Combiner(abc.ABC):
+    """How :func:`merge` (and :func:`~fedbasin.alignment.refine.refined_merge`) turns the aligned
+    models into one; the merge calls :meth:`combine` once per pass. The default is the weighted
+    mean (:class:`WeightedAverage`); e.g. the Flower strategy screens the aligned models first.
+    This is the whole contract between the merge and a combiner:
+
+    * :meth:`combine` ``(states, weights, on_key=None) -> dict``: ``states`` are the aligned
+      models in canonical form (one per merged model, in order), ``weights`` their merge weights
+      (a weight-0 model is an alignment target only, e.g. the previous global model); it returns
+      the combined canonical state. The dicts are the merge's own: ``combine`` may empty them
+      (key by key, as the result grows) and the merge never reads them afterwards. When given,
+      ``on_key(key, tensor)`` is called as each entry of the result is complete, so the merge can
+      drop the previous average's entry at once (one that never calls it is also correct: the
+      merge then compares the averages at the end, holding both whole).
+    * :attr:`reads_unweighted`: whether the *next* call reads the weight-0 models. The merge reads
+      it before every pass after the first; when it is False the merge hands an empty dict in
+      their place instead of making a canonical copy (it may change between calls, e.g. once a
+      screening decision made in the first call no longer needs them).
+    """
+
+    reads_unweighted: bool = True
+
+    @abc.abstractmethod
+    def combine(self, states: list[dict], weights: list[float], on_key=None) -> dict:
+        """The combined canonical state of ``states`` (see the class docstring)."""
+
+
+class WeightedAverage(Combiner):
+    """The default combiner: :func:`average_states`, ``Σ_k w_k θ_k / Σ_k w_k`` (``release=True``:
+    empties the inputs key by key, which :func:`merge` asks for when the caller hands the models over)."""
+
+    def __init__(self, release: bool = False):
+        self.release = release
+
+    def combine(self, states: list[dict], weights: list[float], on_key=None) -> dict:
+        return average_states(states, weights, release=self.release, on_key=on_key)
+
+
+class _PlainCombiner(Combiner):
+    """A plain ``function(states, weights) -> dict`` as a :class:`Combiner` (reads every model,
+    reports no entry early)."""
+
+    def __init__(self, function: Callable[[list, list], dict]):
+        self.function = function
+
+    def combine(self, states: list[dict], weights: list[float], on_key=None) -> dict:
+        return self.function(states, weights)
+
+
+def as_combiner(combine: Combiner | Callable[[list, list], dict] | None) -> Combiner:
+    """``combine`` as a :class:`Combiner`: None or :func:`average_states` is the weighted mean, a
+    plain ``(states, weights)`` callable is wrapped, a combiner is returned as it is."""
+    if combine is None or combine is average_states:
+        return WeightedAverage()
+    if isinstance(combine, Combiner):
+        return combine
+    if callable(combine):
+        return _PlainCombiner(combine)
+    raise TypeError(f"combine must be a Combiner or a (states, weights) callable, got {combine!r}")
+
+
 def _normalise_weights(weights, n):
     if weights is None:
         return [1.0] * n
@@ -100,7 +161,7 @@ def merge(
     weighting: str = "rms",
     progress: bool = False,
     token_rows: torch.Tensor | None = None,
-    combine=average_states,
+    combine: Combiner | Callable[[list, list], dict] | None = None,
     release: bool = False,
     head_weight: float = 1.0,
 ) -> MergeResult:
@@ -110,11 +171,9 @@ def merge(
     returned in the reference's gauge and keeps the architecture (tied tensors come back untied).
     ``token_rows``: match token-indexed rows of these ids only (see :func:`weight_match`);
     ``head_weight``: the output head's objective weight (likewise).
-    ``combine(aligned_canonical_states, weights)`` replaces the weighted mean (e.g. a robust
-    aggregator that screens the aligned models first); the dicts it gets are the merge's own.
-    A ``combine`` that takes ``on_key`` is told each entry of its result as it is complete (so
-    the previous average's entry can go at once); one whose ``reads_unweighted`` attribute is
-    False gets an empty dict for a weight-0 model in passes after the first (no canonical copy).
+    ``combine``: a :class:`Combiner` that replaces the weighted mean (e.g. a robust aggregator
+    that screens the aligned models first; its contract is stated there), or a plain
+    ``(states, weights)`` callable (wrapped by :func:`as_combiner`); default :class:`WeightedAverage`.
 
     Memory: each model is canonicalised only while it is aligned (inside :func:`weight_match`),
     so a pass holds the aligned models plus one model in flight. ``release=True`` (the caller
@@ -137,6 +196,7 @@ def merge(
     if not 0 <= reference < len(states):
         raise ValueError(f"reference index {reference} out of range for {len(states)} models")
     weights = _normalise_weights(weights, len(states))
+    combine = as_combiner(combine)
     names = [f"model {i}" for i in range(len(states))]
     for i in range(len(states)):  # no loop variable may keep a model alive (release=True)
         check_compatible(spec, states[reference], states[i], (names[reference], names[i]))
@@ -144,7 +204,7 @@ def merge(
     if not align:
         canon = [canonicalize(spec, s, names[i], validate=False, like=ref_c.gains).state
                  for i, s in enumerate(states)]
-        merged = combine(canon, weights)
+        merged = combine.combine(canon, weights)
         return MergeResult(to_gauge(spec, merged, ref_c.gains), merged, [], seconds=time.perf_counter() - t0,
                            untied=ref_c.untied)
 
@@ -158,8 +218,8 @@ def merge(
         if not readable[reference]:
             states[reference].clear()
             states[reference] = None
-        if combine is average_states:
-            combine = functools.partial(average_states, release=True)
+        if type(combine) is WeightedAverage and not combine.release:
+            combine = WeightedAverage(release=True)
     gains, universe = ref_c.gains, ref_c.state
     # model k between passes when its raw dict is gone: (g·θ_k canonical, g); g None: θ_k itself
     held = {reference: (ref_c.state, None)} if states[reference] is None else {}
@@ -192,7 +252,7 @@ def merge(
         for k in range(len(states)):  # only while combine runs, and only if it reads them
             if aligned[k] is None:
                 aligned[k] = (canonicalize(spec, states[k], names[k], validate=False, like=gains).state
-                              if getattr(combine, "reads_unweighted", True) else {})
+                              if combine.reads_unweighted else {})
         if not last:  # the merge keeps its aligned models for the next pass: combine gets copies
             held.update((k, (aligned[k], m.transform)) for k, m in enumerate(matches)
                         if m is not None and not readable[k])
@@ -203,10 +263,7 @@ def merge(
         drop = [universe, *(d for d, a in zip(inputs, aligned) if a is universe)] if t > 0 or readable[reference] else []
         del aligned
         change = _ChangeTracker(spec, universe, drop)
-        if _streams_keys(combine):
-            new_universe = combine(inputs, weights, on_key=change.entry_done)
-        else:
-            new_universe = combine(inputs, weights)
+        new_universe = combine.combine(inputs, weights, on_key=change.entry_done)
         del inputs
         result.matches = [m for m in matches if m is not None]
         if release:
@@ -240,14 +297,6 @@ def _keep_records_only(matches: list[MatchResult]) -> None:
 def _restore(spec: SymmetrySpec, state: dict, g: GroupElement | None) -> dict:
     """``θ = g⁻¹·(g·θ)`` in place on ``state`` (each aligned tensor goes as its original replaces it)."""
     return state if g is None else apply_group(spec, state, inverse(g), in_place=True)
-
-
-def _streams_keys(combine) -> bool:
-    """Whether ``combine`` takes ``on_key`` (called as each entry of its result is complete)."""
-    try:
-        return "on_key" in inspect.signature(combine).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class _ChangeTracker:

@@ -17,7 +17,7 @@ import io
 import math
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 
 import numpy as np
@@ -27,7 +27,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
-from fedbasin.alignment import SymmetrySpec, average_states, canonicalize, merge, refined_merge
+from fedbasin.alignment import Combiner, SymmetrySpec, average_states, canonicalize, merge, refined_merge
 from fedbasin.scratch import arrays_on_disk
 from fedbasin.strategies.robust import (
     AGGREGATORS,
@@ -463,69 +463,31 @@ class AlignedFedAvg(FedAvg):
         if self.device is not None:  # the round's matching, screening and merge run there
             models = [{k: v.to(self.device) for k, v in m.items()} for m in models]
         states = models
-        combine = self._combiner(server_round, owners, release=self.refine is None)
+        combiner = self._combiner(server_round, owners, release=self.refine is None)
         if not self.alignment:
-            return combine(states, weights), {"align_gain": 0.0, **combine.metrics}
+            return combiner.combine(states, weights), {"align_gain": 0.0, **combiner.metrics}
         if len(states) == 1:
             return states[0], {"align_gain": 0.0}
         reference = 0 if owners[0] is None else max(range(len(weights)), key=weights.__getitem__)
         if self.refine is not None:
             merged, refined = refined_merge(self.spec, states, weights, reference, self.refine,
-                                            combine=combine)
+                                            combine=combiner)
             _log_keep_best(server_round, "learned refinement", "held-out", refined)
             return merged, {"align_gain": refined.initial_loss - refined.best_loss,
                             "refine_heldout_loss": refined.best_loss, "refine_diverged_step": refined.diverged_step,
-                            **combine.metrics}
+                            **combiner.metrics}
         result = merge(self.spec, states, weights, reference, self.mode, self.iterations, self.tol,
-                       universe_iterations=self.universe_iterations, combine=combine, release=True)
+                       universe_iterations=self.universe_iterations, combine=combiner, release=True)
         gains = [m.objective[-1] - m.initial_objective for m in result.matches]
         return result.state, {"align_gain": float(sum(gains) / len(gains)) if gains else 0.0,
-                              "universe_passes": len(result.universe_change), **combine.metrics}
+                              "universe_passes": len(result.universe_change), **combiner.metrics}
 
-    def _combiner(self, server_round: int, owners: list, release: bool):
-        """``combine(states, weights)`` for :func:`~fedbasin.alignment.merge`, called on aligned
-        models: the weight-0 entry (previous global model) is only the centre; the first call
-        excludes cohort outliers (kept for later universe passes), then updates are clipped and
-        the rest aggregated (``release``: emptying the client models' dicts key by key, which
-        the merge hands over; ``on_key`` as in :func:`~fedbasin.alignment.merge.average_states`;
-        ``reads_unweighted``: whether the next call needs the centre, see ``merge``).
-        ``combine.metrics`` holds ``screen_seconds`` and ``num_clipped``."""
-        kept: list[int] | None = None
-
-        def combine(states: list, weights: list, on_key=None) -> dict:
-            nonlocal kept
-            t0 = time.perf_counter()
-            center = states[0] if owners[0] is None and states[0] else None
-            clients = [k for k, owner in enumerate(owners) if owner is not None]
-            if kept is None:
-                outliers = {}
-                if self.outlier_threshold > 0:
-                    outliers = cohort_outliers(
-                        [states[k] for k in clients], center, self.outlier_threshold
-                    )
-                for i, reason in sorted(outliers.items()):
-                    self._exclude(server_round, owners[clients[i]], reason, stage="cohort")
-                kept = [k for i, k in enumerate(clients) if i not in outliers]
-                if self.outlier_threshold > 0 and (split := equal_split([states[k] for k in kept])):
-                    camps = [sorted(owners[kept[i]] for i in camp) for camp in split[:2]]
-                    raise CohortSplit(
-                        f"no majority: the {len(kept)} replies split into two equal camps, nodes "
-                        f"{camps[0]} and {camps[1]} (closest across {split[2]:.4g} > {SPLIT_RATIO:g} × "
-                        f"widest within {split[3]:.4g}); no rule can tell which camp is honest")
-                combine.reads_unweighted = self.clip_ratio > 0  # later calls need the centre only to clip
-            group, group_weights = [states[k] for k in kept], [weights[k] for k in kept]
-            if self.clip_ratio > 0:
-                group, clipped = clip_updates(
-                    group, coordinate_median(group) if center is None else center, self.clip_ratio
-                )
-                combine.metrics["num_clipped"] = len(clipped)
-            combine.metrics["screen_seconds"] += time.perf_counter() - t0
-            return aggregate(group, group_weights, self.aggregator, self.trim_fraction,
-                             average_states, release=release, on_key=on_key)
-
-        combine.metrics = {"screen_seconds": 0.0}
-        combine.reads_unweighted = True
-        return combine
+    def _combiner(self, server_round: int, owners: list, release: bool) -> _ScreeningCombiner:
+        """The round's :class:`_ScreeningCombiner` (``owners``: node id per merged model, None for
+        the previous global model; ``release``: the merge hands the client models over)."""
+        return _ScreeningCombiner(
+            owners, release, self.outlier_threshold, self.clip_ratio, self.aggregator, self.trim_fraction,
+            exclude=lambda node, reason: self._exclude(server_round, node, reason, stage="cohort"))
 
     def _exclude(self, server_round: int, node: int, reason: str, stage: str = "reply") -> None:
         log(WARNING, "round %d: excluding reply from node %d: %s", server_round, node, reason)
@@ -657,6 +619,54 @@ class AlignedFedAvg(FedAvg):
 
 
 ORDER_KEY_BYTES = 1 << 16  # of each array, read by reply_order_key
+
+
+class _ScreeningCombiner(Combiner):
+    """One round's :class:`~fedbasin.alignment.merge.Combiner`, called on aligned models: the
+    weight-0 entry (previous global model) is only the centre; the first call excludes cohort
+    outliers (``exclude(node, reason)``; the decision, :attr:`kept`, holds for later universe
+    passes, and an even split raises :class:`CohortSplit`), then updates are clipped and the rest
+    aggregated (``release``: emptying the client models' dicts key by key). After the first call
+    the centre is read only to clip (:attr:`reads_unweighted`). :attr:`metrics` holds
+    ``screen_seconds`` (summed over the calls) and ``num_clipped`` (the last call's)."""
+
+    def __init__(self, owners: list, release: bool, outlier_threshold: float, clip_ratio: float,
+                 aggregator: str, trim_fraction: float, exclude: Callable[[int, str], None]):
+        self.owners, self.release, self.exclude = owners, release, exclude
+        self.outlier_threshold, self.clip_ratio = outlier_threshold, clip_ratio
+        self.aggregator, self.trim_fraction = aggregator, trim_fraction
+        self.kept: list[int] | None = None  # the clients the first call kept (indices into owners)
+        self.metrics: dict = {"screen_seconds": 0.0}
+        self.reads_unweighted = True
+
+    def combine(self, states: list, weights: list, on_key=None) -> dict:
+        t0 = time.perf_counter()
+        owners = self.owners
+        center = states[0] if owners[0] is None and states[0] else None
+        clients = [k for k, owner in enumerate(owners) if owner is not None]
+        if self.kept is None:
+            outliers = {}
+            if self.outlier_threshold > 0:
+                outliers = cohort_outliers([states[k] for k in clients], center, self.outlier_threshold)
+            for i, reason in sorted(outliers.items()):
+                self.exclude(owners[clients[i]], reason)
+            kept = self.kept = [k for i, k in enumerate(clients) if i not in outliers]
+            if self.outlier_threshold > 0 and (split := equal_split([states[k] for k in kept])):
+                camps = [sorted(owners[kept[i]] for i in camp) for camp in split[:2]]
+                raise CohortSplit(
+                    f"no majority: the {len(kept)} replies split into two equal camps, nodes "
+                    f"{camps[0]} and {camps[1]} (closest across {split[2]:.4g} > {SPLIT_RATIO:g} × "
+                    f"widest within {split[3]:.4g}); no rule can tell which camp is honest")
+            self.reads_unweighted = self.clip_ratio > 0  # later calls need the centre only to clip
+        group, group_weights = [states[k] for k in self.kept], [weights[k] for k in self.kept]
+        if self.clip_ratio > 0:
+            group, clipped = clip_updates(
+                group, coordinate_median(group) if center is None else center, self.clip_ratio
+            )
+            self.metrics["num_clipped"] = len(clipped)
+        self.metrics["screen_seconds"] += time.perf_counter() - t0
+        return aggregate(group, group_weights, self.aggregator, self.trim_fraction,
+                         average_states, release=self.release, on_key=on_key)
 
 
 def reply_order_key(weight: float, content: RecordDict, template: ArrayRecord) -> bytes:
