@@ -89,12 +89,16 @@ def test_barrier(pair, text_file, capsys):
     assert aligned["losses"][-1] == pytest.approx(plain["losses"][-1])  # λ = 1: model A either way
 
 
+def _refine(capsys, command, m0, m1, out, text_file, steps) -> dict:
+    """``fedbasin COMMAND m0 m1 --out OUT --refine-data text:FILE`` on 40 blocks; its refinement summary."""
+    return _run(capsys, [command, m0, m1, "--out", out, "--refine-data", f"text:{text_file}", "--refine-steps", steps,
+                         "--refine-examples", 40, "--refine-batch-size", 8, "--iterations", 2])["refinement"]
+
+
 def test_align_refines_on_text(pair, text_file, capsys, tmp_path):
     _, m0, m1 = pair
     out = tmp_path / "aligned"
-    summary = _run(capsys, ["align", m0, m1, "--out", out, "--refine-data", f"text:{text_file}",
-                            "--refine-steps", 4, "--refine-examples", 40, "--refine-batch-size", 8,
-                            "--iterations", 2])["refinement"]
+    summary = _refine(capsys, "align", m0, m1, out, text_file, steps=4)
     assert summary["tokenizer"] == str(m0) and summary["proxy_examples"] == 40
     ids = torch.randint(0, VOCAB, (2, CONTEXT), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -106,9 +110,7 @@ def test_align_refines_on_text(pair, text_file, capsys, tmp_path):
 def test_merge_refines_on_text(pair, text_file, capsys, tmp_path):
     _, m0, m1 = pair
     out = tmp_path / "merged"
-    summary = _run(capsys, ["merge", m0, m1, "--out", out, "--refine-data", f"text:{text_file}",
-                            "--refine-steps", 2, "--refine-examples", 40, "--refine-batch-size", 8,
-                            "--iterations", 2])["refinement"]
+    summary = _refine(capsys, "merge", m0, m1, out, text_file, steps=2)
     assert math.isfinite(summary["evaluation_loss"]) and (out / "model.safetensors").is_file()
 
 
