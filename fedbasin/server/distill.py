@@ -30,8 +30,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fedbasin.alignment.keep_best import all_finite, check_step_options, keep_best_record
-from fedbasin.weights import check_fits, weight_groups
 from fedbasin.scratch import ScratchTensors
+from fedbasin.weights import check_fits, weight_groups
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -191,6 +191,14 @@ def _logits(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _logits_of(module(x))
 
 
+@torch.no_grad()
+def mean_loss(forward: Callable[[torch.Tensor], object], loss_fn, split: list[Batch], device) -> float:
+    """``Σ_b loss(logits(x_b), y_b)·|b| / Σ_b |b|``: the example-weighted mean loss of ``forward``
+    (a model call; Hugging Face outputs are read through ``.logits``) over the batches of ``split``."""
+    total = sum(float(loss_fn(_logits_of(forward(x.to(device))), y.to(device))) * len(y) for x, y in split)
+    return total / sum(len(y) for _, y in split)
+
+
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
     """``T² · KL(softmax(teacher/T) ‖ softmax(student/T))``, mean over every predicted position,
     as ``T² · (Σ p_t log p_t − Σ p_t log p_s) / N``: the teacher's side without gradient and no
@@ -320,11 +328,9 @@ def ensemble_distill(
     def student_logits(x: torch.Tensor) -> torch.Tensor:
         return _logits_of(torch.func.functional_call(model, live, (x,)))
 
-    @torch.no_grad()
     def split_loss(split: list[Batch]) -> float:
         model.eval()
-        total = sum(float(loss_fn(student_logits(x.to(device)), y.to(device))) * len(y) for x, y in split)
-        return total / sum(len(y) for _, y in split)
+        return mean_loss(student_logits, loss_fn, split, device)
 
     best_copy = ScratchTensors(scratch_dir)  # the best state seen, while the live one moves on
 

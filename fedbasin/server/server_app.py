@@ -38,17 +38,17 @@ from fedbasin.config import (
     resolve_run_config,
     task_from_config,
 )
-from fedbasin.weights import check_fits, holding_weights, release_weights
 from fedbasin.server.distill import (
     TeacherOutputs,
-    _logits_of,
     cache_teacher_outputs,
     ensemble_distill,
+    mean_loss,
     random_crop_flip,
 )
 from fedbasin.server.outputs import RunOutputs
 from fedbasin.strategies import AlignedFedAvg
 from fedbasin.training import resolve_device
+from fedbasin.weights import check_fits, holding_weights, release_weights
 
 app = ServerApp()
 
@@ -187,13 +187,10 @@ def proxy_screen_options(model, task, config: dict, adapter=None) -> dict:
     selection = server_proxy_streams(task, model, config).selection
     device = resolve_device(config["device"])
 
-    @torch.no_grad()
     def proxy_loss(state: dict) -> float:
         with holding_weights(model, adapter.from_standard(state), device):
             model.eval()
-            total = sum(float(task.loss_fn(_logits_of(model(x.to(device))), y.to(device))) * len(y)
-                        for x, y in selection)
-        return total / sum(len(y) for _, y in selection)
+            return mean_loss(model, task.loss_fn, selection, device)
 
     return {"proxy_loss": proxy_loss, "proxy_screening": config["proxy-screening"]}
 

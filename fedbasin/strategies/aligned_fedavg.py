@@ -618,9 +618,6 @@ class AlignedFedAvg(FedAvg):
         return metrics
 
 
-ORDER_KEY_BYTES = 1 << 16  # of each array, read by reply_order_key
-
-
 class _ScreeningCombiner(Combiner):
     """One round's :class:`~fedbasin.alignment.merge.Combiner`, called on aligned models: the
     weight-0 entry (previous global model) is only the centre; the first call excludes cohort
@@ -667,6 +664,9 @@ class _ScreeningCombiner(Combiner):
         self.metrics["screen_seconds"] += time.perf_counter() - t0
         return aggregate(group, group_weights, self.aggregator, self.trim_fraction,
                          average_states, release=self.release, on_key=on_key)
+
+
+ORDER_KEY_BYTES = 1 << 16  # of each array, read by reply_order_key
 
 
 def reply_order_key(weight: float, content: RecordDict, template: ArrayRecord) -> bytes:
