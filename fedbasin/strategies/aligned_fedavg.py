@@ -27,7 +27,14 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
-from fedbasin.alignment import Combiner, SymmetrySpec, average_states, canonicalize, merge, refined_merge
+from fedbasin.alignment import (
+    Combiner,
+    SymmetrySpec,
+    average_states,
+    canonicalize,
+    merge,
+    refined_merge,
+)
 from fedbasin.scratch import arrays_on_disk
 from fedbasin.strategies.robust import (
     AGGREGATORS,
