@@ -142,108 +142,64 @@ def _device(args) -> torch.device:
         raise UsageError(f"--{exc}") from None
 
 
-def _matching_options(p: argparse.ArgumentParser) -> None:
+def _matching_options(p: argparse.ArgumentParser, universe: bool = False) -> None:
+    from fedbasin.options import MatchOptions, add_arguments
+
     g = p.add_argument_group("weight matching")
-    g.add_argument("--symmetry", choices=["orthogonal", "permutation"], default="orthogonal",
-                   help="group searched: orthogonal residual/head maps with head and neuron permutations, "
-                   "or permutations only")
-    g.add_argument("--iterations", type=_positive_int, default=20, help="at most this many coordinate-ascent passes")
-    g.add_argument("--tol", type=_nonnegative_float, default=1e-4,
-                   help="stop once a pass improves the objective by less than this fraction")
+    add_arguments(g, MatchOptions, skip=() if universe else ("universe-iterations",))
     g.add_argument("--seen-tokens", metavar="SPEC",
-                   help="match token-embedding and output-head rows only for the tokens in this text's training "
-                   "split (text:FILE, tokenised like the proxy data); the other rows are untrained noise")
+                   help="weight token-embedding and output-head rows by their counts in this text's training "
+                   "split (text:FILE, tokenised like the proxy data); default: from --refine-data text:FILE when "
+                   "given, else every row")
     g.add_argument("--token-weighting", choices=("seen", "sqrt", "count"), default="sqrt",
                    help="with --seen-tokens, weight token row t by √n_t (default), n_t or 1 (n_t: its count "
                    "in the training split)")
-    g.add_argument("--head-weight", type=_positive_float, default=1.0,
-                   help="factor on the output head's weight in the matching objective (models with a token "
-                   "embedding; default 1)")
 
 
 def _refine_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("learned refinement (on when --refine-data is given)")
+    from fedbasin.options import RefineOptions, add_arguments
+
+    g = p.add_argument_group("learned refinement (on when --refine-data is given; 'auto': the measured best for "
+                             "the model's kind, sized by --refine-budget)")
     g.add_argument("--refine-data", metavar="SPEC", help="proxy data: " + DATA_HELP + " | unigram:FILE (data-free: "
                    "synthetic token blocks drawn by the token counts of FILE's training split, no text, labelled by "
                    "the models' own mean predictions for training, keep-best and the report)")
     g.add_argument("--tokenizer", metavar="DIR", help="Hugging Face tokenizer directory for text data (default: "
                    "the one saved in the reference checkpoint's directory, if any)")
-    g.add_argument("--refine-steps", type=_positive_int, default=100, help="optimiser steps")
-    g.add_argument("--refine-examples", type=_positive_int, default=512,
-                   help="proxy examples taken from the data's training split (by default 60%% train the "
-                   "transforms, 20%% select the alignment kept, 20%% only report its loss)")
-    g.add_argument("--refine-selection-fraction", type=_unit_float, default=0.2, metavar="F",
-                   help="share of the proxy examples that keep-best scores (exactly, every token) to choose the "
-                   "alignment kept; must be > 0")
-    g.add_argument("--refine-evaluation-fraction", type=_unit_float, default=0.2, metavar="F",
-                   help="share of the proxy examples whose loss is only reported (evaluation_loss); 0: none, "
-                   "those examples train the transforms and the two report passes are saved")
-    g.add_argument("--refine-lr", type=_positive_float, default=1e-2,
-                   help="Adam learning rate of the rotation (Cayley) and permutation parameters")
-    g.add_argument("--refine-head-lr", type=_positive_float, metavar="LR",
-                   help="Adam learning rate of the per-head QK/OV maps (default: --refine-lr); on the GPT-2 "
-                   "recipe pair --refine-lr 0.0025 --refine-head-lr 0.04 measured best (docs/merging.md §13)")
-    g.add_argument("--refine-permutations", choices=["ste", "sinkhorn", "fixed"], default="ste",
-                   help="straight-through Hungarian, Sinkhorn relaxation, or keep the matching's permutations")
-    g.add_argument("--refine-group", choices=["orthogonal", "invertible"], default="orthogonal",
-                   help="maps learned: orthogonal, or invertible per-head QK/OV maps and ReLU neuron scalings "
-                   "(the larger exact group)")
-    g.add_argument("--refine-lambda", type=float, nargs=2, metavar=("LO", "HI"), default=(0.4, 0.6),
-                   help="two models train at λ ~ U(LO, HI) on the path")
-    g.add_argument("--refine-schedule", choices=["constant", "cosine"], default="constant",
-                   help="learning-rate schedule over the steps")
-    g.add_argument("--refine-batch-size", type=_positive_int, default=64, help="proxy examples per step")
-    g.add_argument("--refine-soft-labels", type=_unit_float, default=0.0, metavar="W",
-                   help="train the maps on (1 − W)·labels + W·the models' mean predicted probabilities "
-                   "(computed once on the proxy examples; keep-best still uses the labels); 0: labels only")
-    g.add_argument("--refine-soft-label-top-k", type=_nonnegative_int, default=0, metavar="K",
-                   help="with --refine-soft-labels: keep each target's K largest entries as sparse (token, weight) "
-                   "pairs, the rest of its mass as one bucket of the other tokens, so a large vocabulary fits "
-                   "in memory and combines with --refine-vocabulary; 0: every class")
-    g.add_argument("--refine-dual", action="store_true",
-                   help="the reference carries a learned transform too, so both endpoints move toward a shared path "
-                   "(align writes the candidate mapped back into the reference's own basis: the same path)")
-    g.add_argument("--refine-workers", type=_nonnegative_int, default=0, metavar="N",
-                   help="threads that share each training batch, one slice each, run side by side (0: one per "
-                   "torch CPU thread; 1 on a GPU); a fixed N gives the same result on any thread count")
-    g.add_argument("--refine-vocabulary-samples", type=_nonnegative_int, default=0, metavar="K",
-                   help="with --refine-vocabulary proxy|seen: each step the softmax also covers K tokens drawn "
-                   "from outside it, their logits raised by log(m/K) (m outside tokens): a sampled estimate of "
-                   "the probability mass the restricted softmax drops")
-    g.add_argument("--refine-vocabulary-batch-samples", type=_nonnegative_int, default=0, metavar="K",
-                   help="with --refine-vocabulary proxy|seen: each step's softmax covers that step's own tokens "
-                   "and K other tokens of the vocabulary drawn the same way (instead of the whole vocabulary): "
-                   "cheaper steps on a large vocabulary")
-    g.add_argument("--refine-seed", type=_nonnegative_int, default=0, metavar="S",
-                   help="seed of the refinement's randomness: which proxy examples train, select and report, the "
-                   "batch order, the λ draws, the sampled vocabulary tokens (and unigram:FILE's blocks)")
-    g.add_argument("--refine-eval-every", type=_positive_int, default=10,
-                   help="score the alignment on the selection split every N steps (keep-best)")
-    g.add_argument("--refine-start", choices=["weights", "activations"], default="weights",
-                   help="start from weight matching (--symmetry), or from the two models' activations on the "
-                   "proxy data: residual Procrustes, head and neuron Hungarian matching")
-    g.add_argument("--refine-vocabulary", choices=["full", "proxy", "seen"], default="full",
-                   help="text data: the training loss's softmax covers every token (full), only the tokens of "
-                   "the proxy data (proxy) or of the data's training split (seen); keep-best and reported "
-                   "losses always use the full vocabulary")
+    add_arguments(g, RefineOptions)
 
 
-MATCHING_OPTIONS = ("symmetry", "iterations", "tol", "seen_tokens", "token_weighting", "head_weight")
-REFINE_OPTIONS = ("refine_steps", "refine_examples", "refine_selection_fraction", "refine_evaluation_fraction", "refine_lr", "refine_head_lr", "refine_permutations", "refine_group",
-                  "refine_lambda", "refine_schedule", "refine_batch_size", "refine_soft_labels",
-                  "refine_soft_label_top_k", "refine_dual", "refine_workers", "refine_vocabulary_samples",
-                  "refine_vocabulary_batch_samples", "refine_seed", "refine_eval_every", "refine_start", "refine_vocabulary")
-STREAM_UNSUPPORTED = ("seen_tokens", "token_weighting", "head_weight", "tokenizer", "refine_data", *REFINE_OPTIONS)
+def _schema_dests(cls, surface_skip=()) -> tuple[str, ...]:
+    from fedbasin.options import CLI, schema_fields
+
+    return tuple(name.replace("-", "_") for name, _, _ in schema_fields(cls, CLI) if name not in surface_skip)
+
+
+def _dest_groups():
+    from fedbasin.options import MatchOptions, RefineOptions
+
+    matching = (*_schema_dests(MatchOptions, ("universe-iterations",)), "seen_tokens", "token_weighting")
+    refine = _schema_dests(RefineOptions)
+    return matching, refine, ("seen_tokens", "token_weighting", "head_weight", "tokenizer", "refine_data", *refine)
+
+
+MATCHING_OPTIONS, REFINE_OPTIONS, STREAM_UNSUPPORTED = _dest_groups()
 
 
 def _record_defaults(p: argparse.ArgumentParser) -> None:
     """Remember the defaults of the options whose effect depends on other options."""
+    from fedbasin.options import CLI, GROUPS, schema_fields
+
+    schema = {name.replace("-", "_"): f.default for cls in GROUPS for name, f, _ in schema_fields(cls, CLI)}
     dests = {*MATCHING_OPTIONS, *STREAM_UNSUPPORTED, "universe_iterations"}
-    p.set_defaults(option_defaults={d: p.get_default(d) for d in dests})
+    # a schema option not given is None; spelt out at its default it is not "given" either
+    p.set_defaults(option_defaults={d: schema.get(d, p.get_default(d)) for d in dests})
 
 
 def _plain(value):
-    return list(value) if isinstance(value, (list, tuple)) else value  # nargs gives lists, defaults are tuples
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):  # --refine-lambda LO HI, LO,HI
+        return ",".join(value)
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _given(args) -> set[str]:
@@ -268,15 +224,32 @@ def _refuse_ineffective_options(args) -> None:
         rules.append((REFINE_OPTIONS, "has no effect without --refine-data"))
         if args.command != "barrier" and "seen_tokens" not in given:
             rules.append((("tokenizer",), "has no effect without --seen-tokens or --refine-data"))
-    if "refine_soft_labels" not in given and not _unigram_proxy(args):
-        why = "has no effect without --refine-soft-labels or --refine-data unigram:FILE"
-        rules.append((("refine_soft_label_top_k",), why))
     if "seen_tokens" not in given:
         rules.append((("token_weighting",), "has no effect without --seen-tokens"))
     for dests, why in rules:
         for dest in dests:
             if dest in given:
                 raise UsageError(f"--{dest.replace('_', '-')} {why}")
+
+
+def _match_call(match) -> dict:
+    from fedbasin.options import match_call
+
+    return match_call(match)
+
+
+def _match_options(args):
+    """The weight-matching options of ``args`` (:class:`fedbasin.options.MatchOptions`), checked by the
+    schema (the first problem is a usage error)."""
+    from fedbasin.options import CLI, MatchOptions, from_args, problems
+
+    try:
+        match = from_args(MatchOptions, args)
+    except ValueError as error:
+        raise UsageError(str(error).splitlines()[0]) from None
+    if found := problems([match], CLI):
+        raise UsageError(found[0])
+    return match
 
 
 CHECKPOINT_HELP = "checkpoint directory (fedbasin or Hugging Face GPT-2/ViT/Llama/GPT-NeoX: config.json + model.safetensors)"
@@ -320,11 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint directory")
     p.add_argument("--weights", type=_weights, metavar="W0,W1,...",
                    help="one weight per model, REFERENCE first, normalised to sum 1 (default: equal)")
-    p.add_argument("--universe-iterations", type=_positive_int, default=1,
-                   help="passes re-aligning every model to the running average (1: align to REFERENCE only)")
     p.add_argument("--no-align", action="store_true", help="plain weighted averaging (no alignment)")
     _refine_options(p)
-    _matching_options(p)
+    _matching_options(p, universe=True)
     _device_option(p)
     p.set_defaults(func=cmd_merge)
     _record_defaults(p)
@@ -479,11 +450,11 @@ def cmd_align(args) -> int:
 
     if getattr(args, "stream", False):
         return _stream_align(args)
-    device = _device(args)
+    device, match = _device(args), _match_options(args)
     ref, cand = _load(args.reference, "reference"), _load(args.candidate, "candidate")
     _same_architecture(ref, cand, "candidate", args.candidate)
     summary = {"command": "align", "reference": args.reference, "candidate": args.candidate, "out": args.out,
-               "symmetry": args.symmetry}
+               "symmetry": match.symmetry}
     try:
         if args.refine_data:
             refine, info = _refiner(args, ref, "align")
@@ -497,9 +468,8 @@ def cmd_align(args) -> int:
                 aligned = to_gauge(ref.spec, back, canonicalize(ref.spec, reference).gains)
             summary["refinement"] = {**info, **result.summary()}
         else:
-            result = weight_match(ref.spec, _standard(ref, device), _standard(cand, device), mode=args.symmetry,
-                                  iterations=args.iterations, tol=args.tol, progress=True,
-                                  token_rows=_seen_tokens(args, ref, "align"), head_weight=args.head_weight)
+            result = weight_match(ref.spec, _standard(ref, device), _standard(cand, device), **_match_call(match),
+                                  progress=True, token_rows=_seen_tokens(args, ref, "align"))
             aligned = result.state
             summary.update(iterations=result.iterations, start=result.start,
                            initial_objective=result.initial_objective, objective=result.objective,
@@ -515,13 +485,15 @@ def _stream_align(args) -> int:
     from fedbasin.checkpoint import stream_align
 
     try:
-        result = stream_align(args.reference, args.candidate, args.out, mode=args.symmetry,
-                              iterations=args.iterations, tol=args.tol, device=_device(args), progress=True)
+        match = _match_options(args)
+        result = stream_align(args.reference, args.candidate, args.out, mode=match.symmetry,
+                              iterations=match.align_iterations, tol=match.align_tol, device=_device(args),
+                              progress=True)
     except (FileNotFoundError, KeyError, ValueError) as exc:
         raise InputError(str(exc)) from None
     summary = {
         "command": "align", "stream": True, "reference": args.reference, "candidate": args.candidate,
-        "out": args.out, "symmetry": args.symmetry, "iterations": result.iterations,
+        "out": args.out, "symmetry": match.symmetry, "iterations": result.iterations,
         "initial_objective": result.objective[0], "objective": result.objective, "seconds": round(result.seconds, 3),
     }
     _note_tiny_gains(summary, result.gains)
@@ -531,7 +503,7 @@ def _stream_align(args) -> int:
 def cmd_merge(args) -> int:
     from fedbasin.alignment import merge
 
-    device = _device(args)
+    device, match = _device(args), _match_options(args)
     paths = [args.reference, *args.models]
     checkpoints = [_load(p, "reference" if i == 0 else "model") for i, p in enumerate(paths)]
     for path, ckpt in zip(paths[1:], checkpoints[1:]):
@@ -541,7 +513,7 @@ def cmd_merge(args) -> int:
     if args.refine_data and args.no_align:
         raise UsageError("--refine-data needs alignment (drop --no-align)")
     summary = {"command": "merge", "models": paths, "weights": args.weights or [1.0] * len(paths), "out": args.out,
-               "symmetry": None if args.no_align else args.symmetry}
+               "symmetry": None if args.no_align else match.symmetry}
     states = [_standard(c, device) for c in checkpoints]
     gains = _gains(checkpoints[0].spec, states[0])
     try:
@@ -549,10 +521,9 @@ def cmd_merge(args) -> int:
             merged, info = _refined_merge(args, checkpoints, states)
             summary["refinement"] = info
         else:
-            result = merge(checkpoints[0].spec, states, weights=args.weights, mode=args.symmetry,
-                           iterations=args.iterations, tol=args.tol, universe_iterations=args.universe_iterations,
-                           align=not args.no_align, progress=True,
-                           token_rows=_seen_tokens(args, checkpoints[0], "merge"), head_weight=args.head_weight)
+            result = merge(checkpoints[0].spec, states, weights=args.weights, **_match_call(match),
+                           universe_iterations=match.universe_iterations, align=not args.no_align, progress=True,
+                           token_rows=_seen_tokens(args, checkpoints[0], "merge"))
             merged = result.state
             summary.update(universe_change=result.universe_change, objectives=result.objectives,
                            seconds=round(result.seconds, 3))
@@ -574,81 +545,77 @@ def _refined_merge(args, checkpoints, states) -> tuple[dict, dict]:
 
 
 def _refiner(args, ref, command: str):
-    """``refine(reference, candidates, **kw)`` on the proxy split of ``--refine-data`` (every matching and
-    refinement option applied) and a summary of the data used."""
+    """``refine(reference, candidates, **kw)`` on the proxy split of ``--refine-data``: the schema's options
+    (``auto`` resolved for the model's kind, :func:`fedbasin.options.resolve_refine`) through the one
+    translator :func:`fedbasin.options.refine_call`, and a summary of what was used."""
     from fedbasin.alignment import learned_refine, proxy_streams
-    from fedbasin.alignment.proxy import split_share_problem
+    from fedbasin.alignment.vocabulary import vocabulary_ids
     from fedbasin.checkpoint import build_torch_model
     from fedbasin.config import eval_batch_size
     from fedbasin.data import unigram_blocks
+    from fedbasin.options import (
+        CLI,
+        RefineOptions,
+        from_args,
+        model_kind,
+        problems,
+        refine_call,
+        resolve_refine,
+    )
     from fedbasin.training import cross_entropy
 
-    lo, hi = args.refine_lambda
-    if not 0.0 <= lo <= hi <= 1.0:
-        raise UsageError(f"--refine-lambda {lo} {hi}: needs 0 <= LO <= HI <= 1")
-    for option in ("refine_vocabulary_samples", "refine_vocabulary_batch_samples"):
-        if getattr(args, option) and args.refine_vocabulary == "full":
-            raise UsageError(f"--{option.replace('_', '-')} samples a restricted softmax: it needs "
-                             "--refine-vocabulary proxy|seen")
-    if args.refine_vocabulary_batch_samples and args.refine_soft_labels:
-        raise UsageError("--refine-vocabulary-batch-samples trains on the labels: it cannot be combined with "
-                         "--refine-soft-labels")
+    match = _match_options(args)
+    try:
+        chosen = from_args(RefineOptions, args)
+    except ValueError as error:
+        raise UsageError(str(error).splitlines()[0]) from None
     unigram = _unigram_proxy(args)
-    if unigram and args.refine_soft_labels:
-        raise UsageError(f"--refine-soft-labels: --refine-data {args.refine_data} is labelled by the models' "
-                         "predictions alone (soft labels of weight 1)")
-    if unigram and args.refine_vocabulary_batch_samples:
-        raise UsageError(f"--refine-vocabulary-batch-samples trains on the labels: --refine-data {args.refine_data} "
-                         "has none (the models' predictions label it)")
-    if (args.refine_soft_labels or unigram) and args.refine_vocabulary != "full" and not args.refine_soft_label_top_k:
-        raise UsageError(f"{'--refine-data unigram:' if unigram else '--refine-soft-labels'} over every token cannot "
-                         f"be combined with --refine-vocabulary {args.refine_vocabulary}: add "
-                         "--refine-soft-label-top-k K (sparse targets)")
-    selection, evaluation = args.refine_selection_fraction, args.refine_evaluation_fraction
-    if problem := split_share_problem(selection, evaluation):
-        raise UsageError(f"--refine-selection-fraction {selection} --refine-evaluation-fraction {evaluation}: {problem}")
-    if args.refine_dual and getattr(args, "weights", None) and args.weights[0] == 0:
+    kind = model_kind(ref.data, getattr(ref.config, "vocab_size", None))
+    resolved = resolve_refine(chosen, kind, unigram=unigram, gpu=_device(args).type == "cuda")
+    options = resolved.options
+    if found := problems([chosen, match], CLI, data=args.refine_data) or problems([options, match], CLI,
+                                                                                  data=args.refine_data):
+        raise UsageError(found[0])
+    if resolved.steps is None and options.budget <= 0:
+        raise UsageError("--refine-budget 0 --refine-steps auto: nothing to refine (give --refine-steps N or a "
+                         "budget > 0, or drop --refine-data)")
+    if options.dual and getattr(args, "weights", None) and args.weights[0] == 0:
         raise UsageError("--refine-dual moves the reference along the path: its --weights entry must be > 0")
-    if args.refine_start == "activations" and args.symmetry == "permutation":
-        raise UsageError("--refine-start activations finds an orthogonal residual map: it needs --symmetry orthogonal")
     if unigram:  # the text's training split gives the counts; the proxy is drawn from them
         text_file = args.refine_data.partition(":")[2]
         if not text_file:
             raise UsageError("--refine-data unigram:FILE needs the text file whose token counts it draws from")
         task = _task_for(ref, "text:" + text_file, args.tokenizer, args.reference, command, "--refine-data",
                          shown=args.refine_data)
-        proxy = unigram_blocks(task.train.token_ids(), int(ref.config.vocab_size), args.refine_examples,
-                               task.train.inputs.shape[1], seed=args.refine_seed)
+        proxy = unigram_blocks(task.train.token_ids(), int(ref.config.vocab_size), options.examples,
+                               task.train.inputs.shape[1], seed=options.seed)
     else:
         task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
-                         proxy_size=args.refine_examples)
+                         proxy_size=options.examples, proxy_at_most="examples" in resolved.chosen)
         proxy = task.proxy
     module = build_torch_model(ref)
     # selection/report batches of at most 32 examples whose logits stay under 2^26 values: GPT-2's
     # 50,257 tokens give 10 blocks of 128, and its head's product then runs 2.7 times faster per value
     # than with 32 blocks (a 206 MB output instead of 823 MB; merging.md §13)
-    data = proxy_streams(proxy, args.refine_batch_size, seed=args.refine_seed, selection_fraction=selection,
-                         evaluation_fraction=evaluation, eval_batch_size=eval_batch_size(task, module, most=32))
+    data = proxy_streams(proxy, options.batch_size, seed=options.seed, selection_fraction=options.selection_fraction,
+                         evaluation_fraction=options.evaluation_fraction,
+                         eval_batch_size=eval_batch_size(task, module, most=32))
+    vocabulary = None
+    if options.vocabulary != "full":
+        vocabulary = vocabulary_ids(options.vocabulary, proxy, task.train)
     refine = functools.partial(
         learned_refine, ref.spec, module, loss_fn=cross_entropy, batches=data.batches,
-        selection=data.selection, evaluation=data.evaluation, steps=args.refine_steps, lr=args.refine_lr,
-        head_lr=args.refine_head_lr, mode=args.symmetry, permutations=args.refine_permutations, group=args.refine_group,
-        lambda_range=tuple(args.refine_lambda), schedule=args.refine_schedule, match_iterations=args.iterations,
-        match_tol=args.tol, universe_iterations=getattr(args, "universe_iterations", 1),
-        token_rows=_seen_tokens(args, ref, command), head_weight=args.head_weight, start=args.refine_start,
-        eval_every=args.refine_eval_every, vocabulary=_refine_vocabulary(args, proxy, task.train),
-        vocabulary_samples=args.refine_vocabulary_samples,
-        vocabulary_batch_samples=args.refine_vocabulary_batch_samples, soft_labels=args.refine_soft_labels,
-        soft_label_top_k=args.refine_soft_label_top_k, dual=args.refine_dual, batch_workers=args.refine_workers,
-        to_module_state=ref.adapter.from_standard, progress=True, model_labels=unigram, seed=args.refine_seed)
-    info = {"steps": args.refine_steps, "seed": args.refine_seed, "lr": args.refine_lr,
-            "head_lr": args.refine_head_lr or args.refine_lr,
+        selection=data.selection, evaluation=data.evaluation, **refine_call(resolved, match),
+        token_rows=_seen_tokens(args, ref, command), vocabulary=vocabulary,
+        to_module_state=ref.adapter.from_standard, progress=True, model_labels=unigram)
+    info = {"kind": kind, "budget_seconds": options.budget, "seed": options.seed, "lr": options.lr,
+            "head_lr": options.head_lr or options.lr, "auto": resolved.chosen,
             "proxy_examples": len(proxy), "proxy": "unigram" if unigram else "data",
-            "labels": "models" if unigram else "data", "selection_fraction": selection, "evaluation_fraction": evaluation,
-            "soft_labels": args.refine_soft_labels,
-            "soft_label_top_k": args.refine_soft_label_top_k, "dual": args.refine_dual,
-            "vocabulary": args.refine_vocabulary, "vocabulary_samples": args.refine_vocabulary_samples,
-            "vocabulary_batch_samples": args.refine_vocabulary_batch_samples}
+            "labels": "models" if unigram else "data", "selection_fraction": options.selection_fraction,
+            "evaluation_fraction": options.evaluation_fraction, "soft_labels": options.soft_labels,
+            "soft_label_top_k": options.soft_label_top_k, "dual": options.dual,
+            "vocabulary": options.vocabulary, "vocabulary_samples": options.vocabulary_samples,
+            "vocabulary_batch_samples": options.vocabulary_batch_samples}
     if task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
     return refine, info
@@ -670,7 +637,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
 def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command: str, option: str,
-              proxy_size: int = 0, shown: str | None = None):
+              proxy_size: int = 0, shown: str | None = None, proxy_at_most: bool = False):
     """Load ``source`` for ``checkpoint``, refusing data the model cannot read (one-line errors that
     name ``option`` and ``shown``, the data as the user gave it, else ``source``).
 
@@ -684,7 +651,7 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
     if text and tokenizer is None and checkpoint.path is not None:
         if any((Path(checkpoint.path) / name).is_file() for name in TOKENIZER_FILES):
             tokenizer = str(checkpoint.path)
-    options = {"proxy_size": proxy_size}
+    options = {"proxy_size": proxy_size, "proxy_at_most": proxy_at_most}
     if text:
         options["tokenizer"] = tokenizer
         if checkpoint.context_length:
@@ -707,25 +674,17 @@ def _unigram_proxy(args) -> bool:
     return (getattr(args, "refine_data", None) or "").startswith("unigram:")
 
 
-def _refine_vocabulary(args, proxy, train):
-    """Token ids of ``--refine-vocabulary`` (None for the full vocabulary): those of the ``proxy`` blocks,
-    and with ``seen`` also those of the text's training split ``train``."""
-    if args.refine_vocabulary == "full":
-        return None
-    if not args.refine_data.startswith(("text:", "unigram:")):
-        raise UsageError(f"--refine-vocabulary {args.refine_vocabulary} needs text data (text:FILE or unigram:FILE), "
-                         f"got --refine-data {args.refine_data}")
-    splits = [proxy] + ([train] if args.refine_vocabulary == "seen" else [])
-    return torch.unique(torch.cat([t.reshape(-1) for s in splits for t in (s.inputs, s.targets)]))
-
-
 def _seen_tokens(args, checkpoint, command: str):
-    """Per-token weights from ``--seen-tokens``' training split (None without the option)."""
-    if not args.seen_tokens:
+    """Per-token weights from ``--seen-tokens``' training split; without the option, from ``--refine-data
+    text:FILE`` (the text that defines them is given); otherwise None (every row)."""
+    source, option = args.seen_tokens, "--seen-tokens"
+    if not source and (getattr(args, "refine_data", None) or "").startswith("text:"):
+        source, option = args.refine_data, "--refine-data"
+    if not source:
         return None
-    if not args.seen_tokens.startswith("text:"):
-        raise UsageError(f"--seen-tokens needs text data (text:FILE), got {args.seen_tokens}")
-    task = _task_for(checkpoint, args.seen_tokens, args.tokenizer, str(checkpoint.path), command, "--seen-tokens")
+    if not source.startswith("text:"):
+        raise UsageError(f"--seen-tokens needs text data (text:FILE), got {source}")
+    task = _task_for(checkpoint, source, args.tokenizer, str(checkpoint.path), command, option)
     from fedbasin.alignment.matching import token_weights
 
     return token_weights(task.train.token_ids(), int(checkpoint.config.vocab_size), args.token_weighting)
@@ -766,10 +725,10 @@ def cmd_barrier(args) -> int:
     try:
         curves = {"vanilla": interpolation_curve(a.state, b.state, loss_of, points=args.points)}
         if args.align:
-            result = weight_match(a.spec, _standard(a, device), _standard(b, device), mode=args.symmetry,
-                                  iterations=args.iterations, tol=args.tol, progress=True,
-                                  token_rows=_seen_tokens(args, a, "barrier"), head_weight=args.head_weight)
-            summary.update(symmetry=args.symmetry, align_seconds=round(result.seconds, 3))
+            match = _match_options(args)
+            result = weight_match(a.spec, _standard(a, device), _standard(b, device), **_match_call(match),
+                                  progress=True, token_rows=_seen_tokens(args, a, "barrier"))
+            summary.update(symmetry=match.symmetry, align_seconds=round(result.seconds, 3))
             aligned = a.adapter.from_standard({k: v.cpu() for k, v in result.state.items()})  # A's side
             curves["aligned"] = interpolation_curve(_gauged_form(a, summary), aligned, loss_of, points=args.points)
     except ValueError as exc:

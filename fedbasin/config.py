@@ -20,36 +20,26 @@ from fedbasin.alignment.adapters import Adapter, fedbasin_adapter
 from fedbasin.alignment.proxy import split_share_problem
 from fedbasin.data import Task, load_task
 from fedbasin.models import FAMILIES, build_model
+from fedbasin.options import AUTO, RUN, convert, from_run_config, run_config_choices, run_config_fields
+from fedbasin.options import problems as option_problems
 from fedbasin.run_defaults import DEFAULT_RUN_CONFIG
 from fedbasin.training import device_name_problem
 
+# the run-level keys' checks; the schema's keys (fedbasin.options) carry their own
 CHOICES = {
     "partitioner": ("iid", "dirichlet"),
     "init": ("server", "client"),
-    "symmetry": ("orthogonal", "permutation"),
-    "refine-permutations": ("ste", "sinkhorn", "fixed"),
-    "refine-group": ("orthogonal", "invertible"),
-    "refine-start": ("symmetry", "permutation", "orthogonal", "best"),
-    "refine-schedule": ("constant", "cosine"),
-    "aggregator": ("mean", "trimmed-mean", "median"),
-    "distill-augment": ("none", "crop", "crop-flip"),
-    "distill-teacher": ("logits", "probabilities"),
+    **run_config_choices(),
 }
 
 # (keys, lower bound, lower bound included): numeric keys outside their range are refused
 RANGES = (
-    (("num-server-rounds", "local-epochs", "batch-size", "block-size", "align-iterations",
-      "universe-iterations", "min-nodes"), 1, True),
-    (("seed", "proxy-size", "max-train-examples", "refine-steps", "distill-steps", "max-num-examples",
-      "model.dim", "model.depth", "model.heads", "model.mlp-dim", "model.patch-size", "model.kv-heads",
-      "weight-decay", "max-examples-ratio", "outlier-threshold", "proxy-screening", "clip-ratio", "trim-fraction",
-      "lr", "fraction-train", "fraction-evaluate", "distill-label-weight", "refine-soft-labels", "refine-soft-label-top-k",
-      "refine-workers", "refine-head-lr"),
-     0, True),
-    (("refine-lr", "distill-lr", "distill-temperature", "dirichlet-alpha", "max-abs-weight"), 0, False),
+    (("num-server-rounds", "local-epochs", "batch-size", "block-size", "min-nodes"), 1, True),
+    (("seed", "proxy-size", "max-train-examples", "model.dim", "model.depth", "model.heads", "model.mlp-dim",
+      "model.patch-size", "model.kv-heads", "weight-decay", "lr", "fraction-train", "fraction-evaluate"), 0, True),
+    (("dirichlet-alpha",), 0, False),
 )
-UPPER = {"fraction-train": 1.0, "fraction-evaluate": 1.0, "trim-fraction": 0.5, "distill-label-weight": 1.0,
-         "refine-soft-labels": 1.0}
+UPPER = {"fraction-train": 1.0, "fraction-evaluate": 1.0}
 
 
 class RunConfigError(ValueError):
@@ -64,12 +54,19 @@ def resolve_run_config(run_config: Mapping[str, object] | None = None) -> dict:
     """``DEFAULT_RUN_CONFIG`` updated by ``run_config``. Every bad key (unknown, wrong type, bad
     choice, out of range, contradicting another key) is reported, one line per key, in one
     :class:`RunConfigError` (a ``ValueError``). Ints are accepted where floats are expected."""
-    config, problems = dict(DEFAULT_RUN_CONFIG), []
+    config, problems, schema = dict(DEFAULT_RUN_CONFIG), [], run_config_fields()
     for key, value in (run_config or {}).items():
         if key not in DEFAULT_RUN_CONFIG:
             close = difflib.get_close_matches(key, DEFAULT_RUN_CONFIG, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             problems.append(f"unknown run-config key {key!r}{hint}; known: {sorted(DEFAULT_RUN_CONFIG)}")
+            continue
+        if key in schema:
+            _, f, opt = schema[key]
+            try:
+                config[key] = convert(f, opt, value)
+            except ValueError as error:
+                problems.append(f"run-config {key}={value!r}: {error}")
             continue
         expected = type(DEFAULT_RUN_CONFIG[key])
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
@@ -88,11 +85,12 @@ def resolve_run_config(run_config: Mapping[str, object] | None = None) -> dict:
 def _value_problems(config: dict) -> list[str]:
     """One line per key of a well-typed config whose value is refused."""
     problems = []
-    for key, allowed in CHOICES.items():
-        if config[key] not in allowed:
-            problems.append(f"run-config {key}={config[key]!r}; expected one of {allowed}")
+    for key in ("partitioner", "init"):
+        if config[key] not in CHOICES[key]:
+            problems.append(f"run-config {key}={config[key]!r}; expected one of {CHOICES[key]}")
+    problems += option_problems(from_run_config(config), RUN)
     for key, verb in (("refine-steps", "refines"), ("distill-steps", "distils"), ("proxy-screening", "scores replies")):
-        if config[key] > 0 and config["proxy-size"] < 10:
+        if config[key] != AUTO and config[key] > 0 and config["proxy-size"] < 10:
             problems.append(f"run-config {key}={config[key]} needs proxy-size >= 10 "
                             f"(got {config['proxy-size']}): the server {verb} on its proxy split")
     for keys, low, inclusive in RANGES:
@@ -111,11 +109,7 @@ def _value_problems(config: dict) -> list[str]:
     if problem := split_share_problem(selection, evaluation):
         problems.append(f"run-config proxy-selection-fraction={selection!r} proxy-evaluation-fraction={evaluation!r}: "
                         f"{problem}")
-    try:
-        refine_lambda(config)
-    except ValueError as error:
-        problems.append(str(error))
-    if config["refine-steps"] > 0 and not config["alignment"]:
+    if config["refine-steps"] not in (AUTO, 0) and not config["alignment"]:
         problems.append(f"run-config refine-steps={config['refine-steps']} refines the alignment: "
                         "it needs alignment=true")
     if problem := device_name_problem(config["device"]):
@@ -123,19 +117,6 @@ def _value_problems(config: dict) -> list[str]:
     if config["resume"] and config["overwrite"]:
         problems.append("run-config resume=true and overwrite=true contradict each other")
     return problems
-
-
-def refine_lambda(config: Mapping[str, object]) -> tuple[float, float]:
-    """``refine-lambda = "LO,HI"`` as ``(lo, hi)``; ``ValueError`` unless ``0 <= LO <= HI <= 1``."""
-    text = config["refine-lambda"]
-    try:
-        lo, hi = (float(part) for part in text.split(","))
-    except ValueError:
-        lo = hi = math.nan
-    if not 0.0 <= lo <= hi <= 1.0:
-        raise ValueError(f"run-config refine-lambda={text!r} must be 'LO,HI' with 0 <= LO <= HI <= 1 "
-                         "(two models train at λ ~ U(LO, HI) on their path), e.g. '0.4,0.6'")
-    return lo, hi
 
 
 def model_config(

@@ -8,6 +8,8 @@ which imports them.
 
 from __future__ import annotations
 
+from fedbasin.options import run_config_defaults
+
 DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     # rounds and reproducibility
     "num-server-rounds": 3,
@@ -43,43 +45,16 @@ DEFAULT_RUN_CONFIG: dict[str, bool | int | float | str] = {
     "batch-size": 16,
     "weight-decay": 0.01,
     "device": "auto",  # auto | cpu | cuda | cuda:N
-    # strategy
+    # strategy (matching, refinement, distillation and robust aggregation: fedbasin.options, added below)
     "alignment": True,
-    "symmetry": "orthogonal",  # orthogonal | permutation
-    "align-iterations": 20,
-    "universe-iterations": 1,  # >1: re-align every client to the running average (universe matching)
-    "refine-steps": 0,  # >0: learned refinement on the server's proxy split (needs proxy-size >= 10)
-    "refine-lr": 0.01,
-    "refine-head-lr": 0.0,  # >0: Adam's learning rate for the per-head QK/OV maps (0: refine-lr)
-    "refine-permutations": "ste",  # ste (straight-through Hungarian) | sinkhorn | fixed (the matching's)
-    "refine-group": "orthogonal",  # orthogonal | invertible (per-head QK/OV maps, ReLU neuron scalings)
-    "refine-start": "symmetry",  # symmetry (`symmetry`'s mode) | permutation | orthogonal | best (both, the better)
-    "refine-lambda": "0.4,0.6",  # LO,HI: two models train at λ ~ U(LO, HI) on their path
-    "refine-schedule": "constant",  # constant | cosine (learning rate decays to 0 over refine-steps)
-    "refine-soft-labels": 0.0,  # w in [0, 1]: the maps train on (1 - w) labels + w the clients' mean probabilities
-    "refine-soft-label-top-k": 0,  # k > 0: soft labels kept as each target's k largest entries (sparse)
-    "refine-workers": 0,  # threads sharing each refinement batch (0: one per torch CPU thread; fixed: same result anywhere)
-    "distill-steps": 0,  # >0: distil the clients' logit ensemble into the merge on the proxy split
-    "distill-lr": 0.002,
-    "distill-temperature": 3.0,
-    "distill-label-weight": 0.0,  # w in [0, 1]: (1 - w) KL to the ensemble + w CE on the proxy labels
-    "distill-augment": "none",  # none | crop | crop-flip: random views of the transfer images (image data)
-    "distill-teacher": "logits",  # logits | probabilities: the ensemble averages the clients' logits or probabilities
     "fraction-train": 1.0,
     "fraction-evaluate": 1.0,
     "min-nodes": 2,
-    # robust aggregation (server side; see fedbasin.strategies.AlignedFedAvg, docs/robustness.md)
-    "max-abs-weight": 1e6,  # a reply holding any |value| above this is excluded
-    "max-num-examples": 1000000,  # num-examples cap (0: none)
-    "max-examples-ratio": 1.0,  # and at most this × the round's lower-median count (0: none)
-    "outlier-threshold": 3.5,  # MAD rule in the aligned basis, and two equal camps fail the round (0: off)
-    "proxy-screening": 0.0,  # t > 0: exclude replies whose proxy loss > (1 + t) × the lower median of the cohort's proxy losses
-    "clip-ratio": 0.0,  # >0: clip updates to this × the median update norm
-    "aggregator": "mean",  # mean | trimmed-mean | median (coordinate-wise, after alignment)
-    "trim-fraction": 0.25,  # trimmed-mean: fraction dropped at each end
     # server outputs
     "out-dir": "runs/flower",
     "resume": False,
     "overwrite": False,  # a fresh run may replace the outputs of an earlier run in out-dir
     "rebuild-results": False,  # resume: rebuild a missing/damaged results.json from checkpoints
 }
+# the schema's options (fedbasin.options): matching, learned refinement, distillation, robust aggregation
+DEFAULT_RUN_CONFIG.update(run_config_defaults())

@@ -283,7 +283,7 @@ def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsy
         got = build_torch_model(load_checkpoint(out))(x).logits
         want = build_torch_model(load_checkpoint(paths[1]))(x).logits
     assert rel_err(got, want) < 1e-5
-    assert "needs --symmetry orthogonal" in cli_error(capsys, argv + ["--symmetry", "permutation"])
+    assert "it needs symmetry orthogonal" in cli_error(capsys, argv + ["--symmetry", "permutation"])
     # each step's own tokens plus 3 sampled ones: the option reaches the summary, the function is kept
     assert main(argv + ["--refine-vocabulary-batch-samples", "3", "--out", str(tmp_path / "batch")]) == 0
     summary = json.loads(capsys.readouterr().out)["refinement"]
@@ -293,7 +293,7 @@ def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsy
         assert rel_err(build_torch_model(load_checkpoint(tmp_path / "batch"))(x).logits, want) < 1e-5
     full = [a for a in argv if a not in ("--refine-vocabulary", "proxy")]
     for option in ("--refine-vocabulary-samples", "--refine-vocabulary-batch-samples"):
-        assert "needs --refine-vocabulary proxy|seen" in cli_error(capsys, full + [option, "3"])
-    assert "cannot be combined with --refine-soft-labels" in cli_error(
+        assert "needs vocabulary proxy|seen" in cli_error(capsys, full + [option, "3"])
+    assert "cannot be combined with soft labels" in cli_error(
         capsys, argv + ["--refine-vocabulary-batch-samples", "3", "--refine-soft-labels", "0.5",
                         "--refine-soft-label-top-k", "4"])

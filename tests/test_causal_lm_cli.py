@@ -92,7 +92,8 @@ def test_barrier(pair, text_file, capsys):
 def _refine(capsys, command, m0, m1, out, text_file, steps) -> dict:
     """``fedbasin COMMAND m0 m1 --out OUT --refine-data text:FILE`` on 40 blocks; its refinement summary."""
     return _run(capsys, [command, m0, m1, "--out", out, "--refine-data", f"text:{text_file}", "--refine-steps", steps,
-                         "--refine-examples", 40, "--refine-batch-size", 8, "--iterations", 2])["refinement"]
+                         "--refine-examples", 40, "--refine-batch-size", 8, "--iterations", 2,
+                         "--refine-evaluation-fraction", 0.2])["refinement"]
 
 
 def test_align_refines_on_text(pair, text_file, capsys, tmp_path):

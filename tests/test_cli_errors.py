@@ -145,7 +145,7 @@ def test_options_at_their_defaults_or_enabled_are_accepted(models, tmp_path, cap
     """The refusal looks at what changes behaviour: a default value spelt out, or an option with
     the one that enables it, runs."""
     assert main(["align", models["a"], models["b"], "--out", str(tmp_path / "o"), "--iterations", "2",
-                 "--refine-lambda", "0.4", "0.6", "--token-weighting", "sqrt"]) == 0
+                 "--refine-lambda", "auto", "--token-weighting", "sqrt"]) == 0
     assert main(["barrier", models["a"], models["b"], "--data", "digits", "--max-examples", "20", "--points", "2",
                  "--align", "--symmetry", "permutation"]) == 0
     capsys.readouterr()

@@ -117,7 +117,7 @@ def test_one_shot_reuses_cached_clients_only_when_every_client_setting_matches(t
     from fedbasin.simulations import oneshot
 
     base = {**oneshot.ONESHOT_DEFAULTS, "local-epochs": 2, "max-train-examples": 300, "align-iterations": 2,
-            "proxy-size": 60}
+            "proxy-size": 60, "refine-steps": 0}
     first = oneshot.one_shot(resolve_run_config(base), 2, progress=False, cache=tmp_path)
     assert not first["clients_from_cache"] and len(list(tmp_path.glob("clients-*.pt"))) == 1
     server_side = resolve_run_config({**base, "distill-steps": 5, "distill-label-weight": 0.5})
@@ -164,7 +164,8 @@ def test_further_rounds_continue_only_the_named_merges_and_bad_names_are_refused
     from fedbasin.simulations import oneshot
 
     config = resolve_run_config({**oneshot.ONESHOT_DEFAULTS, "local-epochs": 4, "max-train-examples": 300,
-                                 "align-iterations": 2, "proxy-size": 60, "distill-steps": 10})
+                                 "align-iterations": 2, "proxy-size": 60, "distill-steps": 10,
+                                 "refine-steps": 0})
     row = oneshot.one_shot(config, 2, progress=False, rounds=1, further_epochs=2, further_from=("distilled",))
     further = row["further"]
     assert list(further) == ["aligned (orth) + distilled", "FedAvg, shared init"]

@@ -33,7 +33,8 @@ def test_cli_refinement_scores_in_batches_whose_logits_fit_the_budget(tmp_path, 
     seen = {}
     spy_on_cli_refine(monkeypatch, lambda k: seen.update(selection=k["selection"], evaluation=k["evaluation"]))
     assert main(["align", str(ref), str(cand), "--out", str(tmp_path / "out"), "--refine-data", f"text:{text_file}",
-                 "--refine-steps", "1", "--refine-examples", "120", "--iterations", "1"]) == 0
+                 "--refine-steps", "1", "--refine-examples", "120", "--iterations", "1",
+                 "--refine-evaluation-fraction", "0.2"]) == 0
     for split in ("selection", "evaluation"):
         sizes = [len(y) for _, y in seen[split]]
         assert max(sizes) * context * vocab <= BUDGET and max(sizes) == BUDGET // (context * vocab)

@@ -150,7 +150,8 @@ def test_server_distillation_of_a_causal_lm_lowers_its_proxy_loss_and_is_what_ge
     clients' logit ensemble into it on its proxy split; keep-best never returns a student worse than
     the merge on the selection split, round 1's student is better than its merge there, and the
     distilled model is the round's saved global model (from_pretrained reproduces its test loss)."""
-    overrides = {"hf-config": "gpt2", "proxy-size": 48, "distill-steps": 20, "distill-lr": 0.003}
+    overrides = {"hf-config": "gpt2", "proxy-size": 48, "distill-steps": 20, "distill-lr": 0.003,
+                 "refine-steps": 0}
     results = federate(tmp_path, text_file, **overrides)
     rounds = results["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2] and results["final"]["usable"]

@@ -101,9 +101,9 @@ def test_cli_refine_head_lr(tmp_path, capsys, monkeypatch):
     info = json.loads(capsys.readouterr().out)["refinement"]
     assert (info["lr"], info["head_lr"]) == (0.005, 0.04)
     assert cli.main([*base, "--out", out + "d"]) == 0
-    assert json.loads(capsys.readouterr().out)["refinement"]["head_lr"] == 0.01  # --refine-lr's default
-    assert seen == [(0.005, 0.04), (0.01, None)]
-    assert "expected a number > 0, got 0" in cli_error(capsys, [*base, "--out", out + "2", "--refine-head-lr", "0"])
+    assert json.loads(capsys.readouterr().out)["refinement"]["head_lr"] == 0.005  # an image classifier's auto lr
+    assert seen == [(0.005, 0.04), (0.005, None)]  # its auto head lr is 0: the same as lr
+    assert "must be at least 0, got -1" in cli_error(capsys, [*base, "--out", out + "2", "--refine-head-lr", "-1"])
     assert cli_error(capsys, ["align", m0, m1, "--out", out + "2", "--refine-head-lr", "0.04"]).endswith(
         "--refine-head-lr has no effect without --refine-data")
 

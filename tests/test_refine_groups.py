@@ -163,7 +163,7 @@ def test_cli_merge_with_the_invertible_group(tmp_path, capsys):
         m = trained_like("vit", config, seed=seed, dtype=torch.float32)
         save_checkpoint(tmp_path / f"m{seed}", "vit", m.config, m.state_dict())
     models = [str(tmp_path / "m1"), str(tmp_path / "m2")]
-    assert "--refine-lambda 0.8 0.2" in cli_error(capsys, ["merge", *models, "--out", str(tmp_path / "bad"),
+    assert "--refine-lambda 0.8,0.2" in cli_error(capsys, ["merge", *models, "--out", str(tmp_path / "bad"),
                                                            "--refine-data", "digits", "--refine-lambda", "0.8", "0.2"])
     assert not (tmp_path / "bad").exists()
     assert main(["merge", *models, "--out", str(tmp_path / "out"), "--refine-data", "digits", "--refine-steps", "6",

@@ -68,7 +68,8 @@ def test_bad_keys_end_the_run_before_round_1_with_one_line_each(tmp_path, server
     named = {line.removeprefix("run-config ").split("=")[0]: line for line in lines[:-1]}
     assert sorted(named) == sorted(bad) and not any("\n" in line for line in lines)
     assert named["symmetry"].endswith("expected one of ('orthogonal', 'permutation')")
-    assert named["refine-start"].endswith("expected one of ('symmetry', 'permutation', 'orthogonal', 'best')")
+    assert named["refine-start"].endswith(
+        "expected one of ('symmetry', 'permutation', 'orthogonal', 'best', 'activations', 'auto')")
     assert named["num-server-rounds"].endswith("has type str; expected int")
     assert named["lr"].endswith("must be at least 0")
     assert "must be 'LO,HI' with 0 <= LO <= HI <= 1" in named["refine-lambda"]
@@ -109,11 +110,11 @@ def test_every_bad_key_is_reported_with_what_is_allowed():
     assert problems == [
         "unknown run-config key 'epochs' (did you mean 'local-epochs'?); known: "
         + str(sorted(resolve_run_config())),
-        "run-config refine-permutations='gumbel'; expected one of ('ste', 'sinkhorn', 'fixed')",
-        "run-config refine-schedule='linear'; expected one of ('constant', 'cosine')",
-        "run-config refine-steps=5 needs proxy-size >= 10 (got 4): the server refines on its proxy split",
+        "run-config refine-permutations='gumbel'; expected one of ('ste', 'sinkhorn', 'fixed', 'auto')",
+        "run-config refine-schedule='linear'; expected one of ('constant', 'cosine', 'auto')",
         "run-config refine-lambda='half' must be 'LO,HI' with 0 <= LO <= HI <= 1 (two models train at "
         "λ ~ U(LO, HI) on their path), e.g. '0.4,0.6'",
+        "run-config refine-steps=5 needs proxy-size >= 10 (got 4): the server refines on its proxy split",
         "run-config refine-steps=5 refines the alignment: it needs alignment=true",
     ]
     assert str(refused.value) == "\n".join(problems)
@@ -130,8 +131,8 @@ def test_every_bad_key_is_reported_with_what_is_allowed():
     ({"refine-start": "permutation"}, "mode", "permutation"),
     ({}, "lambda_range", (0.4, 0.6)),
     ({"refine-lambda": "0.1,0.9"}, "lambda_range", (0.1, 0.9)),
-    ({}, "schedule", "constant"),
-    ({"refine-schedule": "cosine"}, "schedule", "cosine"),
+    ({}, "schedule", "cosine"),  # an image classifier's auto schedule
+    ({"refine-schedule": "constant"}, "schedule", "constant"),
     ({"refine-permutations": "fixed"}, "permutations", "fixed"),
     ({"refine-permutations": "sinkhorn"}, "permutations", "sinkhorn"),
     ({"refine-group": "invertible"}, "group", "invertible"),
@@ -191,7 +192,7 @@ def test_simulate_prints_one_line_per_bad_key(tmp_path, capsys):
 
     assert cli("--run-config", "lr=-1.0 refine-schedule='linear'", "--out", str(tmp_path / "run")) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "fedbasin simulate: run-config refine-schedule='linear'; expected one of ('constant', 'cosine')",
+        "fedbasin simulate: run-config refine-schedule='linear'; expected one of ('constant', 'cosine', 'auto')",
         "fedbasin simulate: run-config lr=-1.0 must be at least 0",
     ]
     assert not (tmp_path / "run").exists()

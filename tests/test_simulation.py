@@ -23,6 +23,7 @@ from fedbasin.config import (
     resolve_run_config,
     task_from_config,
 )
+from fedbasin.options import toml_value
 from fedbasin.simulations import simulate
 from tests.test_strategy import serverapp_identity  # noqa: F401  (autouse: a run identity)
 
@@ -303,7 +304,7 @@ def test_a_failed_flwr_run_is_an_error_and_the_superlink_is_stopped(tmp_path, mo
         '[tool.flwr.app]\npublisher = "test"\n\n[tool.flwr.app.components]\n'
         'serverapp = "brokenapp.server:app"\nclientapp = "fedbasin.client.client_app:app"\n\n'
         "[tool.flwr.app.config]\n"
-        + "".join(f"{k} = {simulate._toml(v)}\n" for k, v in DEFAULT_RUN_CONFIG.items())
+        + "".join(f"{k} = {toml_value(v)}\n" for k, v in DEFAULT_RUN_CONFIG.items())
     )
     started = []
     real_popen = subprocess.Popen
@@ -398,7 +399,8 @@ def test_one_shot_distillation_and_further_rounds():
     from fedbasin.simulations import oneshot
 
     config = resolve_run_config({**oneshot.ONESHOT_DEFAULTS, "local-epochs": 15, "max-train-examples": 600,
-                                 "align-iterations": 5, "proxy-size": 150, "distill-steps": 60})
+                                 "align-iterations": 5, "proxy-size": 150, "distill-steps": 60,
+                                 "refine-steps": 0})
     row = oneshot.one_shot(config, 2, progress=False, rounds=1, further_epochs=5)
     # seed 0 measured: FedAvg 0.46 -> distilled 0.60; aligned (orth) 0.51 -> distilled 0.63
     assert row["aligned_distilled_from"] == "aligned (orth)"

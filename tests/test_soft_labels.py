@@ -151,18 +151,19 @@ def test_cli_soft_labels(tmp_path, capsys, monkeypatch):
                  "--refine-examples", "120", "--refine-soft-labels", "0.5", "--refine-soft-label-top-k", "3"]) == 0
     assert json.loads(capsys.readouterr().out)["refinement"]["soft_label_top_k"] == 3
     assert seen == [(0.5, 0), (0.5, 3)]
-    assert "expected a number in [0, 1], got 2" in cli_error(capsys, ["merge", m0, m1, "--out", out + "2",
+    assert "must be at most 1.0, got 2" in cli_error(capsys, ["merge", m0, m1, "--out", out + "2",
                                                                        "--refine-soft-labels", "2"])
     assert cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-soft-labels", "0.5"]).endswith(
         "--refine-soft-labels has no effect without --refine-data")
     assert cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-data", "digits", "--refine-soft-labels",
-                              "0.5", "--refine-vocabulary", "proxy"]).endswith(
-        "--refine-soft-labels over every token cannot be combined with --refine-vocabulary proxy: add "
-        "--refine-soft-label-top-k K (sparse targets)")
+                              "0.5", "--refine-vocabulary", "proxy", "--refine-soft-label-top-k", "0"]).endswith(
+        "--refine-vocabulary proxy --refine-soft-label-top-k 0: soft labels over every token cannot be combined "
+        "with a restricted vocabulary: give K > 0")
     assert cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-data", "digits",
-                              "--refine-soft-label-top-k", "3"]).endswith(
-        "--refine-soft-label-top-k has no effect without --refine-soft-labels or --refine-data unigram:FILE")
-    assert "expected an integer >= 0" in cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-data",
+                              "--refine-soft-labels", "0", "--refine-soft-label-top-k", "3"]).endswith(
+        "--refine-soft-label-top-k 3 --refine-soft-labels 0.0: sparse soft labels have no effect without soft labels "
+        "(> 0, or unigram: data)")
+    assert "must be at least 0, got -1" in cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-data",
                                                             "digits", "--refine-soft-labels", "0.5",
                                                             "--refine-soft-label-top-k", "-1"])
 

@@ -121,7 +121,7 @@ def test_unigram_proxy_from_the_cli(tmp_path, monkeypatch, capsys):
     small = {ref: _gpt2(tmp_path / "small_ref", 3, vocab=1000), cand: _gpt2(tmp_path / "small_cand", 4, vocab=1000)}
     # the GPT-2 tokenizer saved beside them has more ids than they embed
     assert f"--refine-data unigram:{text}: tokenizer" in cli_error(capsys, [small.get(a, a) for a in argv])
-    assert "add --refine-soft-label-top-k K" in cli_error(capsys, argv + ["--refine-vocabulary", "seen"])
-    assert "has no effect without --refine-soft-labels" in cli_error(
+    assert "give K > 0" in cli_error(capsys, argv + ["--refine-vocabulary", "seen", "--refine-soft-label-top-k", "0"])
+    assert "have no effect without soft labels" in cli_error(
         capsys, [a if a != f"unigram:{text}" else f"text:{text}" for a in argv] + ["--refine-soft-label-top-k", "4"])
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from .soft_labels import _relabelled, _soft_labels
 from .spec import SymmetrySpec, check_compatible
 from .vocabulary import _TrainingVocabulary
 from .workers import _Workers
+
+PROBE_STEPS = 5  # a budgeted run times these steps (after the first) to size itself
+SIZING_STEPS = 10**6  # its provisional length: the cosine schedule stays at the full rate until sized
 
 
 @dataclass
@@ -66,6 +69,7 @@ class RefineResult:
     start_mode: str = ""
     workers: int = 1
     diverged_step: int = 0  # the step whose loss or maps became non-finite (training stopped there); 0: none
+    steps: int = 0  # the training steps the run was given (sized from the budget when steps=None)
 
     @property
     def improved(self) -> bool:
@@ -78,6 +82,7 @@ class RefineResult:
         if self.start_mode:
             out["start"] = self.start_mode
         out["batch_workers"] = self.workers
+        out["steps"] = self.steps
         return out
 
 
@@ -90,7 +95,7 @@ def learned_refine(
     batches: Iterable[Batch],
     selection: Batch | list[Batch],
     evaluation: Batch | list[Batch] | None = None,
-    steps: int = 100,
+    steps: int | None = 100,
     lr: float = 1e-2,
     mode: str = "orthogonal",
     permutations: str = "ste",
@@ -122,6 +127,8 @@ def learned_refine(
     batch_workers: int = 0,
     head_lr: float | None = None,
     model_labels: bool = False,
+    budget: float | None = None,
+    evaluations: int = 1,
 ) -> RefineResult:
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
 
@@ -179,6 +186,10 @@ def learned_refine(
     score p̄, the mixed models' mean predictions (soft labels of weight 1, sparse with
     ``soft_label_top_k``; ``soft_labels`` stays 0). For inputs without labels, e.g. the synthetic
     token streams of :func:`fedbasin.data.unigram_blocks` (data-free alignment).
+    ``steps=None``: as many steps as ``budget`` seconds allow (the whole call: start, labelling, steps and
+    keep-best checks): after :data:`PROBE_STEPS` steps at the full learning rate the mean time of a step and
+    of one selection check size the run, ``eval_every`` becomes ``⌈steps / evaluations⌉`` and the schedule
+    spans the sized run (``RefineResult.steps`` records it: pass it as ``steps`` to repeat the run exactly).
     ``include_reference=False`` leaves the reference out of the mixture and the scored centroid
     (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
@@ -227,6 +238,13 @@ def learned_refine(
         raise ValueError("dual=True moves the reference along the path: it needs include_reference=True")
     if not candidates:
         raise ValueError("learned refinement needs at least one candidate")
+    sized = steps is None
+    if sized:
+        if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+            raise ValueError(f"steps=None sizes the run by its budget: budget must be a number of seconds > 0, got {budget!r}")
+        if isinstance(evaluations, bool) or not isinstance(evaluations, int) or evaluations < 1:
+            raise ValueError(f"evaluations must be an integer >= 1, got {evaluations!r}")
+        steps, eval_every = SIZING_STEPS, SIZING_STEPS + 1  # provisional: no check, full learning rate, until sized
     check_step_options(steps, eval_every, lr=lr, alpha=alpha, tau=tau, **({} if head_lr is None else {"head_lr": head_lr}))
     if not _as_batches(selection):
         raise ValueError("learned refinement: the selection split is empty (keep-best needs data to choose on)")
@@ -255,14 +273,17 @@ def learned_refine(
     # two models are scored along the path at selection_lambdas; more at their centroid
     score_weights = [[lam, 1.0 - lam] for lam in selection_lambdas] if members == 2 else [[1.0 / members] * members]
 
+    check_seconds = [0.0]  # the last selection check's duration (sizes a budgeted run)
+
     def centroid_loss(ref_state, states, split: list[Batch]) -> float:
         """Example-weighted mean loss over a split's batches, averaged over the scored mixtures."""
-        total = 0.0
+        started, total = time.perf_counter(), 0.0
         for lam in score_weights:
             state = mixture(lam, ref_state, states)
             with torch.no_grad():
                 total += sum(workers.map(lambda module, b, state=state: float(loss_fn(forward(state, b[0], module), b[1])) * len(b[1]),
                                          split))
+        check_seconds[0] = time.perf_counter() - started
         return total / sum(len(y) for _, y in split) / len(score_weights)
 
     def matched(match_mode: str):
@@ -332,9 +353,21 @@ def learned_refine(
         if evaluation is not None:
             result.evaluation_initial_loss = centroid_loss(ref_state, base, evaluation)
         result.history.append((0, initial))
-        bar = progress_bar(steps, progress, "learned refinement", "step")
+        bar = progress_bar(None if sized else steps, progress, "learned refinement", "step")
+        probe_started = 0.0
         # a single model's loss does not depend on its alignment: nothing to refine
-        for step in range(1, steps + 1 if members > 1 else 1):
+        for step in itertools.count(1) if members > 1 else ():
+            if step > steps:
+                break
+            if sized and step == 2:
+                probe_started = time.perf_counter()  # the first step pays one-off costs: time the next ones
+            if sized and step == PROBE_STEPS + 2:
+                per_step = (time.perf_counter() - probe_started) / PROBE_STEPS
+                left = budget - (time.perf_counter() - t0) - evaluations * check_seconds[0]
+                steps = max(step, step - 1 + int(max(left, 0.0) / per_step))
+                eval_every, sized = max(1, -(-steps // evaluations)), False
+                bar.total = steps
+                bar.refresh()
             x, y = next(iterator)
             x, y, train_movers, train_ref, correction = x.to(device), y.to(device), movers, ref_state, None
             if fixed_rows:
@@ -380,6 +413,7 @@ def learned_refine(
         result.evaluation_loss = (result.evaluation_initial_loss if result.best_step == 0
                                   else centroid_loss(best_ref, result.canonical, evaluation))
     result.seconds = time.perf_counter() - t0
+    result.steps = steps if members > 1 else 0
     result.workers = workers.count
     workers.close()
     return result

@@ -97,3 +97,12 @@ class _TrainingVocabulary:
         if bool((out < 0).any()):
             raise ValueError(f"a training batch holds token {int(t[out < 0][0])}, outside the refinement vocabulary")
         return out
+
+
+def vocabulary_ids(choice: str, proxy, train) -> torch.Tensor | None:
+    """Token ids of a training vocabulary: ``"proxy"`` the tokens of the ``proxy`` blocks, ``"seen"`` also
+    those of the text's training split ``train``; ``"full"``: None (every token)."""
+    if choice == "full":
+        return None
+    splits = [proxy] + ([train] if choice == "seen" and train is not None else [])
+    return torch.unique(torch.cat([t.reshape(-1) for s in splits for t in (s.inputs, s.targets)]))

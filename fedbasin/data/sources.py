@@ -131,11 +131,13 @@ def load_task(
     block_size: int = 64,
     test_fraction: float = 0.2,
     tokenizer: str | None = None,
+    proxy_at_most: bool = False,
 ) -> Task:
     """Load a data source (see the module docstring) as a :class:`Task`.
 
     The training split is shuffled with ``seed``, cut to ``max_train_examples`` (0: all), and its
-    first ``proxy_size`` examples become the server's ``proxy`` split. ``test_fraction`` applies
+    first ``proxy_size`` examples become the server's ``proxy`` split (``proxy_at_most``: at most that many,
+    one training example always left). ``test_fraction`` applies
     to sources without a test split of their own (digits, a single parquet file); that split is
     drawn with :data:`TEST_SPLIT_SEED`, so the test split never depends on ``seed``. ``tokenizer``:
     a Hugging Face tokenizer directory for text sources (others refuse it). Results are
@@ -154,14 +156,16 @@ def load_task(
         raise ValueError(
             f"unknown data source {source!r}; expected digits, cifar10, cifar10:PATH or text:PATH"
         )
-    return _finish(task, seed, proxy_size, max_train_examples)
+    return _finish(task, seed, proxy_size, max_train_examples, proxy_at_most)
 
 
-def _finish(task: Task, seed: int, proxy_size: int, max_train_examples: int) -> Task:
+def _finish(task: Task, seed: int, proxy_size: int, max_train_examples: int, proxy_at_most: bool = False) -> Task:
     """Shuffle the training split, cut it, and split off the proxy examples."""
     order = torch.randperm(len(task.train), generator=torch.Generator().manual_seed(seed))
     if max_train_examples:
         order = order[:max_train_examples]
+    if proxy_at_most:
+        proxy_size = min(proxy_size, len(order) - 1)
     if proxy_size >= len(order):
         raise ValueError(f"proxy-size {proxy_size} leaves no training data ({len(order)} examples)")
     task.proxy = task.train.subset(order[:proxy_size]) if proxy_size else None

@@ -28,13 +28,14 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedbasin import causal_lm, heap
 from fedbasin.alignment import learned_refine, proxy_streams
+from fedbasin.alignment.vocabulary import vocabulary_ids
 from fedbasin.checkpoint import load_checkpoint
+from fedbasin.options import AUTO, from_run_config, model_kind, refine_call, resolve_refine, robust_call
 from fedbasin.config import (
     RunConfigError,
     eval_batch_size,
     model_adapter,
     model_from_config,
-    refine_lambda,
     resolve_run_config,
     task_from_config,
 )
@@ -81,33 +82,39 @@ def refused_as_run_config():
         raise RunConfigError([" ".join(str(error).split("\n"))]) from None
 
 
-def server_proxy_streams(task, model, config: dict):
-    """The proxy split's training stream (the run config's batch size and seed) and its selection and
-    report batches (``proxy-selection-fraction`` / ``proxy-evaluation-fraction`` of it): 256 examples,
-    fewer where one batch's logits would pass 2^26 values (a large vocabulary)."""
-    return proxy_streams(task.proxy, config["batch-size"], seed=config["seed"],
+def server_proxy_streams(task, model, config: dict, batch_size: int | None = None):
+    """The proxy split's training stream (``batch_size``, default the run config's, and its seed) and its
+    selection and report batches (``proxy-selection-fraction`` / ``proxy-evaluation-fraction`` of it): 256
+    examples, fewer where one batch's logits would pass 2^26 values (a large vocabulary)."""
+    return proxy_streams(task.proxy, batch_size or config["batch-size"], seed=config["seed"],
                          selection_fraction=config["proxy-selection-fraction"],
                          evaluation_fraction=config["proxy-evaluation-fraction"],
                          eval_batch_size=eval_batch_size(task, model, most=256))
 
 
+def refines(config: dict, task) -> bool:
+    """Whether the run refines its alignment: alignment on, a proxy split, and ``refine-steps`` > 0 or
+    ``auto`` with a ``refine-budget`` > 0 (the default whenever the server holds a proxy split)."""
+    steps = config["refine-steps"]
+    return (config["alignment"] and task.proxy is not None
+            and (steps > 0 if steps != AUTO else config["refine-budget"] > 0))
+
+
 def make_refiner(spec, model, task, config: dict, to_module_state=None):
     """``refine(reference, clients)``: learned refinement on the proxy split (by default 20% selects the
-    alignment kept, 20% only reports its loss); ``to_module_state``: the adapter's
-    ``from_standard`` when the model's keys differ from the spec's layout."""
-    data = server_proxy_streams(task, model, config)
+    alignment kept, 20% only reports its loss) with the schema's options, ``auto`` resolved for the model's
+    kind (:func:`fedbasin.options.resolve_refine`) and sized by ``refine-budget`` per round;
+    ``to_module_state``: the adapter's ``from_standard`` when the model's keys differ from the spec's layout."""
+    match, refine, _, _ = from_run_config(config)
+    kind = model_kind(task.data, getattr(model.config, "vocab_size", None))
+    resolved = resolve_refine(refine, kind, gpu=resolve_device(config["device"]).type == "cuda")
+    options = resolved.options
+    data = server_proxy_streams(task, model, config, options.batch_size)
+    vocabulary = vocabulary_ids(options.vocabulary, task.proxy, task.train) if task.data == "text" else None
     return functools.partial(
         learned_refine, spec, model, loss_fn=task.loss_fn, batches=data.batches, selection=data.selection,
-        to_module_state=to_module_state,
-        evaluation=data.evaluation,
-        steps=config["refine-steps"], lr=config["refine-lr"], head_lr=config["refine-head-lr"] or None,
-        mode=config["symmetry"] if config["refine-start"] == "symmetry" else config["refine-start"],
-        permutations=config["refine-permutations"], group=config["refine-group"],
-        lambda_range=refine_lambda(config), schedule=config["refine-schedule"],
-        match_iterations=config["align-iterations"], universe_iterations=config["universe-iterations"],
-        soft_labels=config["refine-soft-labels"], soft_label_top_k=config["refine-soft-label-top-k"],
-        batch_workers=config["refine-workers"],
-    )
+        to_module_state=to_module_state, evaluation=data.evaluation,
+        **{**refine_call(resolved, match), "seed": config["seed"]}, vocabulary=vocabulary)
 
 
 def make_distiller(model, task, config: dict, adapter=None, in_place: bool = False):
@@ -168,10 +175,9 @@ def distill_augment(task, config: dict):
 
 
 def robust_options(config: dict) -> dict:
-    """``AlignedFedAvg`` screening/aggregation keyword arguments from the run config."""
-    keys = ("max-abs-weight", "max-num-examples", "max-examples-ratio", "outlier-threshold",
-            "clip-ratio", "aggregator", "trim-fraction")
-    return {key.replace("-", "_"): config[key] for key in keys}
+    """``AlignedFedAvg`` screening/aggregation keyword arguments from the run config (the schema's
+    :class:`~fedbasin.options.RobustOptions` through :func:`~fedbasin.options.robust_call`)."""
+    return robust_call(from_run_config(config)[3])
 
 
 def proxy_screen_options(model, task, config: dict, adapter=None) -> dict:
@@ -229,21 +235,19 @@ def run_server(grid: Grid, config: dict) -> dict:
         spec = adapter.spec
         distill = ({"distill": make_distiller(model, task, config, adapter, in_place=True)}
                    if config["distill-steps"] > 0 else {})
+        match, _, _, robust = from_run_config(config)
         strategy = AlignedFedAvg(
             spec,
             alignment=config["alignment"],
-            mode=config["symmetry"],
-            iterations=config["align-iterations"],
+            match=match,
+            robust=robust,
             independent_init=config["init"] == "client",
-            universe_iterations=config["universe-iterations"],
-            refine=(make_refiner(spec, model, task, config, adapter.from_standard)
-                    if config["refine-steps"] > 0 else None),
+            refine=make_refiner(spec, model, task, config, adapter.from_standard) if refines(config, task) else None,
             fraction_train=config["fraction-train"],
             fraction_evaluate=config["fraction-evaluate"],
             min_train_nodes=config["min-nodes"],
             min_evaluate_nodes=config["min-nodes"],
             min_available_nodes=config["min-nodes"],
-            **robust_options(config),
             **proxy_screen_options(model, task, config, adapter),
             **distill,
             device=device,

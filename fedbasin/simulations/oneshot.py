@@ -42,7 +42,7 @@ from fedbasin.atomic import atomic_write
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
 from fedbasin.server.distill import LogitEnsemble
 from fedbasin.server.outputs import write_json_atomic
-from fedbasin.server.server_app import distill_augment, make_distiller, make_refiner
+from fedbasin.server.server_app import distill_augment, make_distiller, make_refiner, refines
 from fedbasin.simulations.simulate import parse_run_config
 from fedbasin.training import evaluate, resolve_device, train
 
@@ -226,7 +226,7 @@ def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int 
             arms["aligned"] = f"aligned ({mode[:4]})"
             merges[arms["aligned"]] = result.state
     row["aligned_learned"] = row["aligned_distilled"] = row["fedavg_distilled"] = "—"
-    if config["refine-steps"] > 0:  # server-side learned refinement on the proxy split
+    if refines(config, task):  # server-side learned refinement on the proxy split
         refine = make_refiner(spec, model_from_config(task, config, seed=0), task, config)
         merges["aligned + learned"], refined = refined_merge(spec, states, weights, reference, refine)
         arms["learned"] = "aligned + learned"

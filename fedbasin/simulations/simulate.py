@@ -47,6 +47,7 @@ from fedbasin.commandline import (
 )
 from fedbasin.config import RunConfigError, resolve_run_config
 from fedbasin.deployment import flower_env, flower_executable
+from fedbasin.options import toml_value
 from fedbasin.server.outputs import RESULTS_FILE, OutDirError, check_out_dir
 
 LOG_FILE = "flwr-run.log"
@@ -71,13 +72,20 @@ TABLE_CAPTION = (
 
 
 def run_config_help() -> str:
-    """Every run-config key with its default (meanings: docs/flower.md)."""
+    """Every run-config key with its default, and the schema's options with their help (meanings:
+    docs/flower.md; the schema: docs/options.md)."""
     from fedbasin.config import CHOICES, DEFAULT_RUN_CONFIG
+    from fedbasin.options import run_config_fields
 
-    lines = ["run-config keys (KEY=DEFAULT; TOML values; meanings in docs/flower.md, 'Run config'):"]
+    schema = run_config_fields()
+    lines = ["run-config keys (KEY=DEFAULT; TOML values; meanings in docs/flower.md, 'Run config'; "
+             "'auto': by model kind and budget, docs/options.md):"]
     for key, value in DEFAULT_RUN_CONFIG.items():
         choices = f"   one of {' | '.join(CHOICES[key])}" if key in CHOICES else ""
-        lines.append(f"  {key}={_toml(value)}{choices}")
+        lines.append(f"  {key}={toml_value(value)}{choices}")
+        if key in schema:
+            lines.append(textwrap.fill(schema[key][2].help.replace("%%", "%"), 78, initial_indent=" " * 6,
+                                       subsequent_indent=" " * 6))
     return "\n".join(lines)
 
 
@@ -134,15 +142,6 @@ def parse_run_config(text: str) -> dict:
         except tomllib.TOMLDecodeError:
             config[key] = value
     return config
-
-
-def _toml(value) -> str:
-    """A run-config value as TOML (what ``flwr run --run-config`` parses)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string
-    return repr(value)
 
 
 def project_dir() -> Path:
@@ -370,7 +369,7 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
         raise DataMissing(_one_line(error)) from None
     project = project or project_dir()
     out = _check_out_dir(config)
-    run_config = " ".join(f"{k}={_toml(v)}" for k, v in {**config, "out-dir": str(out)}.items())
+    run_config = " ".join(f"{k}={toml_value(v)}" for k, v in {**config, "out-dir": str(out)}.items())
     gpus = 1.0 / num_supernodes if torch.cuda.is_available() else 0.0
     federation = (f"num-supernodes={num_supernodes} client-resources-num-cpus=1 "
                   f"client-resources-num-gpus={gpus}" + (" verbose=true" if verbose else ""))

@@ -35,6 +35,7 @@ from fedbasin.alignment import (
     merge,
     refined_merge,
 )
+from fedbasin.options import MatchOptions, RobustOptions
 from fedbasin.scratch import arrays_on_disk
 from fedbasin.strategies.robust import (
     AGGREGATORS,
@@ -120,6 +121,10 @@ class AlignedFedAvg(FedAvg):
         Where the round's matching, screening, refinement and merge run: the client models are
         moved there once decoded, and the global model comes back as CPU arrays. None: where
         they arrive (the CPU).
+    match, robust : fedbasin.options.MatchOptions, fedbasin.options.RobustOptions, optional
+        The schema's option objects (what the CLI and the run config build); given, they replace the
+        matching keywords (``mode``, ``iterations``, ``tol``, ``universe_iterations``) or the screening and
+        aggregation keywords above.
     **kwargs
         ``FedAvg`` options (``fraction_train``, ``min_train_nodes``, ...).
 
@@ -171,8 +176,18 @@ class AlignedFedAvg(FedAvg):
         aggregator: str = "mean",
         trim_fraction: float = 0.25,
         device: str | torch.device | None = None,
+        match: MatchOptions | None = None,
+        robust: RobustOptions | None = None,
         **kwargs,
     ) -> None:
+        if match is not None:  # the schema's option objects (fedbasin.options) replace the keywords they hold
+            mode, iterations, tol, universe_iterations = (match.symmetry, match.align_iterations, match.align_tol,
+                                                          match.universe_iterations)
+        if robust is not None:
+            (max_abs_weight, max_num_examples, max_examples_ratio, outlier_threshold, proxy_screening, clip_ratio,
+             aggregator, trim_fraction) = (robust.max_abs_weight, robust.max_num_examples, robust.max_examples_ratio,
+                                           robust.outlier_threshold, robust.proxy_screening, robust.clip_ratio,
+                                           robust.aggregator, robust.trim_fraction)
         kwargs.setdefault("train_metrics_aggr_fn", weighted_metric_mean)
         kwargs.setdefault("evaluate_metrics_aggr_fn", weighted_metric_mean)
         super().__init__(**kwargs)

@@ -1,0 +1,580 @@
+"""One typed schema for the alignment options: weight matching, learned refinement, distillation
+and robust aggregation, each declared once.
+
+Every option is a dataclass field carrying an :class:`Option` (type, default, allowed values or
+range, help, the surfaces it appears on). From the schema come the ``fedbasin`` command line's
+flags (:func:`add_arguments`), the Flower run-config keys and their defaults (:func:`run_config_defaults`,
+kept equal to ``pyproject.toml`` by a test), their validation (:func:`problems`, one line per
+option at fault, naming both options of a refused combination) and the translation into the
+library's calls (:func:`refine_call`). A flag and a run-config key share one name and meaning:
+``--refine-steps`` is ``refine-steps``.
+
+``"auto"`` values are resolved by :func:`resolve_refine` from what the model is (:func:`model_kind`:
+an image classifier, a causal LM with a subword tokenizer, a character-level LM) and the time
+budget, never from a data set's name. The settings per kind are the ones measured best
+(docs/merging.md; the suite of pairs in docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+AUTO = "auto"
+CLI, RUN = "cli", "run"  # the surfaces an option appears on
+
+
+@dataclass(frozen=True)
+class Option:
+    """What a field accepts. ``low``/``high`` bound numbers (``open_low``: strictly above ``low``);
+    ``auto``: the value may be ``"auto"`` (chosen by :func:`resolve_refine`); ``legacy``: older
+    values still accepted, mapped to their current spelling; ``aliases``: older flag names."""
+
+    help: str
+    choices: tuple = ()
+    low: float | None = None
+    open_low: bool = False
+    high: float | None = None
+    open_high: bool = False
+    auto: bool = False
+    surfaces: tuple[str, ...] = (CLI, RUN)
+    aliases: tuple[str, ...] = ()
+    legacy: Mapping[Any, Any] = field(default_factory=dict)
+    metavar: str | None = None
+
+
+def option(default, help: str, **spec) -> Any:
+    """A schema field: ``default`` plus its :class:`Option` (keyword arguments)."""
+    return field(default=default, metadata={"option": Option(help, **spec)})
+
+
+# ---------------------------------------------------------------------------------------------
+# the schema
+
+
+@dataclass
+class MatchOptions:
+    """Data-free weight matching (:func:`fedbasin.alignment.weight_match`, ``merge``)."""
+
+    PREFIX = ""
+    symmetry: str = option("orthogonal", "group searched: orthogonal residual/head maps with head and neuron "
+                           "permutations, or permutations only", choices=("orthogonal", "permutation"))
+    align_iterations: int = option(20, "at most this many coordinate-ascent passes", low=1,
+                                   aliases=("--iterations",))
+    align_tol: float = option(1e-4, "stop once a pass improves the objective by less than this fraction", low=0,
+                              aliases=("--tol",))
+    universe_iterations: int = option(1, "passes re-aligning every model to the running average (1: align to the "
+                                      "reference only; >1: universe matching)", low=1)
+    head_weight: float = option(1.0, "factor on the output head's rows in the matching objective (models with a "
+                                "token embedding)", low=0, open_low=True)
+
+
+@dataclass
+class RefineOptions:
+    """Learned refinement on proxy data (:func:`fedbasin.alignment.learned_refine`); auto: by model kind and budget.
+
+    ``auto``: the measured best for the model's kind, sized by ``budget`` (:func:`resolve_refine`)."""
+
+    PREFIX = "refine-"
+    budget: float = option(120.0, "seconds the refinement may take (start, labelling, steps and keep-best "
+                           "checks; in Flower, per round); the steps follow from timing the first ones (a GPU buys "
+                           "more in the same time); 0 with steps auto: no refinement", low=0, metavar="SECONDS")
+    steps: int | str = option(AUTO, "optimiser steps (auto: as many as the budget allows; 0: no refinement)", low=0,
+                              auto=True)
+    examples: int | str = option(AUTO, "proxy examples taken from the data's training split (by default 60%% "
+                                 "train the maps, 20%% select the alignment kept, 20%% only report its loss)",
+                                 low=1, auto=True, surfaces=(CLI,))
+    selection_fraction: float = option(0.2, "share of the proxy examples keep-best scores (exactly) to choose the "
+                                       "alignment kept; must be > 0", low=0, high=1.0, surfaces=(CLI,), metavar="F")
+    evaluation_fraction: float | str = option(AUTO, "share of the proxy examples whose loss is only reported; 0: "
+                                              "none (those examples train)", low=0, high=1.0, auto=True,
+                                              surfaces=(CLI,), metavar="F")
+    lr: float | str = option(AUTO, "Adam learning rate of the residual maps, neuron scalings and permutation "
+                             "scores", low=0, open_low=True, auto=True)
+    head_lr: float | str = option(AUTO, "Adam learning rate of the per-head QK/OV maps (0: the same as lr)", low=0,
+                                  auto=True, metavar="LR")
+    permutations: str = option(AUTO, "straight-through Hungarian, Sinkhorn relaxation, or keep the matching's "
+                               "permutations", choices=("ste", "sinkhorn", "fixed"), auto=True)
+    group: str = option(AUTO, "maps learned: orthogonal, or invertible per-head QK/OV maps and ReLU neuron "
+                        "scalings (the larger exact group)", choices=("orthogonal", "invertible"), auto=True)
+    start: str = option(AUTO, "the start: weight matching in the symmetry's mode, in a given mode, both modes "
+                        "(the better on the selection split), or the models' activations on the proxy data",
+                        choices=("symmetry", "permutation", "orthogonal", "best", "activations"), auto=True,
+                        legacy={"weights": "symmetry"})
+    lambda_: str = option(AUTO, "LO,HI: two models train at λ ~ U(LO, HI) on their path", auto=True,
+                          metavar="LO,HI")
+    schedule: str = option(AUTO, "learning-rate schedule over the steps", choices=("constant", "cosine"), auto=True)
+    batch_size: int | str = option(AUTO, "proxy examples per step", low=1, auto=True)
+    soft_labels: float | str = option(AUTO, "train on (1 − W)·labels + W·the models' mean predicted probabilities; "
+                                      "0: labels only", low=0, high=1.0, auto=True, metavar="W")
+    soft_label_top_k: int | str = option(AUTO, "soft labels kept as each target's K largest entries (sparse); "
+                                         "0: every class", low=0, auto=True, metavar="K")
+    dual: bool = option(False, "the reference carries a learned transform too (align writes the candidate "
+                        "mapped back into the reference's basis: the same path)", surfaces=(CLI,))
+    workers: int | str = option(AUTO, "threads that share each training batch (0: one per torch CPU thread; 1 on "
+                                "a GPU); a fixed N gives the same result on any thread count", low=0, auto=True,
+                                metavar="N")
+    vocabulary: str = option(AUTO, "text data: the training softmax covers every token (full), the proxy's "
+                             "tokens (proxy) or the training split's (seen); keep-best always uses every token",
+                             choices=("full", "proxy", "seen"), auto=True)
+    vocabulary_samples: int | str = option(AUTO, "with vocabulary proxy|seen: K tokens from outside it join each "
+                                           "step's softmax, logits raised by log(m/K)", low=0, auto=True,
+                                           metavar="K")
+    vocabulary_batch_samples: int | str = option(AUTO, "with vocabulary proxy|seen: each step's softmax covers "
+                                                 "its own tokens and K others of the vocabulary", low=0, auto=True,
+                                                 metavar="K")
+    seed: int = option(0, "seed of the refinement's randomness (proxy split, batch order, λ draws, sampled "
+                       "tokens)", low=0, surfaces=(CLI,), metavar="S")
+    eval_every: int | str = option(AUTO, "score the alignment on the selection split every N steps (keep-best)",
+                                   low=1, auto=True, metavar="N")
+
+
+@dataclass
+class DistillOptions:
+    """Ensemble distillation of the clients' outputs into the merge (Flower, on the proxy split)."""
+
+    PREFIX = "distill-"
+    steps: int = option(0, ">0: distil the clients' ensemble into the merge on the proxy split", low=0,
+                        surfaces=(RUN,))
+    lr: float = option(0.002, "Adam learning rate of the student", low=0, open_low=True, surfaces=(RUN,))
+    temperature: float = option(3.0, "softmax temperature of teacher and student", low=0, open_low=True,
+                                surfaces=(RUN,))
+    label_weight: float = option(0.0, "w: (1 − w) KL to the ensemble + w cross-entropy on the proxy labels", low=0,
+                                 high=1.0, surfaces=(RUN,))
+    augment: str = option("none", "random views of the transfer images (image data)",
+                          choices=("none", "crop", "crop-flip"), surfaces=(RUN,))
+    teacher: str = option("logits", "the ensemble averages the clients' logits or probabilities",
+                          choices=("logits", "probabilities"), surfaces=(RUN,))
+
+
+@dataclass
+class RobustOptions:
+    """Screening and robust aggregation of client replies (:class:`fedbasin.strategies.AlignedFedAvg`)."""
+
+    PREFIX = ""
+    max_abs_weight: float = option(1e6, "a reply holding any |value| above this is excluded", low=0, open_low=True,
+                                   surfaces=(RUN,))
+    max_num_examples: int = option(1_000_000, "num-examples cap (0: none)", low=0, surfaces=(RUN,))
+    max_examples_ratio: float = option(1.0, "and at most this × the round's lower-median count (0: none)", low=0,
+                                       surfaces=(RUN,))
+    outlier_threshold: float = option(3.5, "MAD rule in the aligned basis; two equal camps fail the round (0: off)",
+                                      low=0, surfaces=(RUN,))
+    proxy_screening: float = option(0.0, "t > 0: exclude replies whose proxy loss > (1 + t) × the cohort's "
+                                    "lower-median proxy loss", low=0, surfaces=(RUN,))
+    clip_ratio: float = option(0.0, ">0: clip updates to this × the median update norm", low=0, surfaces=(RUN,))
+    aggregator: str = option("mean", "coordinate-wise, after alignment", choices=("mean", "trimmed-mean", "median"),
+                             surfaces=(RUN,))
+    trim_fraction: float = option(0.25, "trimmed-mean: fraction dropped at each end", low=0, high=0.5,
+                                  open_high=True, surfaces=(RUN,))
+
+
+GROUPS = (MatchOptions, RefineOptions, DistillOptions, RobustOptions)
+
+
+def key(cls, f: dataclasses.Field) -> str:
+    """The option's name: its flag without ``--`` and its run-config key (``refine-steps``)."""
+    return cls.PREFIX + f.name.rstrip("_").replace("_", "-")
+
+
+def schema_fields(cls, surface: str | None = None) -> list[tuple[str, dataclasses.Field, Option]]:
+    """``(key, field, Option)`` of a group's options (on ``surface`` when given)."""
+    return [(key(cls, f), f, f.metadata["option"]) for f in fields(cls)
+            if surface is None or surface in f.metadata["option"].surfaces]
+
+
+# ---------------------------------------------------------------------------------------------
+# values and their checks
+
+
+def _type_of(f: dataclasses.Field) -> type:
+    default = f.default
+    if default == AUTO:  # "int | str" annotations name the type first
+        return {"int | str": int, "float | str": float}.get(f.type, str)
+    return type(default)
+
+
+def convert(f: dataclasses.Field, opt: Option, value):
+    """``value`` (a string from the command line or a TOML value) as the field's type, ``"auto"``
+    kept; ``ValueError`` with what was expected."""
+    if value in opt.legacy:
+        return opt.legacy[value]
+    if opt.auto and value == AUTO:
+        return AUTO
+    kind = _type_of(f)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError(f"expected true or false, got {value!r}")
+    if kind in (int, float):
+        if isinstance(value, bool) or (kind is int and isinstance(value, float)):
+            raise ValueError(f"expected {'an integer' if kind is int else 'a number'}{' or auto' * opt.auto}, "
+                             f"got {value!r}")
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected {'an integer' if kind is int else 'a number'}{' or auto' * opt.auto}, "
+                             f"got {value!r}") from None
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def value_problem(opt: Option, value, surface: str = CLI) -> str | None:
+    """Why ``value`` is outside the option's choices or range (None when it is allowed), worded for
+    ``surface`` (the run config's wording is the one its keys always had)."""
+    if value == AUTO and opt.auto:
+        return None
+    if opt.choices and value not in opt.choices:
+        allowed = opt.choices + ((AUTO,) if opt.auto else ())
+        return f"expected one of {allowed!r}" if surface == RUN else f"expected one of {' | '.join(allowed)}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if not math.isfinite(value):
+        return "must be finite"
+    if opt.low is not None and (value < opt.low or (opt.open_low and value == opt.low)):
+        return f"must be {'greater than' if opt.open_low else 'at least'} {opt.low}"
+    if opt.high is not None and (value > opt.high or (opt.open_high and value == opt.high)):
+        return f"must be {'below' if opt.open_high else 'at most'} {opt.high}"
+    return None
+
+
+def parse_lambda(text: str) -> tuple[float, float]:
+    """``"LO,HI"`` as ``(lo, hi)``; ``ValueError`` unless ``0 <= LO <= HI <= 1``."""
+    try:
+        lo, hi = (float(part) for part in str(text).replace(" ", ",").split(",") if part)
+    except ValueError:
+        lo = hi = math.nan
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise ValueError("must be 'LO,HI' with 0 <= LO <= HI <= 1 (two models train at λ ~ U(LO, HI) on their path), "
+                         "e.g. '0.4,0.6'")
+    return lo, hi
+
+
+def render(name: str, value, surface: str) -> str:
+    """An option as the user wrote it: ``--refine-lr 0.01`` or ``refine-lr=0.01``."""
+    return f"--{name} {value}" if surface == CLI else f"run-config {name}={value!r}"
+
+
+def problems(options: Iterable, surface: str, data: str | None = None) -> list[str]:
+    """One line per refused value or combination of the option objects ``options`` (any of the
+    groups), as ``surface`` names them; ``data``: the refinement data spec when known (text rules)."""
+    by_type = {type(o): o for o in options}
+    found = []
+    for cls, obj in by_type.items():
+        for name, f, opt in schema_fields(cls):
+            value = getattr(obj, f.name)
+            if (why := value_problem(opt, value, surface)) is not None:
+                separator = ("; " if why.startswith("expected") else " ") if surface == RUN else ": "
+                found.append(f"{render(name, value, surface)}{separator}{why}")
+    refine, match = by_type.get(RefineOptions), by_type.get(MatchOptions)
+    if refine is not None:
+        found += [_joined(keys, refine, match, surface, why) for keys, why in _refine_rules(refine, match, data)]
+    return found
+
+
+def _joined(keys, refine, match, surface, why) -> str:
+    def value_of(name):
+        for obj in (refine, match):
+            if obj is not None:
+                for k, f, _ in schema_fields(type(obj)):
+                    if k == name:
+                        return getattr(obj, f.name)
+        return None
+
+    return " ".join(render(k, value_of(k), surface) for k in keys) + (" " if surface == RUN else ": ") + why
+
+
+def _refine_rules(r: RefineOptions, m: MatchOptions | None, data: str | None) -> list[tuple[tuple[str, ...], str]]:
+    """``(options at fault, why)`` of every refused combination: the one place for each rule."""
+    rules = []
+    if r.lambda_ != AUTO:
+        try:
+            parse_lambda(r.lambda_)
+        except ValueError as error:
+            rules.append((("refine-lambda",), str(error)))
+    from fedbasin.alignment.proxy import split_share_problem  # the library's own rule
+
+    evaluation = 0.0 if r.evaluation_fraction == AUTO else r.evaluation_fraction
+    if problem := split_share_problem(r.selection_fraction, evaluation):
+        rules.append((("refine-selection-fraction", "refine-evaluation-fraction"), problem))
+    restricted = r.vocabulary in ("proxy", "seen")
+    for name, value in (("refine-vocabulary-samples", r.vocabulary_samples),
+                        ("refine-vocabulary-batch-samples", r.vocabulary_batch_samples)):
+        if value not in (AUTO, 0) and r.vocabulary == "full":
+            rules.append(((name, "refine-vocabulary"), "samples a restricted softmax: needs vocabulary proxy|seen"))
+    soft = r.soft_labels not in (AUTO, 0) or (data or "").startswith("unigram:")
+    if r.vocabulary_batch_samples not in (AUTO, 0) and r.soft_labels not in (AUTO, 0):
+        rules.append((("refine-vocabulary-batch-samples", "refine-soft-labels"),
+                      "batch sampling trains on the labels: it cannot be combined with soft labels"))
+    if soft and restricted and r.soft_label_top_k == 0:
+        rules.append((("refine-vocabulary", "refine-soft-label-top-k"),
+                      "soft labels over every token cannot be combined with a restricted vocabulary: give K > 0"))
+    if restricted and data is not None and not data.startswith(("text:", "unigram:")):
+        rules.append((("refine-vocabulary",), f"needs text data (text:FILE or unigram:FILE), not {data}"))
+    if r.soft_label_top_k not in (AUTO, 0) and r.soft_labels == 0 and not (data or "").startswith("unigram:"):
+        rules.append((("refine-soft-label-top-k", "refine-soft-labels"),
+                      "sparse soft labels have no effect without soft labels (> 0, or unigram: data)"))
+    if (data or "").startswith("unigram:") and r.soft_labels not in (AUTO, 0):
+        rules.append((("refine-soft-labels",), f"{data} is labelled by the models' predictions alone"))
+    if (data or "").startswith("unigram:") and r.vocabulary_batch_samples not in (AUTO, 0):
+        rules.append((("refine-vocabulary-batch-samples",), f"trains on the labels: {data} has none"))
+    if m is not None and r.start == "activations" and m.symmetry == "permutation":
+        rules.append((("refine-start", "symmetry"), "the activation start finds an orthogonal residual map: it needs "
+                      "symmetry orthogonal"))
+    if m is not None and r.start == "activations" and m.universe_iterations > 1:
+        rules.append((("refine-start", "universe-iterations"), "the activation start aligns each model to the "
+                      "reference: it needs universe-iterations 1"))
+    return rules
+
+
+# ---------------------------------------------------------------------------------------------
+# surfaces
+
+
+def from_values(cls, values: Mapping[str, Any], surface: str = RUN):
+    """The group ``cls`` from ``{key: value}`` (keys of other groups are ignored): values converted to
+    the field types; a value of the wrong type raises ``ValueError`` naming the option."""
+    kwargs, wrong = {}, []
+    for name, f, opt in schema_fields(cls):
+        if name in values:
+            try:
+                kwargs[f.name] = convert(f, opt, values[name])
+            except ValueError as error:
+                wrong.append(f"{render(name, values[name], surface)}: {error}")
+    if wrong:
+        raise ValueError("\n".join(wrong))
+    return cls(**kwargs)
+
+
+def run_config_defaults() -> dict[str, Any]:
+    """Every run-config key of the schema with its default (the pyproject table carries them)."""
+    return {name: f.default for cls in GROUPS for name, f, _ in schema_fields(cls, RUN)}
+
+
+def run_config_fields() -> dict[str, tuple]:
+    """run-config key → ``(group, field, Option)`` of every schema option on the run config."""
+    return {name: (cls, f, opt) for cls in GROUPS for name, f, opt in schema_fields(cls, RUN)}
+
+
+def from_run_config(config: Mapping[str, Any]) -> tuple:
+    """``(MatchOptions, RefineOptions, DistillOptions, RobustOptions)`` of a resolved run config."""
+    return tuple(from_values(cls, config, RUN) for cls in GROUPS)
+
+
+def run_config_choices() -> dict[str, tuple]:
+    """The allowed values of the run-config keys that have a list of them."""
+    return {name: opt.choices + ((AUTO,) if opt.auto else ()) for cls in GROUPS
+            for name, _, opt in schema_fields(cls, RUN) if opt.choices}
+
+
+def _argument_type(f: dataclasses.Field, opt: Option):
+    """An argparse ``type``: the schema's own conversion and range check (:func:`convert`,
+    :func:`value_problem`), so a bad value is a one-line usage error naming the flag."""
+    import argparse
+
+    def parse(text: str):
+        try:
+            value = convert(f, opt, text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        if (why := value_problem(opt, value)) is not None:
+            raise argparse.ArgumentTypeError(f"{why}, got {text}")
+        return value
+
+    parse.__name__ = _type_of(f).__name__
+    return parse
+
+
+def add_arguments(group, cls, skip: Iterable[str] = ()) -> None:
+    """One argparse option per CLI field of ``cls`` into ``group`` (an argparse parser or group), typed and
+    range-checked by the schema; options not given are None (their default applies in :func:`from_args`)."""
+    for name, f, opt in schema_fields(cls, CLI):
+        if name in skip:
+            continue
+        dest = name.replace("-", "_")
+        text = opt.help
+        if opt.choices:
+            text += f" ({' | '.join(opt.choices + ((AUTO,) if opt.auto else ()))})"
+        text += f"; default {f.default}" if f.default != AUTO else "; default auto (by model kind and budget)"
+        if _type_of(f) is bool:
+            group.add_argument(f"--{name}", *opt.aliases, dest=dest, action="store_true", default=None, help=text)
+        elif name == "refine-lambda":  # "LO,HI", and the older two numbers
+            group.add_argument(f"--{name}", *opt.aliases, dest=dest, nargs="+", metavar="LO,HI", help=text)
+        else:
+            group.add_argument(f"--{name}", *opt.aliases, dest=dest, type=_argument_type(f, opt),
+                               metavar=opt.metavar or ("{" + ",".join(opt.choices) + "}" if opt.choices else None),
+                               help=text)
+
+
+def from_args(cls, args) -> Any:
+    """The group ``cls`` from parsed arguments (options not given keep their defaults); ``ValueError``
+    naming the flag of a value of the wrong type."""
+    values = {}
+    for name, _, _ in schema_fields(cls, CLI):
+        value = getattr(args, name.replace("-", "_"), None)
+        if value is not None:
+            values[name] = ",".join(value) if isinstance(value, list) else value
+    return from_values(cls, values, CLI)
+
+
+def given(cls, args) -> set[str]:
+    """The CLI options of ``cls`` that ``args`` sets."""
+    return {name for name, _, _ in schema_fields(cls, CLI) if getattr(args, name.replace("-", "_"), None) is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# "auto": what the model is, and the budget
+
+IMAGE, SUBWORD_LM, CHARACTER_LM = "image classifier", "causal LM (subword tokenizer)", "causal LM (characters)"
+SUBWORD_VOCABULARY = 1024  # a causal LM with more tokens than this reads subword (BPE) tokens
+
+
+def model_kind(data: str, vocab_size: int | None) -> str:
+    """What the model is: an image classifier, or a causal LM of subword or character tokens."""
+    if data != "text":
+        return IMAGE
+    return SUBWORD_LM if (vocab_size or 0) > SUBWORD_VOCABULARY else CHARACTER_LM
+
+
+# The measured best per kind (2-core AMD EPYC, ~2 minutes): image classifiers from the CIFAR-10 ViT
+# pairs (docs/merging.md §7, 0.017 ± 0.001 over refinement seeds), subword LMs from the GPT-2 recipe
+# pairs (merging.md §13-§15, the README's learned row), character LMs from the character GPT (§13).
+# ``evaluations``: keep-best checks over the run; ``examples``: proxy examples (at most the training split).
+KIND_SETTINGS: dict[str, dict[str, Any]] = {
+    IMAGE: dict(examples=12000, batch_size=64, lr=5e-3, head_lr=0.0, permutations="ste", group="orthogonal",
+                start="symmetry", lambda_="0.4,0.6", schedule="cosine", soft_labels=0.5, soft_label_top_k=0,
+                vocabulary="full", vocabulary_samples=0, vocabulary_batch_samples=0, evaluation_fraction=0.2,
+                evaluations=6),
+    SUBWORD_LM: dict(examples=2048, batch_size=8, lr=3e-3, head_lr=4e-2, permutations="fixed", group="invertible",
+                     start="symmetry", lambda_="0.2,0.6", schedule="cosine", soft_labels=0.0, soft_label_top_k=0,
+                     vocabulary="seen", vocabulary_samples=512, vocabulary_batch_samples=512,
+                     evaluation_fraction=0.0, evaluations=1),
+    CHARACTER_LM: dict(examples=4000, batch_size=32, lr=5e-3, head_lr=4e-2, permutations="ste", group="invertible",
+                       start="symmetry", lambda_="0.2,0.6", schedule="cosine", soft_labels=0.5, soft_label_top_k=0,
+                       vocabulary="full", vocabulary_samples=0, vocabulary_batch_samples=0, evaluation_fraction=0.2,
+                       evaluations=4),
+}
+
+
+@dataclass
+class ResolvedRefine:
+    """Concrete refinement settings: every ``auto`` of a :class:`RefineOptions` replaced (``options``).
+    ``steps`` None: sized from ``budget`` by timing the first steps (``evaluations`` keep-best checks)."""
+
+    options: RefineOptions
+    kind: str
+    steps: int | None
+    evaluations: int
+    chosen: dict  # the values "auto" chose
+
+
+def resolve_refine(options: RefineOptions, kind: str, *, unigram: bool = False, gpu: bool = False) -> ResolvedRefine:
+    """``options`` with every ``auto`` set from :data:`KIND_SETTINGS` for ``kind``. ``unigram``:
+    synthetic proxy labelled by the models (no label-based tricks). ``workers`` auto: 2 slices per
+    batch on a CPU (the same figures on any thread count), 1 on a GPU."""
+    settings = dict(KIND_SETTINGS[kind])
+    settings["workers"] = 1 if gpu else 2
+    given = {f.name: getattr(options, f.name) for f in fields(RefineOptions) if getattr(options, f.name) != AUTO}
+    # auto values that depend on values the user gave follow them, so the combination stays valid
+    if unigram or given.get("vocabulary_batch_samples"):  # the models label / batch sampling trains on labels
+        settings["soft_labels"] = 0.0
+    vocabulary = given.get("vocabulary", settings["vocabulary"])
+    soft = given.get("soft_labels", settings["soft_labels"]) or unigram
+    if vocabulary == "full":
+        settings.update(vocabulary_samples=0, vocabulary_batch_samples=0)
+    if soft:
+        settings.update(vocabulary_batch_samples=0)
+        if vocabulary != "full":
+            settings["soft_label_top_k"] = settings["soft_label_top_k"] or 32
+    chosen, values = {}, {}
+    for f in fields(RefineOptions):
+        value = getattr(options, f.name)
+        if value == AUTO and f.name in settings:
+            value = chosen[f.name.rstrip("_")] = settings[f.name]
+        values[f.name] = value
+    steps = None if values["steps"] == AUTO else values["steps"]
+    evaluations = settings["evaluations"]
+    if values["eval_every"] == AUTO:
+        values["eval_every"] = max(1, -(-steps // evaluations)) if steps else AUTO
+    return ResolvedRefine(RefineOptions(**values), kind, steps, evaluations, chosen)
+
+
+# ---------------------------------------------------------------------------------------------
+# the one translator into the library's calls
+
+
+def robust_call(robust: RobustOptions) -> dict:
+    """:class:`~fedbasin.strategies.AlignedFedAvg` screening/aggregation keyword arguments (``proxy_screening``
+    needs the server's proxy loss as well: the ServerApp adds it)."""
+    return {f.name: getattr(robust, f.name) for f in fields(RobustOptions) if f.name != "proxy_screening"}
+
+
+def match_call(match: MatchOptions) -> dict:
+    """``weight_match`` / ``merge`` keyword arguments of ``match`` (``universe_iterations`` is the merge's own)."""
+    return dict(mode=match.symmetry, iterations=match.align_iterations, tol=match.align_tol,
+                head_weight=match.head_weight)
+
+
+def refine_call(resolved: ResolvedRefine, match: MatchOptions) -> dict:
+    """``learned_refine`` keyword arguments of resolved refinement options and the matching options of its
+    start (data, vocabulary ids and the model are the caller's). ``steps`` None: sized by the budget."""
+    r = resolved.options
+    start = r.start
+    return dict(
+        steps=resolved.steps, budget=r.budget, evaluations=resolved.evaluations,
+        eval_every=r.eval_every if r.eval_every != AUTO else 1, lr=r.lr, head_lr=r.head_lr or None,
+        mode=match.symmetry if start in ("symmetry", "activations") else start,
+        start="activations" if start == "activations" else "weights",
+        permutations=r.permutations, group=r.group, lambda_range=parse_lambda(r.lambda_), schedule=r.schedule,
+        match_iterations=match.align_iterations, match_tol=match.align_tol,
+        universe_iterations=match.universe_iterations, head_weight=match.head_weight,
+        soft_labels=r.soft_labels, soft_label_top_k=r.soft_label_top_k, dual=r.dual, batch_workers=r.workers,
+        vocabulary_samples=r.vocabulary_samples, vocabulary_batch_samples=r.vocabulary_batch_samples, seed=r.seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pyproject table
+
+PYPROJECT_MARKER = "# ---- the options schema (fedbasin.options), generated by `python -m fedbasin.options`: do not edit"
+
+
+def toml_value(value) -> str:
+    """A run-config value as TOML (what ``pyproject.toml`` and ``flwr run --run-config`` parse)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string
+    return repr(value)
+
+
+def toml_lines() -> list[str]:
+    """The schema's run-config keys as ``pyproject.toml`` lines (``key = default  # help``)."""
+    lines = [PYPROJECT_MARKER]
+    for cls in GROUPS:
+        lines.append(f"# {cls.__doc__.splitlines()[0]}")
+        for name, f, opt in schema_fields(cls, RUN):
+            choices = f" ({' | '.join(opt.choices + ((AUTO,) if opt.auto else ()))})" if opt.choices else ""
+            lines.append(f"{name} = {toml_value(f.default)}  # {opt.help.replace('%%', '%')}{choices}")
+    return lines
+
+
+def kind_table() -> list[str]:
+    """The ``auto`` values per model kind as a Markdown table (docs/options.md carries it)."""
+    names = list(KIND_SETTINGS[IMAGE])
+    lines = ["| option | " + " | ".join(KIND_SETTINGS) + " |", "|---|" + "---|" * len(KIND_SETTINGS)]
+    for name in names:
+        key = "keep-best checks" if name == "evaluations" else "refine-" + name.rstrip("_").replace("_", "-")
+        lines.append(f"| {key} | " + " | ".join(str(KIND_SETTINGS[k][name]) for k in KIND_SETTINGS) + " |")
+    return lines
+
+
+if __name__ == "__main__":  # the pyproject lines; --kinds: the table of auto values per model kind
+    import sys
+
+    print("\n".join(kind_table() if "--kinds" in sys.argv else toml_lines()))

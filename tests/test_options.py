@@ -1,0 +1,178 @@
+"""The one options schema (``fedbasin.options``): the CLI flags, the run-config keys, their checks and
+the translation into ``learned_refine`` all come from it; ``auto`` is chosen by what the model is and
+sized by a time budget."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fedbasin import options as schema
+from fedbasin.cli import build_parser
+from fedbasin.config import DEFAULT_RUN_CONFIG, RunConfigError, resolve_run_config
+from tests.helpers import DIGITS_VIT, cli_error, spy_on_cli_refine, trained_digits_vit
+
+ROOT = Path(__file__).resolve().parents[1]
+BOTH = [(name, f, opt) for cls in schema.GROUPS for name, f, opt in schema.schema_fields(cls)
+        if {schema.CLI, schema.RUN} <= set(opt.surfaces)]
+
+
+def test_pyproject_carries_the_generated_schema_lines():
+    """``[tool.flwr.app.config]`` ends with exactly what ``python -m fedbasin.options`` prints."""
+    assert (ROOT / "pyproject.toml").read_text().endswith("\n".join(schema.toml_lines()) + "\n")
+
+
+def _option_strings(command: str) -> set[str]:
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    return {s for a in sub._actions for s in a.option_strings}
+
+
+@pytest.mark.parametrize("name, f, opt", BOTH, ids=[name for name, _, _ in BOTH])
+def test_an_option_on_both_surfaces_has_one_name_default_and_check(name, f, opt, capsys, tmp_path):
+    """The flag ``--NAME`` and the run-config key ``NAME`` exist, share the default, and refuse the same
+    out-of-range value, each in one line naming the option."""
+    if name != "universe-iterations":
+        assert f"--{name}" in _option_strings("align")
+    assert f"--{name}" in _option_strings("merge")
+    assert DEFAULT_RUN_CONFIG[name] == f.default
+    if opt.choices:
+        bad = "bogus"
+    elif opt.low is not None:
+        bad = opt.low if opt.open_low else opt.low - 1
+    else:
+        return  # free text (refine-lambda): its own test below
+    with pytest.raises(RunConfigError) as refused:
+        resolve_run_config({name: bad})
+    assert refused.value.problems[0].startswith(f"run-config {name}=")
+    line = cli_error(capsys, ["merge", "a", "b", "--out", tmp_path / "o", f"--{name}", bad])
+    assert f"--{name}" in line and "\n" not in line
+
+
+def test_combinations_are_refused_naming_both_options(capsys, tmp_path):
+    """A rule of the schema names both options, on the command line and in the run config alike."""
+    with pytest.raises(RunConfigError) as refused:
+        resolve_run_config({"refine-vocabulary": "full", "refine-vocabulary-samples": 5})
+    assert "refine-vocabulary-samples=5 run-config refine-vocabulary='full'" in refused.value.problems[0]
+    models = _digits_pair(tmp_path)
+    line = cli_error(capsys, ["align", *models, "--out", tmp_path / "o", "--refine-data", "digits",
+                              "--refine-vocabulary", "full", "--refine-vocabulary-samples", "5"])
+    assert "--refine-vocabulary-samples 5 --refine-vocabulary full" in line
+    line = cli_error(capsys, ["align", *models, "--out", tmp_path / "o", "--refine-data", "digits",
+                              "--refine-start", "activations", "--symmetry", "permutation"])
+    assert "--refine-start activations --symmetry permutation" in line
+
+
+def test_older_spellings_still_work():
+    """Flags and values of earlier releases are overrides of the same options."""
+    args = build_parser().parse_args(["merge", "a", "b", "--out", "o", "--iterations", "3", "--tol", "0.01",
+                                      "--refine-lambda", "0.3", "0.7", "--refine-start", "weights"])
+    match, refine = schema.from_args(schema.MatchOptions, args), schema.from_args(schema.RefineOptions, args)
+    assert (match.align_iterations, match.align_tol) == (3, 0.01)
+    assert (refine.lambda_, refine.start) == ("0.3,0.7", "symmetry")
+    config = resolve_run_config({"refine-steps": 0, "refine-head-lr": 0.0, "refine-start": "symmetry",
+                                 "refine-lambda": "0.4,0.6"})
+    assert (config["refine-steps"], config["refine-head-lr"]) == (0, 0.0)
+
+
+def test_auto_follows_what_the_model_is_and_the_values_given():
+    """The kind comes from the model (data it reads, vocabulary size), never from a data set's name; a
+    value the user gives wins, and the auto values that depend on it follow it."""
+    assert schema.model_kind("images", None) == schema.IMAGE
+    assert schema.model_kind("text", 50257) == schema.SUBWORD_LM
+    assert schema.model_kind("text", 65) == schema.CHARACTER_LM
+    for kind, settings in schema.KIND_SETTINGS.items():
+        resolved = schema.resolve_refine(schema.RefineOptions(), kind)
+        for name in ("lr", "group", "schedule", "vocabulary", "batch_size", "examples"):
+            assert getattr(resolved.options, name) == settings[name]
+        assert resolved.steps is None and resolved.evaluations == settings["evaluations"]
+    subword = schema.resolve_refine(schema.RefineOptions(vocabulary="full", lr=0.02), schema.SUBWORD_LM).options
+    assert (subword.lr, subword.vocabulary, subword.vocabulary_samples, subword.vocabulary_batch_samples) == (
+        0.02, "full", 0, 0)
+    fixed = schema.resolve_refine(schema.RefineOptions(steps=40), schema.IMAGE)
+    assert fixed.steps == 40 and fixed.options.eval_every == math.ceil(40 / fixed.evaluations)
+    unigram = schema.resolve_refine(schema.RefineOptions(), schema.SUBWORD_LM, unigram=True).options
+    assert (unigram.soft_labels, unigram.soft_label_top_k, unigram.vocabulary_batch_samples) == (0.0, 32, 0)
+    assert schema.problems([unigram], schema.CLI, data="unigram:x.txt") == []
+
+
+def _digits_pair(tmp_path) -> list[str]:
+    from fedbasin.checkpoint import save_checkpoint
+
+    for seed in (0, 1):
+        if not (tmp_path / f"m{seed}").exists():
+            save_checkpoint(tmp_path / f"m{seed}", "vit", DIGITS_VIT, trained_digits_vit(seed))
+    return [str(tmp_path / "m0"), str(tmp_path / "m1")]
+
+
+OPTION_KEYWORDS = ("steps", "budget", "evaluations", "eval_every", "lr", "head_lr", "mode", "start", "permutations",
+                   "group", "lambda_range", "schedule", "match_iterations", "match_tol", "universe_iterations",
+                   "head_weight", "soft_labels", "soft_label_top_k", "batch_workers", "vocabulary_samples",
+                   "vocabulary_batch_samples")
+
+
+def test_the_cli_and_the_server_translate_the_same_options_the_same_way(tmp_path, monkeypatch, capsys):
+    """One translator: the same options given as flags and as run-config keys reach ``learned_refine`` as
+    the same keyword arguments (an image classifier's auto values included)."""
+    from fedbasin.cli import main
+    from fedbasin.config import model_adapter, model_from_config, task_from_config
+    from fedbasin.server.server_app import make_refiner
+
+    seen = {}
+    spy_on_cli_refine(monkeypatch, seen.update)
+    given = {"refine-steps": 3, "refine-lr": 0.02, "refine-group": "invertible", "align-iterations": 4}
+    argv = ["align", *_digits_pair(tmp_path), "--out", tmp_path / "o", "--refine-data", "digits",
+            "--refine-examples", "120", "--refine-workers", "1"]
+    assert main([str(a) for a in argv + [x for k, v in given.items() for x in (f"--{k}", str(v))]]) == 0
+    summary = json.loads(capsys.readouterr().out)["refinement"]
+    assert summary["kind"] == schema.IMAGE and summary["auto"]["schedule"] == "cosine"
+    config = resolve_run_config({**given, "proxy-size": 120, "refine-workers": 1})
+    task = task_from_config(config)
+    model = model_from_config(task, config, seed=0)
+    server = make_refiner(model_adapter(task, model)[1].spec, model, task, config).keywords
+    assert {k: seen[k] for k in OPTION_KEYWORDS} == {k: server[k] for k in OPTION_KEYWORDS}
+    assert (seen["lr"], seen["group"], seen["steps"], seen["match_iterations"]) == (0.02, "invertible", 3, 4)
+
+
+def test_a_budget_sizes_the_run_and_the_recorded_steps_repeat_it():
+    """``steps=None``: the run times its first steps, sizes itself to the budget with ``evaluations`` keep-best
+    checks, and records its length; that length given as ``steps`` repeats the run exactly."""
+    from fedbasin.alignment import learned_refine, proxy_streams
+    from fedbasin.alignment.refine import PROBE_STEPS
+    from fedbasin.training import cross_entropy
+    from tests.test_soft_labels import digits_pair
+
+    model, spec, task, a, b = digits_pair()
+
+    def refine(**options):
+        data = proxy_streams(task.proxy, 32, seed=0)
+        return learned_refine(spec, model, a, [b], cross_entropy, data.batches, data.selection, lr=1e-2,
+                              batch_workers=1, **options)
+
+    sized = refine(steps=None, budget=1.5, evaluations=2)
+    steps = sized.steps
+    assert steps > PROBE_STEPS + 1
+    assert [step for step, _ in sized.history] == [0, math.ceil(steps / 2), steps]
+    again = refine(steps=steps, eval_every=math.ceil(steps / 2))
+    assert again.history == sized.history and again.steps == steps
+
+
+def test_flower_refines_whenever_the_server_holds_a_proxy_split():
+    """The run config's default refines on the proxy split, per-round budget; 0 steps or 0 budget turn it off."""
+    from types import SimpleNamespace
+
+    from fedbasin.server.server_app import refines
+
+    proxy, none = SimpleNamespace(proxy=object()), SimpleNamespace(proxy=None)
+    assert refines(resolve_run_config({}), proxy) and not refines(resolve_run_config({}), none)
+    assert not refines(resolve_run_config({"refine-steps": 0}), proxy)
+    assert not refines(resolve_run_config({"refine-budget": 0.0}), proxy)
+    assert refines(resolve_run_config({"refine-budget": 0.0, "refine-steps": 5, "proxy-size": 10}), proxy)
+    assert not refines(resolve_run_config({"alignment": False}), proxy)
+
+
+def test_the_docs_carry_the_generated_table_of_auto_values():
+    """docs/options.md's table is what ``python -m fedbasin.options --kinds`` prints from the code."""
+    assert "\n".join(schema.kind_table()) in (ROOT / "docs" / "options.md").read_text()
