@@ -136,24 +136,35 @@ def test_the_cli_and_the_server_translate_the_same_options_the_same_way(tmp_path
     assert (seen["lr"], seen["group"], seen["steps"], seen["match_iterations"]) == (0.02, "invertible", 3, 4)
 
 
-def test_a_budget_sizes_the_run_and_the_recorded_steps_repeat_it():
+def test_a_budget_sizes_the_run_and_the_recorded_steps_repeat_it(monkeypatch):
     """``steps=None``: the run times its first steps, sizes itself to the budget with ``evaluations`` keep-best
-    checks, and records its length; that length given as ``steps`` repeats the run exactly."""
+    checks, and records its length; that length given as ``steps`` repeats the run exactly. (A clock that
+    advances 10 ms per reading makes the sizing the same on any machine.)"""
+    from types import SimpleNamespace
+
+    import fedbasin.alignment.refine as refine_module
     from fedbasin.alignment import learned_refine, proxy_streams
     from fedbasin.alignment.refine import PROBE_STEPS
     from fedbasin.training import cross_entropy
     from tests.test_soft_labels import digits_pair
 
     model, spec, task, a, b = digits_pair()
+    calls = [0]
+
+    def clock() -> float:
+        calls[0] += 1
+        return calls[0] * 0.01
+
+    monkeypatch.setattr(refine_module, "time", SimpleNamespace(perf_counter=clock))
 
     def refine(**options):
         data = proxy_streams(task.proxy, 32, seed=0)
         return learned_refine(spec, model, a, [b], cross_entropy, data.batches, data.selection, lr=1e-2,
                               batch_workers=1, **options)
 
-    sized = refine(steps=None, budget=1.5, evaluations=2)
+    sized = refine(steps=None, budget=2.0, evaluations=2)
     steps = sized.steps
-    assert steps > PROBE_STEPS + 1
+    assert steps > PROBE_STEPS + 1 and not sized.stopped_at_budget
     assert [step for step, _ in sized.history] == [0, math.ceil(steps / 2), steps]
     again = refine(steps=steps, eval_every=math.ceil(steps / 2))
     assert again.history == sized.history and again.steps == steps
@@ -176,3 +187,28 @@ def test_flower_refines_whenever_the_server_holds_a_proxy_split():
 def test_the_docs_carry_the_generated_table_of_auto_values():
     """docs/options.md's table is what ``python -m fedbasin.options --kinds`` prints from the code."""
     assert "\n".join(schema.kind_table()) in (ROOT / "docs" / "options.md").read_text()
+
+
+def test_a_budgeted_run_whose_steps_slow_down_stops_within_its_budget(monkeypatch):
+    """Steps that run slower than the timed ones (a machine that got busy) do not overrun the budget: the run
+    stops once it is spent, with a last keep-best check at that step (a clock that jumps after sizing)."""
+    from types import SimpleNamespace
+
+    import fedbasin.alignment.refine as refine_module
+    from fedbasin.alignment import learned_refine, proxy_streams
+    from fedbasin.training import cross_entropy
+    from tests.test_soft_labels import digits_pair
+
+    model, spec, task, a, b = digits_pair()
+    calls = [0]
+
+    def clock() -> float:  # 1 ms per reading until the run is sized, then 1 s per reading
+        calls[0] += 1
+        return calls[0] * (0.001 if calls[0] < 40 else 1.0)
+
+    monkeypatch.setattr(refine_module, "time", SimpleNamespace(perf_counter=clock))
+    data = proxy_streams(task.proxy, 32, seed=0)
+    result = learned_refine(spec, model, a, [b], cross_entropy, data.batches, data.selection, steps=None,
+                            budget=60.0, evaluations=3, lr=1e-2, batch_workers=1)
+    assert 0 < result.stopped_at_budget == result.steps and result.history[-1][0] == result.steps
+    assert result.summary()["stopped_at_budget"] == result.steps

@@ -70,6 +70,7 @@ class RefineResult:
     workers: int = 1
     diverged_step: int = 0  # the step whose loss or maps became non-finite (training stopped there); 0: none
     steps: int = 0  # the training steps the run was given (sized from the budget when steps=None)
+    stopped_at_budget: int = 0  # a budgeted run whose later steps ran slower than timed stopped at this step
 
     @property
     def improved(self) -> bool:
@@ -83,6 +84,8 @@ class RefineResult:
             out["start"] = self.start_mode
         out["batch_workers"] = self.workers
         out["steps"] = self.steps
+        if self.stopped_at_budget:
+            out["stopped_at_budget"] = self.stopped_at_budget
         return out
 
 
@@ -190,6 +193,8 @@ def learned_refine(
     keep-best checks): after :data:`PROBE_STEPS` steps at the full learning rate the mean time of a step and
     of one selection check size the run, ``eval_every`` becomes ``⌈steps / evaluations⌉`` and the schedule
     spans the sized run (``RefineResult.steps`` records it: pass it as ``steps`` to repeat the run exactly).
+    Should later steps run slower than timed (a loaded machine), the run stops once the budget less one
+    check is spent, with a last check (``RefineResult.stopped_at_budget``): the budget holds.
     ``include_reference=False`` leaves the reference out of the mixture and the scored centroid
     (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
@@ -238,7 +243,7 @@ def learned_refine(
         raise ValueError("dual=True moves the reference along the path: it needs include_reference=True")
     if not candidates:
         raise ValueError("learned refinement needs at least one candidate")
-    sized = steps is None
+    sized = budgeted = steps is None
     if sized:
         if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
             raise ValueError(f"steps=None sizes the run by its budget: budget must be a number of seconds > 0, got {budget!r}")
@@ -393,6 +398,8 @@ def learned_refine(
             bar.update(1)
             if progress:  # loss.item() synchronises with the device: only when shown
                 bar.set_postfix(loss=f"{loss.item():.4f}", best=f"{best:.4f}")
+            if budgeted and step < steps and time.perf_counter() - t0 > budget - check_seconds[0]:
+                steps = result.stopped_at_budget = step  # slower steps than timed: the budget holds, a last check
             if step % eval_every == 0 or step == steps:
                 elements = [d.hard_element() for d in deltas]
                 hard = [apply_group(spec, b, g) for b, g in zip(movers, elements)]
