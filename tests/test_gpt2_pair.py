@@ -68,3 +68,29 @@ def test_an_unusable_device_is_refused_in_one_line(tmp_path, excerpt, capsys, mo
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--device 'cuda': no CUDA GPU is visible here" in message and not (tmp_path / "pair").exists()
+
+
+def test_llama_recipe_trains_and_the_command_line_reads_it(tmp_path, excerpt, capsys):
+    """``--model-type llama``: a LlamaForCausalLM (RoPE, GQA 4/2, SwiGLU, RMSNorm) on the same data,
+    saved with its tokenizer, which `fedbasin eval` and `fedbasin align` take as they are."""
+    from fedbasin import cli
+    from fedbasin.checkpoint import load_checkpoint
+    from fedbasin.simulations.gpt2_pair import main
+
+    out = tmp_path / "pair"
+    assert main(["--model-type", "llama", "--seed", "0", "--seed", "1", "--epochs", "1", "--out", str(out), "--text",
+                 str(excerpt), "--tokenizer", str(TOKENIZER), "--block-size", "32", "--batch-size", "8",
+                 "--micro-batch", "8", "--lr", "3e-3"]) == 0
+    capsys.readouterr()
+    record = json.loads((out / "seed0" / "train.json").read_text())
+    assert record["model_type"] == "llama" and record["test_loss"] < 0.9 * torch.log(torch.tensor(50257.0)).item()
+    checkpoint = load_checkpoint(out / "seed0")
+    assert checkpoint.family == "llama" and checkpoint.config.num_key_value_heads == 2
+    assert checkpoint.config.intermediate_size == 344 and not checkpoint.config.tie_word_embeddings
+    assert cli.main(["eval", str(out / "seed0"), "--data", f"text:{excerpt}", "--max-examples", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(record["test_loss"], rel=0.5)
+    assert cli.main(["align", str(out / "seed0"), str(out / "seed1"), "--out", str(tmp_path / "aligned")]) == 0
+    capsys.readouterr()
+    assert cli.main(["barrier", str(out / "seed0"), str(tmp_path / "aligned"), "--data", f"text:{excerpt}",
+                     "--max-examples", "4", "--points", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["barrier"] >= 0

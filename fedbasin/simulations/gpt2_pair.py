@@ -1,4 +1,4 @@
-"""Train Hugging Face GPT-2 models with the GLMC paper's Tiny Shakespeare recipe (a pair for barriers).
+"""Train Hugging Face GPT-2 (or Llama-style) models with the GLMC paper's Tiny Shakespeare recipe (a pair for barriers).
 
 Recipe (Theus et al., NeurIPS 2025, public repository): ``GPT2LMHeadModel`` with 4 layers, width
 128, 4 heads, MLP 512, context 128, untied head, ``gelu_new``, dropout 0.1; the GPT-2 BPE
@@ -8,6 +8,12 @@ backward run under bfloat16 autocast (weights and optimiser in float32; the pape
 with fp16 mixed precision on a GPU) unless ``--fp32``.
 
     python -m fedbasin.simulations.gpt2_pair --seed 0 --epochs 6 --out runs/gpt2pair
+
+``--model-type llama`` trains a Llama-style model on the same data with the same optimiser,
+schedule, batch and context instead (``LlamaForCausalLM``: RoPE, grouped-query attention with 4
+heads and 2 key/value heads, SwiGLU MLP of width 344 ≈ 2/3 · 512 so the MLP has about the
+parameters of GPT-2's, RMSNorm, untied head, width 128, 4 layers; attention dropout 0.1, the only
+dropout Llama has).
 
 trains on the CPU (``--threads`` threads) unless ``--device cuda``: a GPU trains a pair of the same
 recipe, not the same pair (other kernels, other rounding).
@@ -63,6 +69,24 @@ def gpt2_config(tokenizer: HFTokenizer, block_size: int = 128, width: int = 128,
     )
 
 
+def llama_config(tokenizer: HFTokenizer, block_size: int = 128, width: int = 128, layers: int = 4, heads: int = 4,
+                 kv_heads: int = 2, mlp: int = 344, dropout: float = 0.1):
+    """The Llama-style counterpart of :func:`gpt2_config` (RoPE, GQA, SwiGLU, RMSNorm)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=tokenizer.vocab_size, max_position_embeddings=block_size, hidden_size=width,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        intermediate_size=mlp, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
+        attention_dropout=dropout, tie_word_embeddings=False,
+        bos_token_id=tokenizer.tokenizer.bos_token_id, eos_token_id=tokenizer.tokenizer.eos_token_id,
+    )
+
+
+#: ``--model-type`` (also the checkpoint's model_type) → (config builder, transformers model class name)
+MODEL_TYPES = {"gpt2": (gpt2_config, "GPT2LMHeadModel"), "llama": (llama_config, "LlamaForCausalLM")}
+
+
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -86,15 +110,17 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
 
 
 def train_one(args, seed: int) -> dict:
+    import transformers
     from tqdm import tqdm
-    from transformers import GPT2LMHeadModel
 
     from fedbasin.checkpoint import save_checkpoint
 
+    model_type = getattr(args, "model_type", "gpt2")
+    make_config, model_class = MODEL_TYPES[model_type]
     tokenizer, splits = pair_data(args.text, args.tokenizer, args.block_size)
-    config = gpt2_config(tokenizer, args.block_size)
+    config = make_config(tokenizer, args.block_size)
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config).to(args.device)  # initialised on the CPU: the same start on any device
+    model = getattr(transformers, model_class)(config).to(args.device)  # initialised on the CPU: the same start on any device
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     per_epoch = math.ceil(len(splits["train"]) / args.batch_size)
     total = args.measure or args.epochs * per_epoch
@@ -106,7 +132,7 @@ def train_one(args, seed: int) -> dict:
         saved = torch.load(state_file, weights_only=False, map_location=args.device)
         model.load_state_dict(saved["model"])
         partial = out / f"seed{seed}-step{saved['step']}"
-        save_checkpoint(partial, "gpt2", config, model.state_dict(), kind="hf")
+        save_checkpoint(partial, model_type, config, model.state_dict(), kind="hf")
         save_tokenizer(tokenizer, partial)
         return {"seed": seed, "exported": str(partial), "step": saved["step"], "of": saved["total"]}
     step, seconds = 0, 0.0
@@ -153,11 +179,11 @@ def train_one(args, seed: int) -> dict:
     bar.close()
     if args.measure:
         return {"seed": seed, "steps": step, "seconds_per_step": seconds / step, "steps_per_epoch": per_epoch}
-    record = {"seed": seed, "epochs": args.epochs, "autocast": None if args.fp32 else "bfloat16", "steps": total, "steps_per_epoch": per_epoch,
+    record = {"seed": seed, "model_type": model_type, "epochs": args.epochs, "autocast": None if args.fp32 else "bfloat16", "steps": total, "steps_per_epoch": per_epoch,
               "train_seconds": round(seconds, 1), "threads": torch.get_num_threads(), "device": device_label(args.device),
               "validation_loss": mean_loss(model, splits["validation"]), "test_loss": mean_loss(model, splits["test"]),
               "blocks": {name: len(s) for name, s in splits.items()}}
-    save_checkpoint(final, "gpt2", config, model.state_dict(), kind="hf")
+    save_checkpoint(final, model_type, config, model.state_dict(), kind="hf")
     save_tokenizer(tokenizer, final)
     atomic_write(final / "train.json", lambda tmp: tmp.write_text(json.dumps(record, indent=2)))
     state_file.unlink(missing_ok=True)
@@ -189,6 +215,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, action="append", help="seed(s) to train (repeatable; default 0 and 1)")
     parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--model-type", choices=sorted(MODEL_TYPES), default="gpt2",
+                        help="gpt2 (the GLMC recipe's GPT2LMHeadModel, default) or llama (LlamaForCausalLM: RoPE, "
+                        "GQA 4/2 heads, SwiGLU, RMSNorm; same data, optimiser and schedule)")
     parser.add_argument("--out", default="runs/gpt2pair")
     parser.add_argument("--text", default=DEFAULT_TEXT)
     parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER)

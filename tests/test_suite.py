@@ -1,0 +1,232 @@
+"""The suite driver (fedbasin.simulations.suite): member selection and input errors, the group
+aggregation (mean ± spread) and table, row caching and resume, and the measurement of a real
+command line child (its JSON, wall time and own peak memory)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+
+from fedbasin.simulations import suite
+
+
+def _vit(path, seed: int):
+    """A tiny untrained digits ViT checkpoint."""
+    from fedbasin.checkpoint import save_checkpoint
+    from fedbasin.models import build_model, make_config
+
+    config = make_config("vit", {"dim": 16, "depth": 1, "heads": 2, "mlp_dim": 32, "image_size": 8, "patch_size": 2,
+                                 "channels": 1, "num_classes": 10})
+    save_checkpoint(path, "vit", config, build_model("vit", config, seed=seed).state_dict())
+    return path
+
+
+def _row(member: str, group: str, vanilla: float, free: float, learned: float | None = None,
+         mid: float | None = None, seconds: float = 1.0) -> dict:
+    row = {"member": member, "group": group, "loss": [1.0, 1.1], "accuracy": [0.5, 0.6],
+           "barrier": {"vanilla": vanilla, "free": free}, "midpoint_accuracy": {},
+           "commands": {"free": {"seconds": seconds, "peak_rss_mib": 100.0}}}
+    if learned is not None:
+        row["barrier"]["learned"] = learned
+        row["commands"]["learned"] = {"seconds": 10 * seconds, "peak_rss_mib": 200.0}
+    if mid is not None:
+        row["midpoint_accuracy"] = {"vanilla": mid / 2, "free": mid}
+    return row
+
+
+# ---------------------------------------------------------------------------------------------- aggregation
+
+
+def test_mean_spread_is_the_mean_and_sample_standard_deviation():
+    assert suite.mean_spread([1.0, 2.0, 4.0]) == pytest.approx((7 / 3, statistics.stdev([1.0, 2.0, 4.0])))
+    assert suite.mean_spread([0.2, 0.4])[1] == pytest.approx(0.1414213, rel=1e-5)
+    assert suite.mean_spread([3.0]) == (3.0, None)
+    with pytest.raises(ValueError):
+        suite.mean_spread([])
+
+
+def test_groups_aggregate_their_own_members_only():
+    rows = [_row("digits-s01", "image", 4.0, 2.0, 0.2, mid=0.5), _row("cifar", "image", 0.4, 0.3, 0.1, mid=0.3),
+            _row("gpt2-s01", "text", 1.0, 0.6, seconds=5.0), _row("digits-u012", "universe", 1.5, 0.5, 0.1)]
+    groups = suite.summarize(rows)
+    assert list(groups) == ["text", "image", "universe"]
+    assert groups["image"]["members"] == ["digits-s01", "cifar"]
+    assert groups["image"]["barrier/vanilla"] == pytest.approx((2.2, statistics.stdev([4.0, 0.4])))
+    assert groups["image"]["barrier/learned"] == pytest.approx((0.15, statistics.stdev([0.2, 0.1])))
+    assert groups["image"]["midpoint_accuracy/free"] == pytest.approx((0.4, statistics.stdev([0.5, 0.3])))
+    assert groups["text"]["barrier/free"] == (0.6, None)
+    assert "barrier/learned" not in groups["text"]  # a member without learned adds nothing there
+    assert groups["text"]["seconds/free"] == (5.0, None)
+    table = suite.table(rows)
+    image = next(line for line in table.splitlines() if line.startswith("| image |"))
+    assert f"| 2.200 ± {statistics.stdev([4.0, 0.4]):.3f} |" in image and "| 2 |" in image
+    text = next(line for line in table.splitlines() if line.startswith("| GPT-style text |"))
+    assert "0.600 (n=1)" in text and "| — |" in text
+    member = next(line for line in table.splitlines() if line.startswith("| gpt2-s01 |"))
+    assert member.count("|") == 11 and "| 1.000 | 0.600 | — |" in member
+
+
+# ---------------------------------------------------------------------------------------------- selection, input
+
+
+def test_member_selection_keeps_order_and_refuses_unknown_names():
+    assert [m.name for m in suite.select_members(None)] == list(suite.MEMBERS)
+    assert [m.name for m in suite.select_members(["digits-u012", "digits-s01", "digits-u012"])] == [
+        "digits-u012", "digits-s01"]
+    with pytest.raises(ValueError, match="unknown member 'digits'"):
+        suite.select_members(["digits"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--members", "nope"], "unknown member 'nope'"),
+    (["--members", "cifar10-w64-s01", "--cifar", "{tmp}/none"], "no train.parquet"),
+    (["--members", "gpt2-s01", "--text", "{tmp}/none.txt"], "--text"),
+    (["--members", "digits-s01", "--pair-dir", "digits-s01={tmp}"], "holds no trained model"),
+    (["--pair-dir", "digits-u012={tmp}"], "is not a pair member"),
+    (["--members", "digits-s01", "--eval-examples", "digits=x"], "--eval-examples"),
+    (["--members", "digits-s01", "--glmc-path", "{tmp}/none"], "--glmc-path"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path, capsys, monkeypatch, argv, message):
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr(suite, "train_member", no_work)
+    cache = tmp_path / "cache"
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--cache", str(cache)]
+    assert suite.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not cache.exists()
+
+
+# ---------------------------------------------------------------------------------------------- caching, resume
+
+
+@pytest.fixture
+def fake_work(monkeypatch, tmp_path):
+    """Training and measuring replaced by fakes that count their calls (``fail`` names a member that fails)."""
+    calls = {"train": [], "row": [], "fail": None, "version": "v1"}
+
+    def train_member(member, args):
+        calls["train"].append(member.name)
+        return suite.model_dirs(member, args)
+
+    def build(member, paths, args, work):
+        if member.name == calls["fail"]:
+            raise suite.SuiteError("boom")
+        calls["row"].append(member.name)
+        barrier = {"vanilla": 1.0, "free": 0.5}
+        if not args.skip_learned:
+            barrier["learned"] = 0.1
+        return {"member": member.name, "group": member.group, "loss": [1.0] * len(paths),
+                "accuracy": [0.9] * len(paths), "barrier": barrier, "commands": {}, "midpoint_accuracy": {}}
+
+    monkeypatch.setattr(suite, "train_member", train_member)
+    monkeypatch.setattr(suite, "pair_row", build)
+    monkeypatch.setattr(suite, "universe_row", build)
+    monkeypatch.setattr(suite, "code_version", lambda: calls["version"])
+    calls["argv"] = ["--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "rows.json")]
+    return calls
+
+
+def test_rows_are_saved_per_member_and_a_rerun_resumes(fake_work, tmp_path, capsys):
+    members = ["--members", "digits-s01", "digits-u012"]
+    fake_work["fail"] = "digits-u012"
+    assert suite.main([*members, *fake_work["argv"]]) == 1
+    assert "digits-u012: boom" in capsys.readouterr().err
+    stored = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert list(stored) == ["digits-s01"] and stored["digits-s01"]["key"]["code"] == "v1"
+
+    fake_work["fail"], fake_work["row"] = None, []
+    assert suite.main([*members, *fake_work["argv"]]) == 0
+    assert fake_work["row"] == ["digits-u012"]  # the finished member was reused, not measured again
+    out = capsys.readouterr().out
+    assert "| digits-s01 |" in out and "| digits-u012 |" in out and "| universe (3 models) | 1 |" in out
+
+    fake_work["row"] = []
+    assert suite.main([*members, *fake_work["argv"]]) == 0
+    assert fake_work["row"] == []
+    assert suite.main([*members, *fake_work["argv"], "--rerun"]) == 0
+    assert fake_work["row"] == ["digits-s01", "digits-u012"]
+
+
+def test_rows_are_remeasured_when_the_code_or_the_evaluation_changes(fake_work):
+    argv = ["--members", "digits-s01", *fake_work["argv"]]
+    assert suite.main(argv) == 0 and fake_work["row"] == ["digits-s01"]
+    fake_work["version"] = "v2"
+    assert suite.main(argv) == 0 and fake_work["row"] == ["digits-s01"] * 2
+    assert suite.main([*argv, "--eval-examples", "digits=100"]) == 0 and len(fake_work["row"]) == 3
+    assert suite.main([*argv, "--eval-examples", "digits=100"]) == 0 and len(fake_work["row"]) == 3
+
+
+def test_a_row_without_learned_serves_only_skip_learned_runs(fake_work):
+    argv = ["--members", "digits-s01", *fake_work["argv"]]
+    assert suite.main([*argv, "--skip-learned"]) == 0
+    assert suite.main([*argv, "--skip-learned"]) == 0 and len(fake_work["row"]) == 1
+    assert suite.main(argv) == 0 and len(fake_work["row"]) == 2  # learned wanted: measured again
+    assert suite.main([*argv, "--skip-learned"]) == 0 and len(fake_work["row"]) == 2  # a fuller row serves too
+
+
+def test_train_only_measures_nothing(fake_work, tmp_path):
+    assert suite.main(["--members", "digits-s01", "gpt2-s23", "--train-only", *fake_work["argv"]]) == 0
+    assert fake_work["train"] == ["digits-s01", "gpt2-s23"] and fake_work["row"] == []
+    assert not (tmp_path / "rows.json").exists()
+
+
+def test_pair_dirs_point_members_at_models_trained_elsewhere(tmp_path):
+    _vit(tmp_path / "pair" / "seed0", 0)
+    _vit(tmp_path / "pair" / "seed1", 1)
+    args = suite.build_parser().parse_args(["--gpt2-pair", str(tmp_path / "pair"), "--cache", str(tmp_path / "c")])
+    args.pair_dirs = suite.parse_pair_dirs([f"gpt2-s01={args.gpt2_pair}"])
+    assert suite.model_dirs(suite.MEMBERS["gpt2-s01"], args) == [tmp_path / "pair" / "seed0", tmp_path / "pair" / "seed1"]
+    assert suite.model_dirs(suite.MEMBERS["gpt2-s23"], args) == [tmp_path / "c" / "gpt2" / "seed2",
+                                                                 tmp_path / "c" / "gpt2" / "seed3"]
+    # the universe member shares the digits pair's models: one training serves both
+    assert suite.model_dirs(suite.MEMBERS["digits-u012"], args)[:2] == suite.model_dirs(suite.MEMBERS["digits-s01"], args)
+
+
+# ---------------------------------------------------------------------------------------------- the real CLI
+
+
+def test_run_cli_returns_the_commands_json_its_time_and_its_own_peak_memory(tmp_path):
+    a = _vit(tmp_path / "a", 0)
+    held = torch.ones(256 * 2**20)  # 1 GiB in this process: a child's peak must not count it (ru_maxrss would)
+    run = suite.run_cli(["eval", a, "--data", "digits", "--max-examples", "50"], tmp_path / "logs" / "eval.log")
+    del held
+    assert run.summary["command"] == "eval" and run.summary["examples"] == 50
+    assert 0 < run.seconds < 60
+    assert 50 < run.peak_rss_mib < 900  # torch and the digits loaded in the child, measured there
+    with pytest.raises(suite.SuiteError, match="eval failed \\(exit 3\\): .*unknown data source .digitz."):
+        suite.run_cli(["eval", a, "--data", "digitz"], tmp_path / "logs" / "bad.log")
+
+
+def test_midpoint_is_the_barriers_half_way_point(tmp_path):
+    from fedbasin.checkpoint import load_checkpoint
+
+    a, b = _vit(tmp_path / "a", 0), _vit(tmp_path / "b", 1)
+    mid = load_checkpoint(suite.midpoint(a, b, tmp_path / "mid"))
+    sa, sb = load_checkpoint(a).state, load_checkpoint(b).state
+    for key, value in mid.state.items():
+        torch.testing.assert_close(value, (sa[key] + sb[key]) / 2)
+
+
+@pytest.mark.slow
+def test_end_to_end_on_a_tiny_digits_pair(tmp_path, capsys):
+    """One member through the real command line (data-free only): barriers and midpoint accuracies."""
+    _vit(tmp_path / "pair" / "seed0", 0)
+    _vit(tmp_path / "pair" / "seed1", 1)
+    out = tmp_path / "rows.json"
+    assert suite.main(["--members", "digits-s01", "--pair-dir", f"digits-s01={tmp_path / 'pair'}", "--cache",
+                       str(tmp_path / "cache"), "--out", str(out), "--skip-learned"]) == 0
+    row = json.loads(out.read_text())["rows"]["digits-s01"]
+    assert row["eval_examples"] == 359 and set(row["barrier"]) == {"vanilla", "free"}
+    assert len(row["curves"]["free"]) == suite.POINTS
+    assert row["barrier"]["vanilla"] == pytest.approx(max(
+        loss - (lam * row["loss"][0] + (1 - lam) * row["loss"][1])
+        for lam, loss in zip(torch.linspace(0, 1, suite.POINTS).tolist(), row["curves"]["vanilla"])), abs=1e-5)
+    assert row["commands"]["free"]["seconds"] > 0 and row["commands"]["free"]["peak_rss_mib"] > 50
+    assert set(row["midpoint_accuracy"]) == {"vanilla", "free"}
+    assert "| digits-s01 |" in capsys.readouterr().out
