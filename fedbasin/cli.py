@@ -573,8 +573,7 @@ def _refiner(args, ref, command: str):
     kind = model_kind(ref.data, getattr(ref.config, "vocab_size", None))
     resolved = resolve_refine(chosen, kind, unigram=unigram, gpu=_device(args).type == "cuda")
     options = resolved.options
-    if found := problems([chosen, match], CLI, data=args.refine_data) or problems([options, match], CLI,
-                                                                                  data=args.refine_data):
+    if found := problems([chosen, match], CLI, data=args.refine_data):  # what the user gave
         raise UsageError(found[0])
     if resolved.steps is None and options.budget <= 0:
         raise UsageError("--refine-budget 0 --refine-steps auto: nothing to refine (give --refine-steps N or a "
@@ -593,6 +592,8 @@ def _refiner(args, ref, command: str):
         task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
                          proxy_size=options.examples, proxy_at_most="examples" in resolved.chosen)
         proxy = task.proxy
+    if found := problems([options, match], CLI, data=args.refine_data):  # with the auto choices, on data it reads
+        raise UsageError(found[0])
     module = build_torch_model(ref)
     # selection/report batches of at most 32 examples whose logits stay under 2^26 values: GPT-2's
     # 50,257 tokens give 10 blocks of 128, and its head's product then runs 2.7 times faster per value

@@ -401,7 +401,7 @@ def add_arguments(group, cls, skip: Iterable[str] = ()) -> None:
         text = opt.help
         if opt.choices:
             text += f" ({' | '.join(opt.choices + ((AUTO,) if opt.auto else ()))})"
-        text += f"; default {f.default}" if f.default != AUTO else "; default auto (by model kind and budget)"
+        text += f" (default: {f.default})" if f.default != AUTO else " (default: auto, by model kind and budget)"
         if _type_of(f) is bool:
             group.add_argument(f"--{name}", *opt.aliases, dest=dest, action="store_true", default=None, help=text)
         elif name == "refine-lambda":  # "LO,HI", and the older two numbers

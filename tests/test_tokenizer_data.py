@@ -74,7 +74,7 @@ def test_align_refines_on_text_with_the_models_own_tokenizer(tmp_path, text_file
     out = tmp_path / "aligned"
     assert main(["align", str(ref), str(cand), "--out", str(out), "--refine-data", f"text:{text_file}",
                  "--refine-steps", "6", "--refine-examples", "60", "--refine-batch-size", "8",
-                 "--iterations", "3", "--tol", "0"]) == 0
+                 "--iterations", "3", "--tol", "0", "--refine-evaluation-fraction", "0.2"]) == 0
     summary = json.loads(capsys.readouterr().out)["refinement"]
     assert summary["tokenizer"] == str(ref)  # found beside the reference's weights
     assert summary["selection_loss_best"] < summary["selection_loss_start"]

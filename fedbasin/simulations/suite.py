@@ -89,6 +89,7 @@ MEMBERS = {m.name: m for m in [
     Member("gpt2-s23", "text", "gpt2", (2, 3)),
     Member("llama-s01", "text", "llama", (0, 1)),
     Member("digits-s01", "image", "digits", (0, 1)),
+    Member("digits-s23", "image", "digits", (2, 3)),
     Member("cifar10-w96-s01", "image", "cifar10-w96", (0, 1)),
     Member("cifar10-w64-s01", "image", "cifar10-w64", (0, 1)),
     Member("digits-u012", "universe", "digits", (0, 1, 2)),
