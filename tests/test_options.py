@@ -212,3 +212,15 @@ def test_a_budgeted_run_whose_steps_slow_down_stops_within_its_budget(monkeypatc
                             budget=60.0, evaluations=3, lr=1e-2, batch_workers=1)
     assert 0 < result.stopped_at_budget == result.steps and result.history[-1][0] == result.steps
     assert result.summary()["stopped_at_budget"] == result.steps
+
+
+def test_the_strategy_takes_the_option_objects():
+    """``AlignedFedAvg(match=..., robust=...)``: the schema's objects set the matching and aggregation it runs."""
+    from fedbasin.strategies import AlignedFedAvg
+    from tests.helpers import spec_of
+
+    strategy = AlignedFedAvg(spec_of("vit", DIGITS_VIT), min_train_nodes=2,
+                             match=schema.MatchOptions(symmetry="permutation", align_iterations=7, universe_iterations=2),
+                             robust=schema.RobustOptions(aggregator="median", clip_ratio=2.0, max_examples_ratio=3.0))
+    assert (strategy.mode, strategy.iterations, strategy.universe_iterations) == ("permutation", 7, 2)
+    assert (strategy.aggregator, strategy.clip_ratio, strategy.max_examples_ratio) == ("median", 2.0, 3.0)
