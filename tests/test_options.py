@@ -224,3 +224,26 @@ def test_the_strategy_takes_the_option_objects():
                              robust=schema.RobustOptions(aggregator="median", clip_ratio=2.0, max_examples_ratio=3.0))
     assert (strategy.mode, strategy.iterations, strategy.universe_iterations) == ("permutation", 7, 2)
     assert (strategy.aggregator, strategy.clip_ratio, strategy.max_examples_ratio) == ("median", 2.0, 3.0)
+
+
+def test_a_flower_round_refines_by_default_within_its_budget(monkeypatch):
+    """The run config's defaults with a proxy split: the round's refiner is the kind's auto setting, sized by
+    ``refine-budget`` (``steps`` None), and the round succeeds with the refinement's metrics."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedbasin.server.server_app import make_refiner, refines
+    from fedbasin.strategies import AlignedFedAvg
+    from tests.test_distill import one_shot_round
+    from tests.test_soft_labels import digits_pair
+
+    for name, value in (("_run_id", 7), ("_task_id", 1), ("_node_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    config = resolve_run_config({"proxy-size": 300, "refine-budget": 4.0, "model.dim": 16, "model.depth": 1,
+                                 "model.heads": 2, "model.mlp-dim": 32})
+    model, spec, task, _, _ = digits_pair()
+    assert refines(config, task)
+    refine = make_refiner(spec, model, task, config)
+    assert refine.keywords["steps"] is None and refine.keywords["budget"] == 4.0
+    strategy = AlignedFedAvg(spec, refine=refine, independent_init=True, min_train_nodes=3, min_available_nodes=3)
+    arrays, metrics = one_shot_round(strategy, [trained_digits_vit(seed) for seed in range(3)])
+    assert arrays is not None and metrics["round_failed"] == 0 and "refine_heldout_loss" in metrics
