@@ -10,6 +10,7 @@ summary goes to stdout; progress bars and log lines go to stderr. Outputs are wr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import functools
 import json
@@ -238,10 +239,17 @@ def _match_call(match) -> dict:
     return match_call(match)
 
 
-def _match_options(args):
+def _kind(checkpoint) -> str:
+    """What the checkpoint's model is (:func:`fedbasin.options.model_kind`): it chooses the ``auto`` values."""
+    from fedbasin.options import model_kind
+
+    return model_kind(checkpoint.data, getattr(checkpoint.config, "vocab_size", None))
+
+
+def _match_options(args, checkpoint=None):
     """The weight-matching options of ``args`` (:class:`fedbasin.options.MatchOptions`), checked by the
-    schema (the first problem is a usage error)."""
-    from fedbasin.options import CLI, MatchOptions, from_args, problems
+    schema (the first problem is a usage error); ``auto`` set for ``checkpoint``'s kind when given."""
+    from fedbasin.options import CLI, MatchOptions, from_args, problems, resolve_match
 
     try:
         match = from_args(MatchOptions, args)
@@ -249,7 +257,7 @@ def _match_options(args):
         raise UsageError(str(error).splitlines()[0]) from None
     if found := problems([match], CLI):
         raise UsageError(found[0])
-    return match
+    return match if checkpoint is None else resolve_match(match, _kind(checkpoint))
 
 
 CHECKPOINT_HELP = "checkpoint directory (fedbasin or Hugging Face GPT-2/ViT/Llama/GPT-NeoX: config.json + model.safetensors)"
@@ -450,11 +458,12 @@ def cmd_align(args) -> int:
 
     if getattr(args, "stream", False):
         return _stream_align(args)
-    device, match = _device(args), _match_options(args)
+    device, _ = _device(args), _match_options(args)  # usage errors before the checkpoints load
     ref, cand = _load(args.reference, "reference"), _load(args.candidate, "candidate")
     _same_architecture(ref, cand, "candidate", args.candidate)
+    match = _match_options(args, ref)
     summary = {"command": "align", "reference": args.reference, "candidate": args.candidate, "out": args.out,
-               "symmetry": match.symmetry}
+               "symmetry": match.symmetry, "matching": dataclasses.asdict(match)}
     try:
         if args.refine_data:
             refine, info = _refiner(args, ref, "align")
@@ -503,9 +512,10 @@ def _stream_align(args) -> int:
 def cmd_merge(args) -> int:
     from fedbasin.alignment import merge
 
-    device, match = _device(args), _match_options(args)
+    device, _ = _device(args), _match_options(args)  # usage errors before the checkpoints load
     paths = [args.reference, *args.models]
     checkpoints = [_load(p, "reference" if i == 0 else "model") for i, p in enumerate(paths)]
+    match = _match_options(args, checkpoints[0])
     for path, ckpt in zip(paths[1:], checkpoints[1:]):
         _same_architecture(checkpoints[0], ckpt, "model", path)
     if args.weights is not None and len(args.weights) != len(paths):
@@ -513,7 +523,8 @@ def cmd_merge(args) -> int:
     if args.refine_data and args.no_align:
         raise UsageError("--refine-data needs alignment (drop --no-align)")
     summary = {"command": "merge", "models": paths, "weights": args.weights or [1.0] * len(paths), "out": args.out,
-               "symmetry": None if args.no_align else match.symmetry}
+               "symmetry": None if args.no_align else match.symmetry,
+               "matching": None if args.no_align else dataclasses.asdict(match)}
     states = [_standard(c, device) for c in checkpoints]
     gains = _gains(checkpoints[0].spec, states[0])
     try:
@@ -557,20 +568,19 @@ def _refiner(args, ref, command: str):
         CLI,
         RefineOptions,
         from_args,
-        model_kind,
         problems,
         refine_call,
         resolve_refine,
     )
     from fedbasin.training import cross_entropy
 
-    match = _match_options(args)
+    match = _match_options(args, ref)
     try:
         chosen = from_args(RefineOptions, args)
     except ValueError as error:
         raise UsageError(str(error).splitlines()[0]) from None
     unigram = _unigram_proxy(args)
-    kind = model_kind(ref.data, getattr(ref.config, "vocab_size", None))
+    kind = _kind(ref)
     resolved = resolve_refine(chosen, kind, unigram=unigram, gpu=_device(args).type == "cuda")
     options = resolved.options
     if found := problems([chosen, match], CLI, data=args.refine_data):  # what the user gave
@@ -726,7 +736,7 @@ def cmd_barrier(args) -> int:
     try:
         curves = {"vanilla": interpolation_curve(a.state, b.state, loss_of, points=args.points)}
         if args.align:
-            match = _match_options(args)
+            match = _match_options(args, a)
             result = weight_match(a.spec, _standard(a, device), _standard(b, device), **_match_call(match),
                                   progress=True, token_rows=_seen_tokens(args, a, "barrier"))
             summary.update(symmetry=match.symmetry, align_seconds=round(result.seconds, 3))

@@ -69,8 +69,9 @@ class MatchOptions:
                               aliases=("--tol",))
     universe_iterations: int = option(1, "passes re-aligning every model to the running average (1: align to the "
                                       "reference only; >1: universe matching)", low=1)
-    head_weight: float = option(1.0, "factor on the output head's rows in the matching objective (models with a "
-                                "token embedding)", low=0, open_low=True)
+    head_weight: float | str = option(AUTO, "factor on the output head's rows in the matching objective (models "
+                                      "with a token embedding; auto: 2 for subword LMs, else 1)", low=0,
+                                      open_low=True, auto=True)
 
 
 @dataclass
@@ -460,6 +461,14 @@ KIND_SETTINGS: dict[str, dict[str, Any]] = {
                        vocabulary="full", vocabulary_samples=0, vocabulary_batch_samples=0, evaluation_fraction=0.2,
                        evaluations=4),
 }
+
+
+HEAD_WEIGHT = {IMAGE: 1.0, SUBWORD_LM: 2.0, CHARACTER_LM: 1.0}  # measured: docs/merging.md §2 (GPT-2 recipe pair)
+
+
+def resolve_match(match: MatchOptions, kind: str) -> MatchOptions:
+    """``match`` with ``auto`` set for ``kind`` (the head's weight in the objective, :data:`HEAD_WEIGHT`)."""
+    return dataclasses.replace(match, head_weight=HEAD_WEIGHT[kind] if match.head_weight == AUTO else match.head_weight)
 
 
 @dataclass

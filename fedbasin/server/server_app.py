@@ -30,7 +30,6 @@ from fedbasin import causal_lm, heap
 from fedbasin.alignment import learned_refine, proxy_streams
 from fedbasin.alignment.vocabulary import vocabulary_ids
 from fedbasin.checkpoint import load_checkpoint
-from fedbasin.options import AUTO, from_run_config, model_kind, refine_call, resolve_refine, robust_call
 from fedbasin.config import (
     RunConfigError,
     eval_batch_size,
@@ -38,6 +37,15 @@ from fedbasin.config import (
     model_from_config,
     resolve_run_config,
     task_from_config,
+)
+from fedbasin.options import (
+    AUTO,
+    from_run_config,
+    model_kind,
+    refine_call,
+    resolve_match,
+    resolve_refine,
+    robust_call,
 )
 from fedbasin.server.distill import (
     TeacherOutputs,
@@ -107,6 +115,7 @@ def make_refiner(spec, model, task, config: dict, to_module_state=None):
     ``to_module_state``: the adapter's ``from_standard`` when the model's keys differ from the spec's layout."""
     match, refine, _, _ = from_run_config(config)
     kind = model_kind(task.data, getattr(model.config, "vocab_size", None))
+    match = resolve_match(match, kind)
     resolved = resolve_refine(refine, kind, gpu=resolve_device(config["device"]).type == "cuda")
     options = resolved.options
     data = server_proxy_streams(task, model, config, options.batch_size)
