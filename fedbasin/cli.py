@@ -152,7 +152,9 @@ def _matching_options(p: argparse.ArgumentParser) -> None:
                    help="stop once a pass improves the objective by less than this fraction")
     g.add_argument("--seen-tokens", metavar="SPEC",
                    help="match token-embedding and output-head rows only for the tokens in this text's training "
-                   "split (text:FILE, tokenised like the proxy data); the other rows are untrained noise")
+                   "split (text:FILE, tokenised like the proxy data); the other rows are untrained noise. 'auto': "
+                   "no data, the rows the two models' weights judge trained (the untrained rows form a tight "
+                   "cluster at the init scale; all rows when there is none)")
     g.add_argument("--token-weighting", choices=("seen", "sqrt", "count"), default="sqrt",
                    help="with --seen-tokens, weight token row t by √n_t (default), n_t or 1 (n_t: its count "
                    "in the training split)")
@@ -266,13 +268,15 @@ def _refuse_ineffective_options(args) -> None:
         rules.append((MATCHING_OPTIONS, "has no effect without --align"))
     if "refine_data" not in given:
         rules.append((REFINE_OPTIONS, "has no effect without --refine-data"))
-        if args.command != "barrier" and "seen_tokens" not in given:
+        if args.command != "barrier" and ("seen_tokens" not in given or args.seen_tokens == "auto"):
             rules.append((("tokenizer",), "has no effect without --seen-tokens or --refine-data"))
     if "refine_soft_labels" not in given and not _unigram_proxy(args):
         why = "has no effect without --refine-soft-labels or --refine-data unigram:FILE"
         rules.append((("refine_soft_label_top_k",), why))
     if "seen_tokens" not in given:
         rules.append((("token_weighting",), "has no effect without --seen-tokens"))
+    elif args.seen_tokens == "auto":
+        rules.append((("token_weighting",), "has no effect with --seen-tokens auto (weights inferred from the models)"))
     for dests, why in rules:
         for dest in dests:
             if dest in given:
@@ -504,6 +508,8 @@ def cmd_align(args) -> int:
             summary.update(iterations=result.iterations, start=result.start,
                            initial_objective=result.initial_objective, objective=result.objective,
                            seconds=round(result.seconds, 3))
+            if result.token_rows is not None:
+                summary["token_rows"] = result.token_rows
     except ValueError as exc:
         raise InputError(str(exc)) from None
     _save(args.out, ref, aligned)
@@ -556,6 +562,8 @@ def cmd_merge(args) -> int:
             merged = result.state
             summary.update(universe_change=result.universe_change, objectives=result.objectives,
                            seconds=round(result.seconds, 3))
+            if result.token_rows is not None:
+                summary["token_rows"] = result.token_rows
     except ValueError as exc:
         raise InputError(str(exc)) from None
     _save(args.out, checkpoints[0], merged)
@@ -720,9 +728,12 @@ def _refine_vocabulary(args, proxy, train):
 
 
 def _seen_tokens(args, checkpoint, command: str):
-    """Per-token weights from ``--seen-tokens``' training split (None without the option)."""
+    """Per-token weights from ``--seen-tokens``' training split (None without the option; ``"auto"``:
+    inferred from the models' weights by the matching itself)."""
     if not args.seen_tokens:
         return None
+    if args.seen_tokens == "auto":
+        return "auto"
     if not args.seen_tokens.startswith("text:"):
         raise UsageError(f"--seen-tokens needs text data (text:FILE), got {args.seen_tokens}")
     task = _task_for(checkpoint, args.seen_tokens, args.tokenizer, str(checkpoint.path), command, "--seen-tokens")
@@ -770,6 +781,8 @@ def cmd_barrier(args) -> int:
                                   iterations=args.iterations, tol=args.tol, progress=True,
                                   token_rows=_seen_tokens(args, a, "barrier"), head_weight=args.head_weight)
             summary.update(symmetry=args.symmetry, align_seconds=round(result.seconds, 3))
+            if result.token_rows is not None:
+                summary["token_rows"] = result.token_rows
             aligned = a.adapter.from_standard({k: v.cpu() for k, v in result.state.items()})  # A's side
             curves["aligned"] = interpolation_curve(_gauged_form(a, summary), aligned, loss_of, points=args.points)
     except ValueError as exc:
