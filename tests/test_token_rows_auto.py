@@ -113,6 +113,34 @@ def test_zipf_weights_rank_the_rows_by_their_logit_along_the_push_undone():
     assert float(w[:10].mean()) > 3 * float(w[-100:].mean())  # rank^(-1/2): the head outweighs the tail
 
 
+@pytest.mark.parametrize("projection", [True, False])
+def test_rarely_seen_rows_are_found_by_their_projection_along_the_push(monkeypatch, projection):
+    """A token seen once or twice undoes part of the push only: its head row stays inside the distance
+    cluster (the shift is spread over d directions) but stands out along the push itself."""
+    from fedbasin.alignment import token_rows
+
+    monkeypatch.setattr(token_rows, "PROJECTION", projection)
+    spec = spec_of("gpt", CONFIG)
+    seen = _seen()
+    rare = torch.randperm(V, generator=torch.Generator().manual_seed(5))[TRAINED:TRAINED + 200]
+    unseen = torch.ones(V, dtype=torch.bool)
+    unseen[seen] = False
+    unseen[rare] = False
+
+    def model(seed):
+        state = _model(seen, seed)
+        head = state["head.weight"].clone()
+        head[rare] -= 0.4 * head[unseen].mean(dim=0)  # 40 % of the push undone
+        state["head.weight"] = head
+        return state
+
+    found = infer_token_rows(spec, model(10), model(11))
+    judged = found.probability > 0.5
+    assert bool(judged[seen].all()) and not bool(judged[unseen].any())
+    recall = float(judged[rare].double().mean())
+    assert recall >= 0.9 if projection else recall <= 0.1, recall
+
+
 def test_a_row_counts_only_when_trained_in_both_models():
     spec = spec_of("gpt", CONFIG)
     seen = _seen()
@@ -175,13 +203,13 @@ def test_auto_recovers_a_planted_symmetry_as_well_as_the_true_rows():
     auto = weight_match(spec, ref, cand, token_rows="auto", **options)
     every = weight_match(spec, ref, cand, **options)
     assert _error(true_rows, ref) < 1e-6
-    # soft weights (P ≈ 1 − 1e-4 on trained rows, ≈ 1e-4 on a few untrained ones) move the optimum by
-    # far less than the untrained noise moves the all-rows match (the test can fail)
-    assert _error(auto, ref) < 1e-4
-    assert _error(every, ref) > 1e-3
+    # soft weights (P ≈ 1 on trained rows, small but not 0 on a few untrained ones) move the optimum by
+    # 3e-4 here; the untrained noise moves the all-rows match by 1.5 (the test can fail)
+    assert _error(auto, ref) < 1e-3
+    assert _error(every, ref) > 0.1
     assert auto.token_rows == {"source": "weights", "trained": pytest.approx(TRAINED, abs=12), "of": V, "clusters": 4}
     merged = merge(spec, [ref, cand], token_rows="auto", iterations=20, tol=0.0)
-    assert _error(merged.state, ref) < 1e-4  # the mean of the reference and its exact copy
+    assert _error(merged.state, ref) < 1e-3  # the mean of the reference and its exact copy
     assert merged.token_rows[0] is None and merged.token_rows[1]["trained"] == auto.token_rows["trained"]
 
 

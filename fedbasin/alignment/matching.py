@@ -635,8 +635,9 @@ def weight_match(
     by ``w_t`` (rows with ``w_t = 0`` left out): the embedding term becomes an expectation over
     the training tokens rather than a sum over the vocabulary. ``"auto"``: the weights are inferred
     from the two models' weights alone (:func:`~fedbasin.alignment.token_rows.infer_token_rows`:
-    P(row trained in both), from the tight cluster the untrained rows form at the init scale; all
-    rows when no such cluster is found; no effect without token rows), and ``token_rows`` of the
+    P(row trained in both), from the tight cluster the untrained rows form at the init scale, times
+    a data-free √count: rank^(−1/2) of the row's learned unigram logit (Zipf); all rows when no such
+    cluster is found; no effect without token rows), and ``token_rows`` of the
     result records how many rows were judged trained. None: every row counts.
 
     Memory: besides its inputs, the match holds the candidate's current state and, while a
@@ -662,13 +663,18 @@ def weight_match(
             raise ValueError(f"token_rows must be ids, per-token weights, 'auto' or None, got {token_rows!r}")
         from .token_rows import infer_token_rows
 
+        started = time.perf_counter()
         inferred = infer_token_rows(spec, reference, candidate)
+        inferring = time.perf_counter() - started  # counted in the result's seconds
         token_rows = None if inferred is None or inferred.trained == inferred.vocab else inferred.weights
     if token_rows is not None:
         result = _match_on_token_rows(spec, reference, candidate, token_rows, mode=mode, iterations=iterations,
-                                    tol=tol, weighting=weighting, init=init, progress=progress,
-                                    release=release, head_weight=head_weight, like=like)
-        result.token_rows = None if inferred is None else inferred.summary()
+                                      tol=tol, weighting=weighting, init=init, progress=progress,
+                                      release=release, head_weight=head_weight, like=like)
+        if inferred is not None:
+            result.token_rows = inferred.summary()
+            result.seconds += inferring
+            result.phases["token_rows"] = inferring
         return result
     if mode not in MODES:
         raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
@@ -865,7 +871,7 @@ def weight_match(
         transform=g,
         objective=objective,
         initial_objective=initial,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0 + (0.0 if inferred is None else inferring),
         iterations=done,
         start=start_name,
         elapsed=elapsed,

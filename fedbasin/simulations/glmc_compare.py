@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
                         "orthogonal/rms/seen,permutation/rms/sqrt,orthogonal/rms/sqrt,orthogonal/cosine/seen,orthogonal/uniform/seen",
                         help="fedbasin rows as MODE/WEIGHTING/ROWS[/HEAD], ROWS: all, the tokens seen in training "
                         "weighted by seen (1), sqrt (√count) or count, or the rows the two models' weights judge "
-                        "trained (no data): auto (P(trained in both)), auto-mask (P > ½) or auto-signal; HEAD: the output head's objective weight "
+                        "trained (no data): auto (= auto-zipf, the default of token_rows=\"auto\"), auto-mask (P > ½), auto-probability or auto-signal; HEAD: the output head's objective weight "
                         "(weight_match's head_weight; default 1)")
     parser.add_argument("--circuit-variant", default="orthogonal/rms/seen",
                         help="the fedbasin alignment also evaluated on GLMC's merged architecture ('' to skip)")
@@ -166,8 +166,10 @@ def main(argv=None) -> dict:
         inferred = None
         if rows == "all":
             token_rows = None
-        elif rows.startswith("auto"):  # from the two models' weights alone (auto = auto-probability)
-            inferred = infer_token_rows(a.spec, standard_a, standard_b, weighting=rows.partition("-")[2] or "probability")
+        elif rows.startswith("auto"):  # from the two models' weights alone (auto = auto-zipf)
+            started = time.perf_counter()
+            inferred = infer_token_rows(a.spec, standard_a, standard_b, weighting=rows.partition("-")[2] or "zipf")
+            inferring = time.perf_counter() - started
             token_rows = None if inferred is None else inferred.weights
             if inferred is not None:
                 truth = torch.zeros(a.config.vocab_size, dtype=torch.bool)
@@ -175,7 +177,7 @@ def main(argv=None) -> dict:
                 judged = inferred.probability > 0.5
                 hits = int((judged & truth).sum())
                 results.setdefault("token_rows", {})[variant] = {
-                    **inferred.summary(), "seen": len(seen), "precision": round(hits / max(int(judged.sum()), 1), 4),
+                    **inferred.summary(), "seconds": round(inferring, 2), "seen": len(seen), "precision": round(hits / max(int(judged.sum()), 1), 4),
                     "recall": round(hits / len(seen), 4)}
                 print(f"{variant}: {inferred.trained} rows judged trained of {inferred.vocab} "
                       f"(seen in training {len(seen)}; precision {hits / max(int(judged.sum()), 1):.4f}, "
