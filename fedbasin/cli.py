@@ -149,9 +149,11 @@ def _matching_options(p: argparse.ArgumentParser, universe: bool = False) -> Non
     g = p.add_argument_group("weight matching")
     add_arguments(g, MatchOptions, skip=() if universe else ("universe-iterations",))
     g.add_argument("--seen-tokens", metavar="SPEC",
-                   help="weight token-embedding and output-head rows by their counts in this text's training "
-                   "split (text:FILE, tokenised like the proxy data); default: from --refine-data text:FILE when "
-                   "given, else every row")
+                   help="weight token-embedding and output-head rows: text:FILE by their counts in that text's "
+                   "training split (tokenised like the proxy data); auto: no data, the rows the two models' weights "
+                   "judge trained (the untrained rows form a tight cluster at the init scale), weighted by the "
+                   "frequency order the head reads; all: every row. Default: --refine-data's text when it is "
+                   "text:FILE, else auto")
     g.add_argument("--token-weighting", choices=("seen", "sqrt", "count"), default="sqrt",
                    help="with --seen-tokens, weight token row t by √n_t (default), n_t or 1 (n_t: its count "
                    "in the training split)")
@@ -223,10 +225,13 @@ def _refuse_ineffective_options(args) -> None:
         rules.append((MATCHING_OPTIONS, "has no effect without --align"))
     if "refine_data" not in given:
         rules.append((REFINE_OPTIONS, "has no effect without --refine-data"))
-        if args.command != "barrier" and "seen_tokens" not in given:
-            rules.append((("tokenizer",), "has no effect without --seen-tokens or --refine-data"))
-    if "seen_tokens" not in given:
-        rules.append((("token_weighting",), "has no effect without --seen-tokens"))
+        if args.command != "barrier" and not (args.seen_tokens or "").startswith("text:"):
+            rules.append((("tokenizer",), "has no effect without --seen-tokens text:FILE or --refine-data"))
+    text_rows = (args.seen_tokens or "").startswith("text:") or (
+        args.seen_tokens is None and (getattr(args, "refine_data", None) or "").startswith("text:"))
+    if not text_rows:
+        rules.append((("token_weighting",), "has no effect without --seen-tokens text:FILE (or --refine-data "
+                      "text:FILE): auto rows are weighted from the models, all rows equally"))
     for dests, why in rules:
         for dest in dests:
             if dest in given:
@@ -483,6 +488,8 @@ def cmd_align(args) -> int:
             summary.update(iterations=result.iterations, start=result.start,
                            initial_objective=result.initial_objective, objective=result.objective,
                            seconds=round(result.seconds, 3))
+            if result.token_rows is not None:
+                summary["token_rows"] = result.token_rows
     except ValueError as exc:
         raise InputError(str(exc)) from None
     _save(args.out, ref, aligned)
@@ -538,6 +545,8 @@ def cmd_merge(args) -> int:
             merged = result.state
             summary.update(universe_change=result.universe_change, objectives=result.objectives,
                            seconds=round(result.seconds, 3))
+            if result.token_rows is not None:
+                summary["token_rows"] = result.token_rows
     except ValueError as exc:
         raise InputError(str(exc)) from None
     _save(args.out, checkpoints[0], merged)
@@ -686,15 +695,19 @@ def _unigram_proxy(args) -> bool:
 
 
 def _seen_tokens(args, checkpoint, command: str):
-    """Per-token weights from ``--seen-tokens``' training split; without the option, from ``--refine-data
-    text:FILE`` (the text that defines them is given); otherwise None (every row)."""
+    """Per-token weights of the matching's token rows: ``--seen-tokens text:FILE``'s training-split counts;
+    without the option those of ``--refine-data text:FILE`` (the text that defines them is given), else
+    ``"auto"`` (inferred from the models' weights by the matching itself; nothing for models without token
+    rows); ``--seen-tokens all``: None (every row)."""
     source, option = args.seen_tokens, "--seen-tokens"
     if not source and (getattr(args, "refine_data", None) or "").startswith("text:"):
         source, option = args.refine_data, "--refine-data"
-    if not source:
+    if source in (None, "auto"):
+        return "auto"
+    if source == "all":
         return None
     if not source.startswith("text:"):
-        raise UsageError(f"--seen-tokens needs text data (text:FILE), got {source}")
+        raise UsageError(f"--seen-tokens takes text:FILE, auto or all, got {source}")
     task = _task_for(checkpoint, source, args.tokenizer, str(checkpoint.path), command, option)
     from fedbasin.alignment.matching import token_weights
 
@@ -740,6 +753,8 @@ def cmd_barrier(args) -> int:
             result = weight_match(a.spec, _standard(a, device), _standard(b, device), **_match_call(match),
                                   progress=True, token_rows=_seen_tokens(args, a, "barrier"))
             summary.update(symmetry=match.symmetry, align_seconds=round(result.seconds, 3))
+            if result.token_rows is not None:
+                summary["token_rows"] = result.token_rows
             aligned = a.adapter.from_standard({k: v.cpu() for k, v in result.state.items()})  # A's side
             curves["aligned"] = interpolation_curve(_gauged_form(a, summary), aligned, loss_of, points=args.points)
     except ValueError as exc:

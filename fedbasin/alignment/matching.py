@@ -85,6 +85,9 @@ class MatchResult:
     #: part of the steps (:class:`PartClock`; ``heads.values`` is inside the head step, the
     #: ``residual.*`` parts include the setup's residual start)
     phases: dict = field(default_factory=dict)
+    #: with ``token_rows="auto"``: how many token rows the weights judged trained
+    #: (:meth:`~fedbasin.alignment.token_rows.TokenRows.summary`); None otherwise
+    token_rows: dict | None = None
 
 
 #: maps-only sweeps (within-head maps with heads in place, then the residual map) after each full
@@ -608,7 +611,7 @@ def weight_match(
     weighting: str = "rms",
     init: GroupElement | None = None,
     progress: bool = False,
-    token_rows: torch.Tensor | None = None,
+    token_rows: torch.Tensor | str | None = None,
     release: bool = False,
     head_weight: float = 1.0,
     like: dict | None = None,
@@ -630,7 +633,12 @@ def weight_match(
     record then refers to the kept rows. A floating tensor of one weight per token (length
     vocabulary, e.g. :func:`token_weights` of the training tokens) instead weights row t's terms
     by ``w_t`` (rows with ``w_t = 0`` left out): the embedding term becomes an expectation over
-    the training tokens rather than a sum over the vocabulary.
+    the training tokens rather than a sum over the vocabulary. ``"auto"``: the weights are inferred
+    from the two models' weights alone (:func:`~fedbasin.alignment.token_rows.infer_token_rows`:
+    P(row trained in both), from the tight cluster the untrained rows form at the init scale, times
+    a data-free √count: rank^(−1/2) of the row's learned unigram logit (Zipf); all rows when no such
+    cluster is found; no effect without token rows), and ``token_rows`` of the
+    result records how many rows were judged trained. None: every row counts.
 
     Memory: besides its inputs, the match holds the candidate's current state and, while a
     residual step is tried, its successor (each about the size of the tensors that carry heads
@@ -649,10 +657,25 @@ def weight_match(
     """
     if not (math.isfinite(head_weight) and head_weight > 0):
         raise ValueError(f"head_weight must be a finite number > 0, got {head_weight}")
+    inferred = None
+    if isinstance(token_rows, str):
+        if token_rows != "auto":
+            raise ValueError(f"token_rows must be ids, per-token weights, 'auto' or None, got {token_rows!r}")
+        from .token_rows import infer_token_rows
+
+        started = time.perf_counter()
+        inferred = infer_token_rows(spec, reference, candidate)
+        inferring = time.perf_counter() - started  # counted in the result's seconds
+        token_rows = None if inferred is None or inferred.trained == inferred.vocab else inferred.weights
     if token_rows is not None:
-        return _match_on_token_rows(spec, reference, candidate, token_rows, mode=mode, iterations=iterations,
-                                    tol=tol, weighting=weighting, init=init, progress=progress,
-                                    release=release, head_weight=head_weight, like=like)
+        result = _match_on_token_rows(spec, reference, candidate, token_rows, mode=mode, iterations=iterations,
+                                      tol=tol, weighting=weighting, init=init, progress=progress,
+                                      release=release, head_weight=head_weight, like=like)
+        if inferred is not None:
+            result.token_rows = inferred.summary()
+            result.seconds += inferring
+            result.phases["token_rows"] = inferring
+        return result
     if mode not in MODES:
         raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
     t0, cpu_t0 = time.perf_counter(), time.process_time()
@@ -842,12 +865,13 @@ def weight_match(
     del state
     timed("finish", clock)
     return MatchResult(
+        token_rows=None if inferred is None else inferred.summary(),
         state=aligned,
         canonical=canonical,
         transform=g,
         objective=objective,
         initial_objective=initial,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0 + (0.0 if inferred is None else inferring),
         iterations=done,
         start=start_name,
         elapsed=elapsed,

@@ -40,6 +40,9 @@ class MergeResult:
     universe_change: list[float] = field(default_factory=list)
     seconds: float = 0.0
     untied: bool = False
+    #: with ``token_rows="auto"``: per model, the rows judged trained in it and the reference
+    #: (:meth:`~fedbasin.alignment.token_rows.TokenRows.summary`; None for the reference)
+    token_rows: list[dict | None] | None = None
 
 
 def average_states(states: list[dict], weights: list[float], release: bool = False, on_key=None) -> dict:
@@ -160,7 +163,7 @@ def merge(
     align: bool = True,
     weighting: str = "rms",
     progress: bool = False,
-    token_rows: torch.Tensor | None = None,
+    token_rows: torch.Tensor | str | None = None,
     combine: Combiner | Callable[[list, list], dict] | None = None,
     release: bool = False,
     head_weight: float = 1.0,
@@ -170,6 +173,12 @@ def merge(
     ``align=False`` is plain weighted averaging through the same path (FedAvg). The result is
     returned in the reference's gauge and keeps the architecture (tied tensors come back untied).
     ``token_rows``: match token-indexed rows of these ids only (see :func:`weight_match`);
+    ``"auto"``: for each model, the rows that its weights and the reference's judge trained in both
+    (:func:`~fedbasin.alignment.token_rows.infer_token_rows` on the raw models, once, before any
+    alignment; every pass uses them; the reference, re-aligned from the second pass on, takes the mean
+    of the others' weights): a row trained in only one of the two adds only noise to their
+    match, and the universe of later passes is an average, whose untrained rows no longer sit at the
+    init scale, so the rows are judged on the models as given;
     ``head_weight``: the output head's objective weight (likewise).
     ``combine``: a :class:`Combiner` that replaces the weighted mean (e.g. a robust aggregator
     that screens the aligned models first; its contract is stated there), or a plain
@@ -208,6 +217,19 @@ def merge(
         return MergeResult(to_gauge(spec, merged, ref_c.gains), merged, [], seconds=time.perf_counter() - t0,
                            untied=ref_c.untied)
 
+    per_model = [token_rows] * len(states)
+    inferred = None
+    if isinstance(token_rows, str):
+        if token_rows != "auto":
+            raise ValueError(f"token_rows must be ids, per-token weights, 'auto' or None, got {token_rows!r}")
+        from .token_rows import infer_token_rows
+
+        inferred = [None if k == reference else infer_token_rows(spec, states[reference], states[k])
+                    for k in range(len(states))]
+        per_model = [None if found is None or found.trained == found.vocab else found.weights for found in inferred]
+        others = [found for k, found in enumerate(inferred) if k != reference and found is not None]
+        if any(w is not None for w in per_model):  # the reference (re-aligned in later passes): the mean
+            per_model[reference] = torch.stack([f.weights for f in others]).mean(dim=0)  # over the others
     passes = max(universe_iterations, 1)
     for i in range(len(states)):  # bad gains fail here, before any alignment starts
         canonicalize(spec, states[i], names[i], validate=False)
@@ -223,7 +245,8 @@ def merge(
     gains, universe = ref_c.gains, ref_c.state
     # model k between passes when its raw dict is gone: (g·θ_k canonical, g); g None: θ_k itself
     held = {reference: (ref_c.state, None)} if states[reference] is None else {}
-    result = MergeResult({}, {}, [], untied=ref_c.untied)
+    result = MergeResult({}, {}, [], untied=ref_c.untied,
+                         token_rows=None if inferred is None else [f and f.summary() for f in inferred])
     del ref_c
     bar = progress_bar(len(states) * passes, progress, "aligning", "model")
     for t in range(passes):
@@ -240,7 +263,7 @@ def merge(
             else:
                 candidate = states[k] if states[k] is not None else _restore(spec, *held.pop(k))
                 match = weight_match(spec, universe, candidate, mode=mode, iterations=iterations, tol=tol,
-                                     weighting=weighting, token_rows=token_rows, head_weight=head_weight,
+                                     weighting=weighting, token_rows=per_model[k], head_weight=head_weight,
                                      release=release and not readable[k], like=gains)
                 del candidate
                 if not readable[k]:

@@ -111,7 +111,7 @@ def learned_refine(
     weighting: str = "rms",
     include_reference: bool = True,
     universe_iterations: int = 1,
-    token_rows: torch.Tensor | None = None,
+    token_rows: torch.Tensor | str | None = None,
     to_module_state: Callable[[dict], dict] | None = None,
     progress: bool = False,
     group: str = "orthogonal",

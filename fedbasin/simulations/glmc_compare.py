@@ -39,6 +39,7 @@ import torch
 
 from fedbasin.alignment import Curve, interpolate, lambda_grid, loss_barrier, weight_match
 from fedbasin.alignment.matching import token_weights
+from fedbasin.alignment.token_rows import infer_token_rows
 from fedbasin.checkpoint import build_torch_model, load_checkpoint
 from fedbasin.simulations.gpt2_pair import (
     DEFAULT_TEXT,
@@ -90,8 +91,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--tol", type=float, default=1e-6)
     parser.add_argument("--variants", default="permutation/rms/all,permutation/rms/seen,orthogonal/rms/all,"
                         "orthogonal/rms/seen,permutation/rms/sqrt,orthogonal/rms/sqrt,orthogonal/cosine/seen,orthogonal/uniform/seen",
-                        help="fedbasin rows as MODE/WEIGHTING/ROWS[/HEAD], ROWS: all, or the tokens seen in training "
-                        "weighted by seen (1), sqrt (√count) or count; HEAD: the output head's objective weight "
+                        help="fedbasin rows as MODE/WEIGHTING/ROWS[/HEAD], ROWS: all, the tokens seen in training "
+                        "weighted by seen (1), sqrt (√count) or count, or the rows the two models' weights judge "
+                        "trained (no data): auto (= auto-zipf, the default of token_rows=\"auto\"), auto-mask (P > ½), auto-probability or auto-signal; HEAD: the output head's objective weight "
                         "(weight_match's head_weight; default 1)")
     parser.add_argument("--circuit-variant", default="orthogonal/rms/seen",
                         help="the fedbasin alignment also evaluated on GLMC's merged architecture ('' to skip)")
@@ -161,7 +163,27 @@ def main(argv=None) -> dict:
     aligned = {}
     for variant in filter(None, args.variants.split(",")):
         mode, weighting, rows, *head = variant.split("/")
-        token_rows = None if rows == "all" else token_weights(train_ids, a.config.vocab_size, rows)
+        inferred = None
+        if rows == "all":
+            token_rows = None
+        elif rows.startswith("auto"):  # from the two models' weights alone (auto = auto-zipf)
+            started = time.perf_counter()
+            inferred = infer_token_rows(a.spec, standard_a, standard_b, weighting=rows.partition("-")[2] or "zipf")
+            inferring = time.perf_counter() - started
+            token_rows = None if inferred is None else inferred.weights
+            if inferred is not None:
+                truth = torch.zeros(a.config.vocab_size, dtype=torch.bool)
+                truth[seen] = True
+                judged = inferred.probability > 0.5
+                hits = int((judged & truth).sum())
+                results.setdefault("token_rows", {})[variant] = {
+                    **inferred.summary(), "seconds": round(inferring, 2), "seen": len(seen), "precision": round(hits / max(int(judged.sum()), 1), 4),
+                    "recall": round(hits / len(seen), 4)}
+                print(f"{variant}: {inferred.trained} rows judged trained of {inferred.vocab} "
+                      f"(seen in training {len(seen)}; precision {hits / max(int(judged.sum()), 1):.4f}, "
+                      f"recall {hits / len(seen):.4f})", file=sys.stderr, flush=True)
+        else:
+            token_rows = token_weights(train_ids, a.config.vocab_size, rows)
         match = weight_match(a.spec, standard_a, standard_b, mode=mode, iterations=args.iterations, tol=args.tol,
                              weighting=weighting, token_rows=token_rows, head_weight=float(head[0]) if head else 1.0)
         aligned[variant] = a.adapter.from_standard(match.state)
