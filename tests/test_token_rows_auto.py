@@ -234,7 +234,7 @@ def test_cli_seen_tokens_auto_records_the_rows_judged_trained(tmp_path, capsys):
         save_checkpoint(tmp_path / name, "gpt", config, {k: v.float() for k, v in state.items()})
     a, b = (load_checkpoint(tmp_path / n) for n in ("ref", "cand"))
     assert main(["align", str(tmp_path / "ref"), str(tmp_path / "cand"), "--out", str(tmp_path / "out"),
-                 "--seen-tokens", "auto", "--iterations", "5"]) == 0
+                 "--seen-tokens", "auto", "--iterations", "5", "--head-weight", "1"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["token_rows"]["source"] == "weights" and summary["token_rows"]["of"] == V
     assert abs(summary["token_rows"]["trained"] - TRAINED) <= 12
@@ -244,9 +244,9 @@ def test_cli_seen_tokens_auto_records_the_rows_judged_trained(tmp_path, capsys):
     written = written.adapter.to_standard(written.state)
     assert max(float((written[k] - expected[k]).abs().max()) for k in expected) < 1e-6
     assert main(["merge", str(tmp_path / "ref"), str(tmp_path / "cand"), "--out", str(tmp_path / "merged"),
-                 "--seen-tokens", "auto", "--iterations", "5"]) == 0
+                 "--iterations", "5", "--head-weight", "1"]) == 0  # auto is the default
     merged = json.loads(capsys.readouterr().out)
     assert merged["token_rows"][0] is None and abs(merged["token_rows"][1]["trained"] - TRAINED) <= 12
-    assert "--token-weighting has no effect with --seen-tokens auto" in cli_error(
+    assert "--token-weighting has no effect without --seen-tokens text:FILE" in cli_error(
         capsys, ["align", str(tmp_path / "ref"), str(tmp_path / "cand"), "--out", str(tmp_path / "x"),
                  "--seen-tokens", "auto", "--token-weighting", "count"])

@@ -120,7 +120,7 @@ def test_align_matches_on_the_tokens_seen_in_training(tmp_path, text_file, capsy
     ref, cand = _gpt2(tmp_path / "ref", 1), _gpt2(tmp_path / "cand", 2)
     out = tmp_path / "aligned"
     assert main(["align", str(ref), str(cand), "--out", str(out), "--seen-tokens", f"text:{text_file}",
-                 "--iterations", "3"]) == 0
+                 "--iterations", "3", "--head-weight", "1"]) == 0
     a, b = load_checkpoint(ref), load_checkpoint(cand)
     seen = load_task(f"text:{text_file}", tokenizer=str(ref), block_size=32).train
     ids = torch.cat([seen.inputs.reshape(-1), seen.targets[:, -1]])
@@ -141,7 +141,7 @@ def test_align_matches_on_the_tokens_seen_in_training(tmp_path, text_file, capsy
     weighted, masked = expected(sqrt_weights), expected(torch.unique(ids))
     assert distance(written(out), weighted) < 1e-6
     assert main(["align", str(ref), str(cand), "--out", str(tmp_path / "seen"), "--seen-tokens", f"text:{text_file}",
-                 "--token-weighting", "seen", "--iterations", "3"]) == 0
+                 "--token-weighting", "seen", "--iterations", "3", "--head-weight", "1"]) == 0
     assert distance(written(tmp_path / "seen"), masked) < 1e-6
     assert distance(weighted, masked) > 1e-4  # the weighting changed the result
     plain = weight_match(a.spec, a.adapter.to_standard(a.state), b.adapter.to_standard(b.state), iterations=3).state
