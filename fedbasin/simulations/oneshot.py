@@ -8,7 +8,8 @@ client after the other), then reports test accuracy of
 * FedAvg (plain example-weighted average),
 * aligned merges (permutation, orthogonal): every client aligned to the largest client, then
   averaged -- what ``AlignedFedAvg`` does in round 1 with ``independent_init``,
-* with ``refine-steps > 0``: the aligned merge after server-side learned refinement on the proxy
+* with a proxy split (and ``refine-steps`` not 0; auto: the run config's default, docs/options.md): the
+  aligned merge after server-side learned refinement on the proxy
   split (``aligned + learned``),
 * with ``distill-steps > 0``: that merge (or the aligned one) after server-side ensemble
   distillation on the proxy split (``aligned + distilled``), and, as a control, FedAvg distilled
