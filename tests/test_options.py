@@ -223,6 +223,8 @@ def test_the_strategy_takes_the_option_objects():
                              match=schema.MatchOptions(symmetry="permutation", align_iterations=7, universe_iterations=2),
                              robust=schema.RobustOptions(aggregator="median", clip_ratio=2.0, max_examples_ratio=3.0))
     assert (strategy.mode, strategy.iterations, strategy.universe_iterations) == ("permutation", 7, 2)
+    assert strategy.head_weight == 1.0  # auto outside a ServerApp that knows the model's kind
+    assert AlignedFedAvg(spec_of("vit", DIGITS_VIT), match=schema.MatchOptions(head_weight=2.0)).head_weight == 2.0
     assert (strategy.aggregator, strategy.clip_ratio, strategy.max_examples_ratio) == ("median", 2.0, 3.0)
 
 
@@ -247,3 +249,22 @@ def test_a_flower_round_refines_by_default_within_its_budget(monkeypatch):
     strategy = AlignedFedAvg(spec, refine=refine, independent_init=True, min_train_nodes=3, min_available_nodes=3)
     arrays, metrics = one_shot_round(strategy, [trained_digits_vit(seed) for seed in range(3)])
     assert arrays is not None and metrics["round_failed"] == 0 and "refine_heldout_loss" in metrics
+
+
+def test_the_strategy_matches_with_the_head_weight_of_its_options(monkeypatch):
+    """The round's merge gets ``MatchOptions.head_weight`` (what the ServerApp resolves for the model's kind)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    import fedbasin.strategies.aligned_fedavg as strategy_module
+    from fedbasin.strategies import AlignedFedAvg
+    from tests.helpers import spec_of
+    from tests.test_distill import one_shot_round
+
+    for name, value in (("_run_id", 7), ("_task_id", 1), ("_node_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    seen, merge = [], strategy_module.merge
+    monkeypatch.setattr(strategy_module, "merge", lambda *a, **k: seen.append(k["head_weight"]) or merge(*a, **k))
+    strategy = AlignedFedAvg(spec_of("vit", DIGITS_VIT), match=schema.MatchOptions(head_weight=3.0),
+                             independent_init=True, min_train_nodes=2, min_available_nodes=2)
+    arrays, metrics = one_shot_round(strategy, [trained_digits_vit(seed) for seed in range(2)])
+    assert arrays is not None and metrics["round_failed"] == 0 and seen == [3.0]

@@ -245,6 +245,7 @@ def run_server(grid: Grid, config: dict) -> dict:
         distill = ({"distill": make_distiller(model, task, config, adapter, in_place=True)}
                    if config["distill-steps"] > 0 else {})
         match, _, _, robust = from_run_config(config)
+        match = resolve_match(match, model_kind(task.data, getattr(model.config, "vocab_size", None)))
         strategy = AlignedFedAvg(
             spec,
             alignment=config["alignment"],

@@ -123,8 +123,9 @@ class AlignedFedAvg(FedAvg):
         they arrive (the CPU).
     match, robust : fedbasin.options.MatchOptions, fedbasin.options.RobustOptions, optional
         The schema's option objects (what the CLI and the run config build); given, they replace the
-        matching keywords (``mode``, ``iterations``, ``tol``, ``universe_iterations``) or the screening and
-        aggregation keywords above.
+        matching keywords (``mode``, ``iterations``, ``tol``, ``universe_iterations``; ``head_weight``, the
+        head's weight in the objective, comes only from here: 1 without it or when ``auto``) or the
+        screening and aggregation keywords above.
     **kwargs
         ``FedAvg`` options (``fraction_train``, ``min_train_nodes``, ...).
 
@@ -180,9 +181,11 @@ class AlignedFedAvg(FedAvg):
         robust: RobustOptions | None = None,
         **kwargs,
     ) -> None:
+        head_weight = 1.0
         if match is not None:  # the schema's option objects (fedbasin.options) replace the keywords they hold
             mode, iterations, tol, universe_iterations = (match.symmetry, match.align_iterations, match.align_tol,
                                                           match.universe_iterations)
+            head_weight = 1.0 if match.head_weight == "auto" else float(match.head_weight)
         if robust is not None:
             (max_abs_weight, max_num_examples, max_examples_ratio, outlier_threshold, proxy_screening, clip_ratio,
              aggregator, trim_fraction) = (robust.max_abs_weight, robust.max_num_examples, robust.max_examples_ratio,
@@ -236,6 +239,7 @@ class AlignedFedAvg(FedAvg):
         self.tol = tol
         self.independent_init = independent_init
         self.universe_iterations = universe_iterations
+        self.head_weight = head_weight
         self.refine = refine
         self.distill = distill
         self.max_abs_weight = max_abs_weight
@@ -499,7 +503,8 @@ class AlignedFedAvg(FedAvg):
                             "refine_heldout_loss": refined.best_loss, "refine_diverged_step": refined.diverged_step,
                             **combiner.metrics}
         result = merge(self.spec, states, weights, reference, self.mode, self.iterations, self.tol,
-                       universe_iterations=self.universe_iterations, combine=combiner, release=True)
+                       universe_iterations=self.universe_iterations, combine=combiner, release=True,
+                       head_weight=self.head_weight)
         gains = [m.objective[-1] - m.initial_objective for m in result.matches]
         return result.state, {"align_gain": float(sum(gains) / len(gains)) if gains else 0.0,
                               "universe_passes": len(result.universe_change), **combiner.metrics}
