@@ -54,7 +54,7 @@ from .group import (
     rotary_planes,
 )
 from .progress import progress_bar
-from .spec import AttentionSpec, MLPSpec, SymmetrySpec, check_compatible
+from .spec import AttentionSpec, MLPSpec, SymmetrySpec, check_compatible, token_indexed_keys  # noqa: F401 (re-exported)
 
 MODES = ("orthogonal", "permutation")
 WEIGHTINGS = ("cosine", "rms", "uniform")
@@ -891,16 +891,6 @@ def _layers_disjoint(spec: SymmetrySpec) -> bool:
         if len(flat) != len(set(flat)):
             return False
     return True
-
-
-def token_indexed_keys(spec: SymmetrySpec, state: dict) -> set[str]:
-    """Tensors whose rows are indexed by token id: the token embeddings and every residual reader
-    with as many rows as the (first) embedding, i.e. an output head over the vocabulary."""
-    if not spec.embedding_keys:
-        return set()
-    vocab = state[spec.embedding_keys[0]].shape[0]
-    readers = {k for k, axis in spec.residual if axis == 1 and state[k].ndim == 2 and state[k].shape[0] == vocab}
-    return set(spec.embedding_keys) | readers
 
 
 def token_weights(token_ids: torch.Tensor, vocab: int, weighting: str = "sqrt") -> torch.Tensor:

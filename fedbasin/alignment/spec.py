@@ -185,3 +185,13 @@ def check_compatible(spec: SymmetrySpec, reference: dict, candidate: dict, names
                 f"{names[1]}: {key} has shape {tuple(candidate[key].shape)} but the {names[0]} has "
                 f"{tuple(reference[key].shape)} (different architectures?)"
             )
+
+
+def token_indexed_keys(spec: SymmetrySpec, state: dict) -> set[str]:
+    """Tensors whose rows are indexed by token id: the token embeddings and every residual reader
+    with as many rows as the (first) embedding, i.e. an output head over the vocabulary."""
+    if not spec.embedding_keys:
+        return set()
+    vocab = state[spec.embedding_keys[0]].shape[0]
+    readers = {k for k, axis in spec.residual if axis == 1 and state[k].ndim == 2 and state[k].shape[0] == vocab}
+    return set(spec.embedding_keys) | readers

@@ -1,7 +1,7 @@
 """Which token rows were trained, from the weights alone (data-free ``token_rows="auto"``).
 
 A token-indexed tensor (the token embedding, an output head over the vocabulary: see
-:func:`~fedbasin.alignment.matching.token_indexed_keys`) has one row per token. Rows of tokens the
+:func:`~fedbasin.alignment.spec.token_indexed_keys`) has one row per token. Rows of tokens the
 training text never showed keep their initialisation, up to a change every such row shares: the
 embedding rows of unseen tokens get no gradient at all, and the head rows of unseen tokens all get
 the same push (``−p_t Σ h`` with ``p_t`` about equal for all of them: their logits are pushed down
@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .spec import SymmetrySpec
+from .spec import SymmetrySpec, token_indexed_keys
 
 TOKEN_ROW_WEIGHTINGS = ("mask", "probability", "signal", "zipf")
 WINDOW = 4.0  # half-width of the cluster search window, in units of the χ² spread √(2/d)
@@ -165,8 +165,6 @@ def _densest_window(z: torch.Tensor, half: float) -> torch.Tensor:
 
 def model_evidence(spec: SymmetrySpec, state: dict) -> list[TensorEvidence] | None:
     """The evidence of every token-indexed tensor of one model (None without token rows)."""
-    from .matching import token_indexed_keys
-
     keys = token_indexed_keys(spec, state)
     if not keys:
         return None

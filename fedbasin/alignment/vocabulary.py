@@ -14,8 +14,7 @@ import math
 
 import torch
 
-from .matching import token_indexed_keys
-from .spec import SymmetrySpec
+from .spec import SymmetrySpec, token_indexed_keys
 
 
 class _TrainingVocabulary:
