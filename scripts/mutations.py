@@ -37,6 +37,9 @@ SUBSETS = {
     "mlp_step": CORE + ["tests/test_hf.py"],
     "residual_step": CORE + ["tests/test_hf.py"],
     "gauge": CORE + ["tests/test_strategy_merge.py"],
+    "auto_kind": ["tests/test_options.py"],
+    "budget": ["tests/test_options.py"],
+    "translator": ["tests/test_options.py", "tests/test_head_lr.py"],
 }
 
 

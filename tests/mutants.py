@@ -137,6 +137,31 @@ def gauge_skipped() -> None:
     replace_everywhere(to_gauge, lambda spec, state, gains: dict(state))
 
 
+def auto_ignores_kind() -> None:
+    """``auto`` takes the image classifier's settings whatever the model is."""
+    from fedbasin import options
+
+    resolve = options.resolve_refine
+    replace_everywhere(resolve, _forcing(resolve, kind=options.IMAGE))
+
+
+def budget_ignored() -> None:
+    """A budgeted refinement (``steps=None``) runs a fixed 10 steps, checked once, whatever its budget."""
+    from fedbasin.alignment.refine import learned_refine
+
+    def fixed(steps):
+        return 10 if steps is None else steps
+
+    replace_everywhere(learned_refine, _forcing(learned_refine, steps=fixed))
+
+
+def translator_drops_head_lr() -> None:
+    """The options translator forgets the per-head learning rate (the maps all train at ``lr``)."""
+    from fedbasin import options
+
+    _replace_result(options, "refine_call", lambda found: {**found, "head_lr": None})
+
+
 MUTATIONS = {
     "weights": weights_ignored,
     "universe": universe_off,
@@ -145,4 +170,7 @@ MUTATIONS = {
     "mlp_step": mlp_step_identity,
     "residual_step": residual_step_identity,
     "gauge": gauge_skipped,
+    "auto_kind": auto_ignores_kind,
+    "budget": budget_ignored,
+    "translator": translator_drops_head_lr,
 }
