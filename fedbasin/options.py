@@ -409,7 +409,8 @@ def add_arguments(group, cls, skip: Iterable[str] = ()) -> None:
             group.add_argument(f"--{name}", *opt.aliases, dest=dest, nargs="+", metavar="LO,HI", help=text)
         else:
             group.add_argument(f"--{name}", *opt.aliases, dest=dest, type=_argument_type(f, opt),
-                               metavar=opt.metavar or ("{" + ",".join(opt.choices) + "}" if opt.choices else None),
+                               metavar=opt.metavar or ("{" + ",".join(opt.choices) + "}" if opt.choices else
+                                                       {int: "N", float: "X"}.get(_type_of(f))),
                                help=text)
 
 
