@@ -33,6 +33,7 @@ from fedbasin.commandline import (  # the README's exit-code table and the --hel
     EXIT_USAGE,
     HelpFormatter,
 )
+from fedbasin.options import match_call  # the options schema (standard library only)
 
 # ------------------------------------------------------------------------------------------------
 # errors (exit codes: fedbasin.commandline, the table in README.md, "Command line")
@@ -238,12 +239,6 @@ def _refuse_ineffective_options(args) -> None:
                 raise UsageError(f"--{dest.replace('_', '-')} {why}")
 
 
-def _match_call(match) -> dict:
-    from fedbasin.options import match_call
-
-    return match_call(match)
-
-
 def _kind(checkpoint) -> str:
     """What the checkpoint's model is (:func:`fedbasin.options.model_kind`): it chooses the ``auto`` values."""
     from fedbasin.options import model_kind
@@ -251,10 +246,10 @@ def _kind(checkpoint) -> str:
     return model_kind(checkpoint.data, getattr(checkpoint.config, "vocab_size", None))
 
 
-def _match_options(args, checkpoint=None):
+def _match_options(args):
     """The weight-matching options of ``args`` (:class:`fedbasin.options.MatchOptions`), checked by the
-    schema (the first problem is a usage error); ``auto`` set for ``checkpoint``'s kind when given."""
-    from fedbasin.options import CLI, MatchOptions, from_args, problems, resolve_match
+    schema (the first problem is a usage error); ``auto`` stays for :func:`_for_model` to set."""
+    from fedbasin.options import CLI, MatchOptions, from_args, problems
 
     try:
         match = from_args(MatchOptions, args)
@@ -262,7 +257,14 @@ def _match_options(args, checkpoint=None):
         raise UsageError(str(error).splitlines()[0]) from None
     if found := problems([match], CLI):
         raise UsageError(found[0])
-    return match if checkpoint is None else resolve_match(match, _kind(checkpoint))
+    return match
+
+
+def _for_model(match, checkpoint):
+    """``match`` with ``auto`` set for what ``checkpoint``'s model is."""
+    from fedbasin.options import resolve_match
+
+    return resolve_match(match, _kind(checkpoint))
 
 
 CHECKPOINT_HELP = "checkpoint directory (fedbasin or Hugging Face GPT-2/ViT/Llama/GPT-NeoX: config.json + model.safetensors)"
@@ -463,15 +465,15 @@ def cmd_align(args) -> int:
 
     if getattr(args, "stream", False):
         return _stream_align(args)
-    device, _ = _device(args), _match_options(args)  # usage errors before the checkpoints load
+    device, match = _device(args), _match_options(args)  # usage errors before the checkpoints load
     ref, cand = _load(args.reference, "reference"), _load(args.candidate, "candidate")
     _same_architecture(ref, cand, "candidate", args.candidate)
-    match = _match_options(args, ref)
+    match = _for_model(match, ref)
     summary = {"command": "align", "reference": args.reference, "candidate": args.candidate, "out": args.out,
                "symmetry": match.symmetry, "matching": dataclasses.asdict(match)}
     try:
         if args.refine_data:
-            refine, info = _refiner(args, ref, "align")
+            refine, info = _refiner(args, ref, "align", match)
             reference = _standard(ref, device)
             result = refine(reference, [_standard(cand, device)])
             aligned = result.states[0]
@@ -482,7 +484,7 @@ def cmd_align(args) -> int:
                 aligned = to_gauge(ref.spec, back, canonicalize(ref.spec, reference).gains)
             summary["refinement"] = {**info, **result.summary()}
         else:
-            result = weight_match(ref.spec, _standard(ref, device), _standard(cand, device), **_match_call(match),
+            result = weight_match(ref.spec, _standard(ref, device), _standard(cand, device), **match_call(match),
                                   progress=True, token_rows=_seen_tokens(args, ref, "align"))
             aligned = result.state
             summary.update(iterations=result.iterations, start=result.start,
@@ -519,10 +521,10 @@ def _stream_align(args) -> int:
 def cmd_merge(args) -> int:
     from fedbasin.alignment import merge
 
-    device, _ = _device(args), _match_options(args)  # usage errors before the checkpoints load
+    device, match = _device(args), _match_options(args)  # usage errors before the checkpoints load
     paths = [args.reference, *args.models]
     checkpoints = [_load(p, "reference" if i == 0 else "model") for i, p in enumerate(paths)]
-    match = _match_options(args, checkpoints[0])
+    match = _for_model(match, checkpoints[0])
     for path, ckpt in zip(paths[1:], checkpoints[1:]):
         _same_architecture(checkpoints[0], ckpt, "model", path)
     if args.weights is not None and len(args.weights) != len(paths):
@@ -536,10 +538,10 @@ def cmd_merge(args) -> int:
     gains = _gains(checkpoints[0].spec, states[0])
     try:
         if args.refine_data:
-            merged, info = _refined_merge(args, checkpoints, states)
+            merged, info = _refined_merge(args, checkpoints, states, match)
             summary["refinement"] = info
         else:
-            result = merge(checkpoints[0].spec, states, weights=args.weights, **_match_call(match),
+            result = merge(checkpoints[0].spec, states, weights=args.weights, **match_call(match),
                            universe_iterations=match.universe_iterations, align=not args.no_align, progress=True,
                            token_rows=_seen_tokens(args, checkpoints[0], "merge"))
             merged = result.state
@@ -554,20 +556,21 @@ def cmd_merge(args) -> int:
     return _emit(summary)
 
 
-def _refined_merge(args, checkpoints, states) -> tuple[dict, dict]:
+def _refined_merge(args, checkpoints, states, match) -> tuple[dict, dict]:
     """Weight (or universe) matching, then learned refinement on proxy data; returns (merged state,
     summary)."""
     from fedbasin.alignment import refined_merge
 
-    refine, info = _refiner(args, checkpoints[0], "merge")
+    refine, info = _refiner(args, checkpoints[0], "merge", match)
     merged, result = refined_merge(checkpoints[0].spec, states, args.weights or [1.0] * len(states), 0, refine)
     return merged, {**info, **result.summary()}
 
 
-def _refiner(args, ref, command: str):
+def _refiner(args, ref, command: str, match):
     """``refine(reference, candidates, **kw)`` on the proxy split of ``--refine-data``: the schema's options
     (``auto`` resolved for the model's kind, :func:`fedbasin.options.resolve_refine`) through the one
-    translator :func:`fedbasin.options.refine_call`, and a summary of what was used."""
+    translator :func:`fedbasin.options.refine_call` with ``match`` (resolved for ``ref``) for its start, and a
+    summary of what was used."""
     from fedbasin.alignment import learned_refine, proxy_streams
     from fedbasin.alignment.vocabulary import vocabulary_ids
     from fedbasin.checkpoint import build_torch_model
@@ -583,7 +586,6 @@ def _refiner(args, ref, command: str):
     )
     from fedbasin.training import cross_entropy
 
-    match = _match_options(args, ref)
     try:
         chosen = from_args(RefineOptions, args)
     except ValueError as error:
@@ -620,9 +622,7 @@ def _refiner(args, ref, command: str):
     data = proxy_streams(proxy, options.batch_size, seed=options.seed, selection_fraction=options.selection_fraction,
                          evaluation_fraction=options.evaluation_fraction,
                          eval_batch_size=eval_batch_size(task, module, most=32))
-    vocabulary = None
-    if options.vocabulary != "full":
-        vocabulary = vocabulary_ids(options.vocabulary, proxy, task.train)
+    vocabulary = vocabulary_ids(options.vocabulary, proxy, task.train)  # None for the full vocabulary
     refine = functools.partial(
         learned_refine, ref.spec, module, loss_fn=cross_entropy, batches=data.batches,
         selection=data.selection, evaluation=data.evaluation, **refine_call(resolved, match),
@@ -749,8 +749,8 @@ def cmd_barrier(args) -> int:
     try:
         curves = {"vanilla": interpolation_curve(a.state, b.state, loss_of, points=args.points)}
         if args.align:
-            match = _match_options(args, a)
-            result = weight_match(a.spec, _standard(a, device), _standard(b, device), **_match_call(match),
+            match = _for_model(_match_options(args), a)
+            result = weight_match(a.spec, _standard(a, device), _standard(b, device), **match_call(match),
                                   progress=True, token_rows=_seen_tokens(args, a, "barrier"))
             summary.update(symmetry=match.symmetry, align_seconds=round(result.seconds, 3))
             if result.token_rows is not None:

@@ -46,6 +46,11 @@ class Option:
     legacy: Mapping[Any, Any] = field(default_factory=dict)
     metavar: str | None = None
 
+    @property
+    def allowed(self) -> tuple:
+        """The choices, with ``"auto"`` when the option takes it."""
+        return self.choices + ((AUTO,) if self.auto else ())
+
 
 def option(default, help: str, **spec) -> Any:
     """A schema field: ``default`` plus its :class:`Option` (keyword arguments)."""
@@ -232,8 +237,7 @@ def value_problem(opt: Option, value, surface: str = CLI) -> str | None:
     if value == AUTO and opt.auto:
         return None
     if opt.choices and value not in opt.choices:
-        allowed = opt.choices + ((AUTO,) if opt.auto else ())
-        return f"expected one of {allowed!r}" if surface == RUN else f"expected one of {' | '.join(allowed)}"
+        return f"expected one of {opt.allowed!r}" if surface == RUN else f"expected one of {' | '.join(opt.allowed)}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     if not math.isfinite(value):
@@ -309,7 +313,8 @@ def _refine_rules(r: RefineOptions, m: MatchOptions | None, data: str | None) ->
                         ("refine-vocabulary-batch-samples", r.vocabulary_batch_samples)):
         if value not in (AUTO, 0) and r.vocabulary == "full":
             rules.append(((name, "refine-vocabulary"), "samples a restricted softmax: needs vocabulary proxy|seen"))
-    soft = r.soft_labels not in (AUTO, 0) or (data or "").startswith("unigram:")
+    unigram = (data or "").startswith("unigram:")
+    soft = r.soft_labels not in (AUTO, 0) or unigram
     if r.vocabulary_batch_samples not in (AUTO, 0) and r.soft_labels not in (AUTO, 0):
         rules.append((("refine-vocabulary-batch-samples", "refine-soft-labels"),
                       "batch sampling trains on the labels: it cannot be combined with soft labels"))
@@ -318,12 +323,12 @@ def _refine_rules(r: RefineOptions, m: MatchOptions | None, data: str | None) ->
                       "soft labels over every token cannot be combined with a restricted vocabulary: give K > 0"))
     if restricted and data is not None and not data.startswith(("text:", "unigram:")):
         rules.append((("refine-vocabulary",), f"needs text data (text:FILE or unigram:FILE), not {data}"))
-    if r.soft_label_top_k not in (AUTO, 0) and r.soft_labels == 0 and not (data or "").startswith("unigram:"):
+    if r.soft_label_top_k not in (AUTO, 0) and r.soft_labels == 0 and not unigram:
         rules.append((("refine-soft-label-top-k", "refine-soft-labels"),
                       "sparse soft labels have no effect without soft labels (> 0, or unigram: data)"))
-    if (data or "").startswith("unigram:") and r.soft_labels not in (AUTO, 0):
+    if unigram and r.soft_labels not in (AUTO, 0):
         rules.append((("refine-soft-labels",), f"{data} is labelled by the models' predictions alone"))
-    if (data or "").startswith("unigram:") and r.vocabulary_batch_samples not in (AUTO, 0):
+    if unigram and r.vocabulary_batch_samples not in (AUTO, 0):
         rules.append((("refine-vocabulary-batch-samples",), f"trains on the labels: {data} has none"))
     if m is not None and r.start == "activations" and m.symmetry == "permutation":
         rules.append((("refine-start", "symmetry"), "the activation start finds an orthogonal residual map: it needs "
@@ -370,8 +375,7 @@ def from_run_config(config: Mapping[str, Any]) -> tuple:
 
 def run_config_choices() -> dict[str, tuple]:
     """The allowed values of the run-config keys that have a list of them."""
-    return {name: opt.choices + ((AUTO,) if opt.auto else ()) for cls in GROUPS
-            for name, _, opt in schema_fields(cls, RUN) if opt.choices}
+    return {name: opt.allowed for cls in GROUPS for name, _, opt in schema_fields(cls, RUN) if opt.choices}
 
 
 def _argument_type(f: dataclasses.Field, opt: Option):
@@ -401,7 +405,7 @@ def add_arguments(group, cls, skip: Iterable[str] = ()) -> None:
         dest = name.replace("-", "_")
         text = opt.help
         if opt.choices:
-            text += f" ({' | '.join(opt.choices + ((AUTO,) if opt.auto else ()))})"
+            text += f" ({' | '.join(opt.allowed)})"
         text += f" (default: {f.default})" if f.default != AUTO else " (default: auto, by model kind and budget)"
         if _type_of(f) is bool:
             group.add_argument(f"--{name}", *opt.aliases, dest=dest, action="store_true", default=None, help=text)
@@ -423,11 +427,6 @@ def from_args(cls, args) -> Any:
         if value is not None:
             values[name] = ",".join(value) if isinstance(value, list) else value
     return from_values(cls, values, CLI)
-
-
-def given(cls, args) -> set[str]:
-    """The CLI options of ``cls`` that ``args`` sets."""
-    return {name for name, _, _ in schema_fields(cls, CLI) if getattr(args, name.replace("-", "_"), None) is not None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,7 +477,6 @@ class ResolvedRefine:
     ``steps`` None: sized from ``budget`` by timing the first steps (``evaluations`` keep-best checks)."""
 
     options: RefineOptions
-    kind: str
     steps: int | None
     evaluations: int
     chosen: dict  # the values "auto" chose
@@ -512,7 +510,7 @@ def resolve_refine(options: RefineOptions, kind: str, *, unigram: bool = False, 
     evaluations = settings["evaluations"]
     if values["eval_every"] == AUTO:
         values["eval_every"] = max(1, -(-steps // evaluations)) if steps else AUTO
-    return ResolvedRefine(RefineOptions(**values), kind, steps, evaluations, chosen)
+    return ResolvedRefine(RefineOptions(**values), steps, evaluations, chosen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,7 +567,7 @@ def toml_lines() -> list[str]:
     for cls in GROUPS:
         lines.append(f"# {cls.__doc__.splitlines()[0]}")
         for name, f, opt in schema_fields(cls, RUN):
-            choices = f" ({' | '.join(opt.choices + ((AUTO,) if opt.auto else ()))})" if opt.choices else ""
+            choices = f" ({' | '.join(opt.allowed)})" if opt.choices else ""
             lines.append(f"{name} = {toml_value(f.default)}  # {opt.help.replace('%%', '%')}{choices}")
     return lines
 

@@ -108,13 +108,18 @@ def refines(config: dict, task) -> bool:
             and (steps > 0 if steps != AUTO else config["refine-budget"] > 0))
 
 
+def kind_of(task, model) -> str:
+    """What the run's model is (:func:`fedbasin.options.model_kind`): it chooses the ``auto`` values."""
+    return model_kind(task.data, getattr(model.config, "vocab_size", None))
+
+
 def make_refiner(spec, model, task, config: dict, to_module_state=None):
     """``refine(reference, clients)``: learned refinement on the proxy split (by default 20% selects the
     alignment kept, 20% only reports its loss) with the schema's options, ``auto`` resolved for the model's
     kind (:func:`fedbasin.options.resolve_refine`) and sized by ``refine-budget`` per round;
     ``to_module_state``: the adapter's ``from_standard`` when the model's keys differ from the spec's layout."""
     match, refine, _, _ = from_run_config(config)
-    kind = model_kind(task.data, getattr(model.config, "vocab_size", None))
+    kind = kind_of(task, model)
     match = resolve_match(match, kind)
     resolved = resolve_refine(refine, kind, gpu=resolve_device(config["device"]).type == "cuda")
     options = resolved.options
@@ -245,7 +250,7 @@ def run_server(grid: Grid, config: dict) -> dict:
         distill = ({"distill": make_distiller(model, task, config, adapter, in_place=True)}
                    if config["distill-steps"] > 0 else {})
         match, _, _, robust = from_run_config(config)
-        match = resolve_match(match, model_kind(task.data, getattr(model.config, "vocab_size", None)))
+        match = resolve_match(match, kind_of(task, model))
         strategy = AlignedFedAvg(
             spec,
             alignment=config["alignment"],

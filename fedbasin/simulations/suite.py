@@ -312,16 +312,24 @@ def command_record(run: CliRun) -> dict:
     return {"seconds": run.seconds, "peak_rss_mib": run.peak_rss_mib}
 
 
-def pair_row(member: Member, paths: list[Path], args, work: Path) -> dict:
-    a, b = paths
+def start_row(member: Member, paths: list[Path], args, work: Path, **fields) -> tuple[dict, str, list[str]]:
+    """``(row, data spec, evaluation-slice arguments)`` of a member: its models evaluated (``fedbasin eval``);
+    ``fields``: the row's further (empty) entries."""
     data, n = data_spec(member, args), eval_examples(member, args)
     slice_ = ["--data", data, "--max-examples", str(n)]
     row: dict = {"member": member.name, "group": member.group, "models": [str(p) for p in paths], "data": data,
-                 "eval_examples": n, "barrier": {}, "curves": {}, "commands": {}, "midpoint_accuracy": {}}
+                 "eval_examples": n, **fields}
     ends = [run_cli(["eval", p, *slice_], work / "logs" / f"eval-{i}.log").summary for i, p in enumerate(paths)]
     row["loss"] = [e["loss"] for e in ends]
     row["accuracy"] = [e["accuracy"] for e in ends]
     row["eval_examples"] = ends[0]["examples"]
+    return row, data, slice_
+
+
+def pair_row(member: Member, paths: list[Path], args, work: Path) -> dict:
+    a, b = paths
+    row, data, slice_ = start_row(member, paths, args, work, barrier={}, curves={}, commands={},
+                                  midpoint_accuracy={})
     endpoints = {"vanilla": b}
     say(f"{member.name}: default data-free alignment (fedbasin align A B --out C)")
     run = run_cli(["align", a, b, "--out", work / "aligned-free"], work / "logs" / "align-free.log")
@@ -345,19 +353,13 @@ def pair_row(member: Member, paths: list[Path], args, work: Path) -> dict:
                                                      ).summary["accuracy"]
     if args.glmc_path and member.recipe == "gpt2":
         say(f"{member.name}: GLMC's weight matching (glmc_compare --glmc-only)")
-        row["glmc"] = glmc_rows(a, b, args, n, work)
+        row["glmc"] = glmc_rows(a, b, args, eval_examples(member, args), work)
     return row
 
 
 def universe_row(member: Member, paths: list[Path], args, work: Path) -> dict:
-    data, n = data_spec(member, args), eval_examples(member, args)
-    slice_ = ["--data", data, "--max-examples", str(n)]
-    row: dict = {"member": member.name, "group": member.group, "models": [str(p) for p in paths], "data": data,
-                 "eval_examples": n, "barrier": {}, "commands": {}, "midpoint_accuracy": {}, "merge_loss": {}}
-    ends = [run_cli(["eval", p, *slice_], work / "logs" / f"eval-{i}.log").summary for i, p in enumerate(paths)]
-    row["loss"] = [e["loss"] for e in ends]
-    row["accuracy"] = [e["accuracy"] for e in ends]
-    row["eval_examples"] = ends[0]["examples"]
+    row, data, slice_ = start_row(member, paths, args, work, barrier={}, commands={}, midpoint_accuracy={},
+                                  merge_loss={})
     merges = {"vanilla": ["--no-align"], "free": []}
     if not args.skip_learned:
         merges["learned"] = ["--refine-data", data]

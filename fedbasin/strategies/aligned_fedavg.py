@@ -35,7 +35,7 @@ from fedbasin.alignment import (
     merge,
     refined_merge,
 )
-from fedbasin.options import MatchOptions, RobustOptions
+from fedbasin.options import AUTO, MatchOptions, RobustOptions
 from fedbasin.scratch import arrays_on_disk
 from fedbasin.strategies.robust import (
     AGGREGATORS,
@@ -185,7 +185,7 @@ class AlignedFedAvg(FedAvg):
         if match is not None:  # the schema's option objects (fedbasin.options) replace the keywords they hold
             mode, iterations, tol, universe_iterations = (match.symmetry, match.align_iterations, match.align_tol,
                                                           match.universe_iterations)
-            head_weight = 1.0 if match.head_weight == "auto" else float(match.head_weight)
+            head_weight = 1.0 if match.head_weight == AUTO else float(match.head_weight)
         if robust is not None:
             (max_abs_weight, max_num_examples, max_examples_ratio, outlier_threshold, proxy_screening, clip_ratio,
              aggregator, trim_fraction) = (robust.max_abs_weight, robust.max_num_examples, robust.max_examples_ratio,
