@@ -477,7 +477,7 @@ def cmd_align(args) -> int:
             reference = _standard(ref, device)
             result = refine(reference, [_standard(cand, device)])
             aligned = result.states[0]
-            if args.refine_dual:  # g_ref⁻¹·g_cand·B: the same path from the unmoved reference (the maps act linearly)
+            if info["dual"]:  # g_ref⁻¹·g_cand·B: the same path from the unmoved reference (the maps act linearly)
                 from fedbasin.alignment import apply_group, canonicalize, inverse, to_gauge
 
                 back = apply_group(ref.spec, result.canonical[0], inverse(result.reference_transform))
@@ -600,7 +600,9 @@ def _refiner(args, ref, command: str, match):
         raise UsageError("--refine-budget 0 --refine-steps auto: nothing to refine (give --refine-steps N or a "
                          "budget > 0, or drop --refine-data)")
     if options.dual and getattr(args, "weights", None) and args.weights[0] == 0:
-        raise UsageError("--refine-dual moves the reference along the path: its --weights entry must be > 0")
+        if "dual" not in resolved.chosen:
+            raise UsageError("--refine-dual moves the reference along the path: its --weights entry must be > 0")
+        options = resolved.options = dataclasses.replace(options, dual=False)  # auto yields to --weights
     if unigram:  # the text's training split gives the counts; the proxy is drawn from them
         text_file = args.refine_data.partition(":")[2]
         if not text_file:

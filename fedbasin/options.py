@@ -17,6 +17,7 @@ budget, never from a data set's name. The settings per kind are the ones measure
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -119,8 +120,9 @@ class RefineOptions:
                                       "0: labels only", low=0, high=1.0, auto=True, metavar="W")
     soft_label_top_k: int | str = option(AUTO, "soft labels kept as each target's K largest entries (sparse); "
                                          "0: every class", low=0, auto=True, metavar="K")
-    dual: bool = option(False, "the reference carries a learned transform too (align writes the candidate "
-                        "mapped back into the reference's basis: the same path)", surfaces=(CLI,))
+    dual: bool | str = option(AUTO, "the reference carries a learned transform too (align writes the candidate "
+                              "mapped back into the reference's basis: the same path); --no-refine-dual: never",
+                              auto=True, surfaces=(CLI,))
     workers: int | str = option(AUTO, "threads that share each training batch (0: one per torch CPU thread; 1 on "
                                 "a GPU); a fixed N gives the same result on any thread count", low=0, auto=True,
                                 metavar="N")
@@ -199,7 +201,7 @@ def schema_fields(cls, surface: str | None = None) -> list[tuple[str, dataclasse
 def _type_of(f: dataclasses.Field) -> type:
     default = f.default
     if default == AUTO:  # "int | str" annotations name the type first
-        return {"int | str": int, "float | str": float}.get(f.type, str)
+        return {"int | str": int, "float | str": float, "bool | str": bool}.get(f.type, str)
     return type(default)
 
 
@@ -381,7 +383,6 @@ def run_config_choices() -> dict[str, tuple]:
 def _argument_type(f: dataclasses.Field, opt: Option):
     """An argparse ``type``: the schema's own conversion and range check (:func:`convert`,
     :func:`value_problem`), so a bad value is a one-line usage error naming the flag."""
-    import argparse
 
     def parse(text: str):
         try:
@@ -407,8 +408,9 @@ def add_arguments(group, cls, skip: Iterable[str] = ()) -> None:
         if opt.choices:
             text += f" ({' | '.join(opt.allowed)})"
         text += f" (default: {f.default})" if f.default != AUTO else " (default: auto, by model kind and budget)"
-        if _type_of(f) is bool:
-            group.add_argument(f"--{name}", *opt.aliases, dest=dest, action="store_true", default=None, help=text)
+        if _type_of(f) is bool:  # --X (true) and, where auto is the default, --no-X (false)
+            action = argparse.BooleanOptionalAction if opt.auto else "store_true"
+            group.add_argument(f"--{name}", *opt.aliases, dest=dest, action=action, default=None, help=text)
         elif name == "refine-lambda":  # "LO,HI", and the older two numbers
             group.add_argument(f"--{name}", *opt.aliases, dest=dest, nargs="+", metavar="LO,HI", help=text)
         else:
@@ -451,16 +453,22 @@ KIND_SETTINGS: dict[str, dict[str, Any]] = {
     IMAGE: dict(examples=12000, batch_size=64, lr=5e-3, head_lr=0.0, permutations="ste", group="orthogonal",
                 start="symmetry", lambda_="0.4,0.6", schedule="cosine", soft_labels=0.5, soft_label_top_k=0,
                 vocabulary="full", vocabulary_samples=0, vocabulary_batch_samples=0, evaluation_fraction=0.2,
-                evaluations=6),
+                dual=False, evaluations=6),
     SUBWORD_LM: dict(examples=2048, batch_size=8, lr=3e-3, head_lr=4e-2, permutations="fixed", group="invertible",
                      start="symmetry", lambda_="0.2,0.6", schedule="cosine", soft_labels=0.0, soft_label_top_k=0,
                      vocabulary="seen", vocabulary_samples=512, vocabulary_batch_samples=512,
-                     evaluation_fraction=0.0, evaluations=1),
+                     evaluation_fraction=0.0, dual=False, evaluations=1),
     CHARACTER_LM: dict(examples=4000, batch_size=32, lr=5e-3, head_lr=4e-2, permutations="ste", group="invertible",
                        start="symmetry", lambda_="0.2,0.6", schedule="cosine", soft_labels=0.5, soft_label_top_k=0,
                        vocabulary="full", vocabulary_samples=0, vocabulary_batch_samples=0, evaluation_fraction=0.2,
-                       evaluations=4),
+                       dual=False, evaluations=4),
 }
+
+# What a GPU changes (it is launch-bound on these small models: a larger batch is nearly free there).
+# Subword LMs, measured on an H200 with the 120 s budget (docs/benchmarks.md, "On a GPU"): the CPU's
+# settings reach 0.0155 on the GPT-2 recipe pair (1,627 steps of 8 blocks), batch 64 with the reference
+# moving too 0.0094 (970 steps). Image and character models: not measured on a GPU (the CPU's settings).
+GPU_SETTINGS: dict[str, dict[str, Any]] = {SUBWORD_LM: dict(batch_size=64, dual=True)}
 
 
 HEAD_WEIGHT = {IMAGE: 1.0, SUBWORD_LM: 2.0, CHARACTER_LM: 1.0}  # measured: docs/merging.md §2 (GPT-2 recipe pair)
@@ -483,10 +491,11 @@ class ResolvedRefine:
 
 
 def resolve_refine(options: RefineOptions, kind: str, *, unigram: bool = False, gpu: bool = False) -> ResolvedRefine:
-    """``options`` with every ``auto`` set from :data:`KIND_SETTINGS` for ``kind``. ``unigram``:
+    """``options`` with every ``auto`` set from :data:`KIND_SETTINGS` for ``kind`` (and, with ``gpu``,
+    :data:`GPU_SETTINGS`). ``unigram``:
     synthetic proxy labelled by the models (no label-based tricks). ``workers`` auto: 2 slices per
     batch on a CPU (the same figures on any thread count), 1 on a GPU."""
-    settings = dict(KIND_SETTINGS[kind])
+    settings = {**KIND_SETTINGS[kind], **(GPU_SETTINGS.get(kind, {}) if gpu else {})}
     settings["workers"] = 1 if gpu else 2
     given = {f.name: getattr(options, f.name) for f in fields(RefineOptions) if getattr(options, f.name) != AUTO}
     # auto values that depend on values the user gave follow them, so the combination stays valid
@@ -578,7 +587,9 @@ def kind_table() -> list[str]:
     lines = ["| option | " + " | ".join(KIND_SETTINGS) + " |", "|---|" + "---|" * len(KIND_SETTINGS)]
     for name in names:
         key = "keep-best checks" if name == "evaluations" else "refine-" + name.rstrip("_").replace("_", "-")
-        lines.append(f"| {key} | " + " | ".join(str(KIND_SETTINGS[k][name]) for k in KIND_SETTINGS) + " |")
+        cells = [str(KIND_SETTINGS[k][name]) + (f" (GPU: {GPU_SETTINGS[k][name]})" if name in GPU_SETTINGS.get(k, {})
+                                                 else "") for k in KIND_SETTINGS]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -273,3 +273,22 @@ def test_tiny_norm_gains_on_device(device):
     assert {v.device.type for v in on.state.values()} == {device}
     assert max(float((on.state[k].cpu() - cpu.state[k]).abs().max()) for k in cpu.state) < 1e-6
     assert all(bool(torch.isfinite(v).all()) for v in on.state.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_rows_from_the_weights_on_device(device):
+    """The data-free default ``token_rows="auto"`` on states held on ``device``: the rows are judged on
+    the CPU (a statistic of the weights), the match runs on the device and recovers the planted
+    symmetry as on the CPU."""
+    from .test_token_rows_auto import _error, _planted_pair
+
+    spec, ref, cand, _ = _planted_pair()
+    on = lambda s: {k: v.to(device) for k, v in s.items()}
+    here = weight_match(spec, on(ref), on(cand), token_rows="auto", iterations=20, tol=0.0)
+    cpu = weight_match(spec, ref, cand, token_rows="auto", iterations=20, tol=0.0)
+    assert {v.device.type for v in here.state.values()} == {device}
+    assert here.token_rows == cpu.token_rows
+    assert _error({k: v.cpu() for k, v in here.state.items()}, ref) < 1e-3
+    merged = merge(spec, [on(ref), on(cand)], token_rows="auto", iterations=20, tol=0.0)
+    assert {v.device.type for v in merged.state.values()} == {device}
+    assert merged.token_rows[1] == cpu.token_rows

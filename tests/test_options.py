@@ -98,6 +98,44 @@ def test_auto_follows_what_the_model_is_and_the_values_given():
     assert schema.problems([unigram], schema.CLI, data="unigram:x.txt") == []
 
 
+
+def test_a_gpu_changes_only_what_was_measured_there_and_what_the_user_left_to_auto():
+    """On a GPU a subword LM refines with batch 64 and the reference moving too (measured best there);
+    other kinds keep the CPU's settings; a value given (``--no-refine-dual``, a batch size) wins."""
+    cpu = schema.resolve_refine(schema.RefineOptions(), schema.SUBWORD_LM).options
+    gpu = schema.resolve_refine(schema.RefineOptions(), schema.SUBWORD_LM, gpu=True)
+    assert (cpu.batch_size, cpu.dual, cpu.workers) == (8, False, 2)
+    assert (gpu.options.batch_size, gpu.options.dual, gpu.options.workers) == (64, True, 1)
+    assert gpu.chosen["dual"] is True and gpu.chosen["batch_size"] == 64
+    given = schema.resolve_refine(schema.RefineOptions(dual=False, batch_size=16), schema.SUBWORD_LM, gpu=True)
+    assert (given.options.batch_size, given.options.dual) == (16, False) and "dual" not in given.chosen
+    for kind in (schema.IMAGE, schema.CHARACTER_LM):
+        here, there = (schema.resolve_refine(schema.RefineOptions(), kind, gpu=g).options for g in (False, True))
+        assert (here.batch_size, here.dual) == (there.batch_size, there.dual) == (
+            schema.KIND_SETTINGS[kind]["batch_size"], False)
+    parser = build_parser()
+    parse = lambda *flags: parser.parse_args(["align", "a", "b", "--out", "c", "--refine-data", "digits", *flags])
+    assert schema.from_args(schema.RefineOptions, parse()).dual == schema.AUTO
+    assert schema.from_args(schema.RefineOptions, parse("--refine-dual")).dual is True
+    assert schema.from_args(schema.RefineOptions, parse("--no-refine-dual")).dual is False
+
+
+def test_an_auto_dual_yields_to_a_reference_weight_of_zero(tmp_path, monkeypatch, capsys):
+    """Where ``auto`` picks the dual refinement (a subword LM on a GPU; here the image kind made to), a
+    merge whose reference has weight 0 refines one-sided instead of refusing; a dual the user asked
+    for is still refused there."""
+    m0, m1 = _digits_pair(tmp_path)
+    monkeypatch.setitem(schema.KIND_SETTINGS, schema.IMAGE, {**schema.KIND_SETTINGS[schema.IMAGE], "dual": True})
+    from fedbasin.cli import main
+
+    options = ["--refine-data", "digits", "--refine-steps", "4", "--refine-examples", "200", "--weights", "0,1"]
+    assert main(["merge", m0, m1, "--out", str(tmp_path / "merged"), *options]) == 0
+    assert json.loads(capsys.readouterr().out)["refinement"]["dual"] is False
+    assert main(["align", m0, m1, "--out", str(tmp_path / "aligned"), *options[:6]]) == 0
+    assert json.loads(capsys.readouterr().out)["refinement"]["dual"] is True
+    assert cli_error(capsys, ["merge", m0, m1, "--out", str(tmp_path / "x"), *options, "--refine-dual"]).endswith(
+        "its --weights entry must be > 0")
+
 def _digits_pair(tmp_path) -> list[str]:
     from fedbasin.checkpoint import save_checkpoint
 

@@ -102,6 +102,27 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path, capsys, monk
     assert not cache.exists()
 
 
+
+def test_variants_are_parsed_once_each_and_shown_beside_the_default():
+    assert suite.parse_variants(["b64=--refine-batch-size 64", "d=--refine-dual --refine-lambda '0.2,0.6'"]) == {
+        "b64": ["--refine-batch-size", "64"], "d": ["--refine-dual", "--refine-lambda", "0.2,0.6"]}
+    for bad, message in (("b64", "expected NAME=OPTIONS"), ("a b=--x", "expected NAME=OPTIONS"),
+                         ("default=--x", "is taken"), ("q=--x 'open", "quotation")):
+        with pytest.raises(ValueError, match=message):
+            suite.parse_variants([bad])
+    with pytest.raises(ValueError, match="'v' is taken"):
+        suite.parse_variants(["v=--a", "v=--b"])
+    row = _row("gpt2-s01", "text", 1.0, 0.06, 0.0155)
+    row["refinement"] = {"steps": 1627}
+    row["barrier"]["learned:b64"] = 0.0094
+    row["commands"]["learned:b64"] = {"seconds": 139.2, "peak_rss_mib": 2218.9}
+    row["variants"] = {"b64": {"options": ["--refine-batch-size", "64"], "refinement": {"steps": 970}}}
+    lines = suite.table([row]).splitlines()
+    assert "| gpt2-s01 | default | (none) | 0.0155 | 1627 | 10.0 |" in lines
+    assert "| gpt2-s01 | b64 | --refine-batch-size 64 | 0.0094 | 970 | 139.2 |" in lines
+    assert "| member | learned | options |" in suite.table([row])
+    assert "| options |" not in suite.table([_row("gpt2-s01", "text", 1.0, 0.06, 0.0155)])  # no variants: no table
+
 # ---------------------------------------------------------------------------------------------- caching, resume
 
 
@@ -160,6 +181,9 @@ def test_rows_are_remeasured_when_the_code_or_the_evaluation_changes(fake_work):
     assert suite.main(argv) == 0 and fake_work["row"] == ["digits-s01"] * 2
     assert suite.main([*argv, "--eval-examples", "digits=100"]) == 0 and len(fake_work["row"]) == 3
     assert suite.main([*argv, "--eval-examples", "digits=100"]) == 0 and len(fake_work["row"]) == 3
+    variant = ["--variant", "b64=--refine-batch-size 64"]
+    assert suite.main([*argv, "--eval-examples", "digits=100", *variant]) == 0 and len(fake_work["row"]) == 4
+    assert suite.main([*argv, "--eval-examples", "digits=100", *variant]) == 0 and len(fake_work["row"]) == 4
 
 
 def test_a_row_without_learned_serves_only_skip_learned_runs(fake_work):

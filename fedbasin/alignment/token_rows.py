@@ -96,7 +96,7 @@ class TokenRows:
 
 def tensor_evidence(key: str, rows: torch.Tensor) -> TensorEvidence:
     """P(trained) for every row of one token-indexed tensor (steps 1–4 of the module docstring)."""
-    x = rows.detach().to(torch.float64).reshape(rows.shape[0], -1)
+    x = rows.detach().to(device="cpu", dtype=torch.float64).reshape(rows.shape[0], -1)  # a statistic: on the CPU
     n, d = x.shape
     ones = torch.ones(n, dtype=torch.float64)
     chi = math.sqrt(2.0 / d)  # spread of log χ²_d

@@ -15,6 +15,8 @@ fedbasin.cli`` in a child process), so the table reflects the current defaults:
 * vanilla: ``fedbasin barrier A B --data SPEC --max-examples N --points 11``;
 * data-free: ``fedbasin align A B --out C`` (no other option), then ``fedbasin barrier A C``;
 * learned: ``fedbasin align A B --out C --refine-data SPEC`` (no other option), then the barrier;
+* ``--variant NAME="OPTIONS"`` (repeatable): one more learned endpoint with those options added, an
+  ablation or a candidate default measured side by side (rows ``learned:NAME``, a table of their own);
 * image pairs: the accuracy of the midpoint ``(A + X)/2`` (X = B, C) by ``fedbasin eval``;
 * GPT-2 pairs with ``--glmc-path``: GLMC's weight matching (permutation, orthogonal) through
   ``glmc_compare --glmc-only`` (on its own slice: the first N blocks of ``gpt2_pair``'s test split);
@@ -35,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -195,7 +198,7 @@ def train_member(member: Member, args) -> list[Path]:
             say(f"{member.name}: training {recipe.task} seed {seed} into {out} (gpt2_pair, ~30 min on 2 cores)")
             command = [sys.executable, "-m", "fedbasin.simulations.gpt2_pair", "--model-type", recipe.task,
                        "--seed", str(seed), "--out", str(out), "--text", args.text, "--tokenizer", args.tokenizer,
-                       "--threads", "1"]
+                       "--threads", "1", "--device", args.train_device]
             done = subprocess.run(command, check=False, env=child_env(), stdout=sys.stderr)
             if done.returncode != 0:
                 raise SuiteError(f"training {member.recipe} seed {seed} failed (exit {done.returncode})")
@@ -342,6 +345,13 @@ def pair_row(member: Member, paths: list[Path], args, work: Path) -> dict:
         row["commands"]["learned"] = command_record(run)
         row["refinement"] = run.summary.get("refinement")  # what the default refinement did (steps, keep-best)
         endpoints["learned"] = work / "aligned-learned"
+    for name, options in args.variants.items():
+        say(f"{member.name}: variant {name} (fedbasin align A B --out C --refine-data {data} {' '.join(options)})")
+        run = run_cli(["align", a, b, "--out", work / f"aligned-{name}", "--refine-data", data, *options],
+                      work / "logs" / f"align-{name}.log")
+        row["commands"][f"learned:{name}"] = command_record(run)
+        row.setdefault("variants", {})[name] = {"options": options, "refinement": run.summary.get("refinement")}
+        endpoints[f"learned:{name}"] = work / f"aligned-{name}"
     for name, endpoint in endpoints.items():
         say(f"{member.name}: barrier {name} ({POINTS} points, {row['eval_examples']} test examples)")
         curve = run_cli(["barrier", a, endpoint, *slice_, "--points", str(POINTS)],
@@ -404,7 +414,8 @@ def code_version(root: Path = ROOT) -> str:
 def row_key(member: Member, args, version: str) -> dict:
     return {"code": version, "data": data_spec(member, args), "eval_examples": eval_examples(member, args),
             "points": POINTS, "models": [str(p) for p in model_dirs(member, args)],
-            "glmc": bool(args.glmc_path) and member.recipe == "gpt2"}
+            "glmc": bool(args.glmc_path) and member.recipe == "gpt2",
+            **({"variants": args.variants} if args.variants and member.group != "universe" else {})}
 
 
 def reusable(row: dict | None, key: dict, skip_learned: bool) -> bool:
@@ -468,8 +479,25 @@ GROUP_CELLS = (("barrier/vanilla", 3), ("barrier/free", 3), ("barrier/learned", 
                ("peak_rss_mib/learned", 0))
 
 
+def variant_table(rows: list[dict]) -> str:
+    """The ``--variant`` rows beside the default learned one: barrier, refinement steps, wall time."""
+    lines = ["| member | learned | options | barrier | steps | align s |", "|" + "---|" * 6]
+    for r in rows:
+        runs = {"default": {"options": [], "refinement": r.get("refinement")}, **r.get("variants", {})}
+        for name, run in runs.items():
+            column = "learned" if name == "default" else f"learned:{name}"
+            if column not in r["barrier"]:
+                continue
+            steps = (run.get("refinement") or {}).get("steps")
+            lines.append(f"| {r['member']} | {name} | {' '.join(run['options']) or '(none)'} | "
+                         f"{r['barrier'][column]:.4f} | {steps if steps is not None else '—'} | "
+                         f"{r['commands'][column]['seconds']:.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def table(rows: list[dict]) -> str:
-    """The markdown table of the members' rows and, below it, the per-group mean ± spread."""
+    """The markdown table of the members' rows and, below it, the per-group mean ± spread (and the
+    ``--variant`` rows, when there are any)."""
     lines = [ROW_HEADER, "|" + "---|" * 10]
     for r in rows:
         b, mid, cmd = r["barrier"], r.get("midpoint_accuracy", {}), r.get("commands", {})
@@ -485,6 +513,8 @@ def table(rows: list[dict]) -> str:
     for group, s in summarize(rows).items():
         cells = [_ms_cell(s.get(key), digits) for key, digits in GROUP_CELLS]
         lines.append("| " + " | ".join([GROUPS[group], str(len(s["members"])), *cells]) + " |")
+    if any(r.get("variants") for r in rows):
+        lines += ["", variant_table(rows)]
     return "\n".join(lines)
 
 
@@ -508,6 +538,22 @@ def parse_eval_examples(items: list[str]) -> dict[str, int]:
     return out
 
 
+def parse_variants(items: list[str]) -> dict[str, list[str]]:
+    """``NAME=OPTIONS`` items as ``{name: [option, ...]}`` (OPTIONS split as a shell would)."""
+    variants = {}
+    for item in items:
+        name, sep, options = item.partition("=")
+        if not (sep and name.replace("-", "").replace("_", "").isalnum()):
+            raise ValueError(f"--variant {item!r}: expected NAME=OPTIONS (NAME of letters, digits, - and _)")
+        if name in variants or name == "default":
+            raise ValueError(f"--variant {item!r}: the name {name!r} is taken")
+        try:
+            variants[name] = shlex.split(options)
+        except ValueError as error:
+            raise ValueError(f"--variant {item!r}: {error}") from None
+    return variants
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fedbasin.simulations.suite", description=__doc__.splitlines()[0])
     p.add_argument("--members", nargs="+", metavar="NAME", help=f"members to run (default: all): {', '.join(MEMBERS)}")
@@ -525,6 +571,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--glmc-path", help="GLMC's repository: adds its weight matching on the GPT-2 pairs")
     p.add_argument("--glmc-python", default=sys.executable, help="Python with GLMC's requirements")
     p.add_argument("--train-only", action="store_true", help="train (or find) the models, measure nothing")
+    p.add_argument("--train-device", default="cpu", help="where the text members are trained (gpt2_pair --device: "
+                   "cpu, the default, reproduces the documented pairs; a GPU trains a pair of the same recipe)")
+    p.add_argument("--variant", action="append", default=[], metavar='NAME="OPTIONS"',
+                   help="one more learned alignment per pair with these align options added (repeatable)")
     p.add_argument("--skip-learned", action="store_true", help="leave out the learned alignment")
     p.add_argument("--rerun", action="store_true", help="measure again even where a row of this code is stored")
     return p
@@ -537,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         members = select_members(args.members)
         args.pair_dirs = parse_pair_dirs(args.pair_dir + ([f"gpt2-s01={args.gpt2_pair}"] if args.gpt2_pair else []))
         args.eval_examples = parse_eval_examples(args.eval_examples)
+        args.variants = parse_variants(args.variant)
         check_inputs(members, args)
     except ValueError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
