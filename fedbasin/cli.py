@@ -33,7 +33,6 @@ from fedbasin.commandline import (  # the README's exit-code table and the --hel
     EXIT_USAGE,
     HelpFormatter,
 )
-from fedbasin.options import match_call  # the options schema (standard library only)
 
 # ------------------------------------------------------------------------------------------------
 # errors (exit codes: fedbasin.commandline, the table in README.md, "Command line")
@@ -484,7 +483,7 @@ def cmd_align(args) -> int:
                 aligned = to_gauge(ref.spec, back, canonicalize(ref.spec, reference).gains)
             summary["refinement"] = {**info, **result.summary()}
         else:
-            result = weight_match(ref.spec, _standard(ref, device), _standard(cand, device), **match_call(match),
+            result = weight_match(ref.spec, _standard(ref, device), _standard(cand, device), match=match,
                                   progress=True, token_rows=_seen_tokens(args, ref, "align"))
             aligned = result.state
             summary.update(iterations=result.iterations, start=result.start,
@@ -541,8 +540,8 @@ def cmd_merge(args) -> int:
             merged, info = _refined_merge(args, checkpoints, states, match)
             summary["refinement"] = info
         else:
-            result = merge(checkpoints[0].spec, states, weights=args.weights, **match_call(match),
-                           universe_iterations=match.universe_iterations, align=not args.no_align, progress=True,
+            result = merge(checkpoints[0].spec, states, weights=args.weights, match=match,
+                           align=not args.no_align, progress=True,
                            token_rows=_seen_tokens(args, checkpoints[0], "merge"))
             merged = result.state
             summary.update(universe_change=result.universe_change, objectives=result.objectives,
@@ -581,7 +580,6 @@ def _refiner(args, ref, command: str, match):
         RefineOptions,
         from_args,
         problems,
-        refine_call,
         resolve_refine,
     )
     from fedbasin.training import cross_entropy
@@ -627,7 +625,7 @@ def _refiner(args, ref, command: str, match):
     vocabulary = vocabulary_ids(options.vocabulary, proxy, task.train)  # None for the full vocabulary
     refine = functools.partial(
         learned_refine, ref.spec, module, loss_fn=cross_entropy, batches=data.batches,
-        selection=data.selection, evaluation=data.evaluation, **refine_call(resolved, match),
+        selection=data.selection, evaluation=data.evaluation, options=resolved, match=match,
         token_rows=_seen_tokens(args, ref, command), vocabulary=vocabulary,
         to_module_state=ref.adapter.from_standard, progress=True, model_labels=unigram)
     info = {"kind": kind, "budget_seconds": options.budget, "seed": options.seed, "lr": options.lr,
@@ -752,7 +750,7 @@ def cmd_barrier(args) -> int:
         curves = {"vanilla": interpolation_curve(a.state, b.state, loss_of, points=args.points)}
         if args.align:
             match = _for_model(_match_options(args), a)
-            result = weight_match(a.spec, _standard(a, device), _standard(b, device), **match_call(match),
+            result = weight_match(a.spec, _standard(a, device), _standard(b, device), match=match,
                                   progress=True, token_rows=_seen_tokens(args, a, "barrier"))
             summary.update(symmetry=match.symmetry, align_seconds=round(result.seconds, 3))
             if result.token_rows is not None:

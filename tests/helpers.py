@@ -137,17 +137,29 @@ def digits_loss(state: dict, split: str = "test") -> float:
     return load_task("digits", seed=0).evaluate(model, split)["loss"]
 
 
+def expanded(kwargs: dict) -> dict:
+    """``learned_refine`` keyword arguments with its option objects (``options=``, ``match=``) spelt out as
+    the keywords they stand for (:func:`fedbasin.options.refine_call`, looked up at call time)."""
+    from fedbasin import options as schema
+
+    if "options" not in kwargs:
+        return dict(kwargs)
+    rest = {k: v for k, v in kwargs.items() if k not in ("options", "match")}
+    return {**rest, **schema.refine_call(kwargs["options"], kwargs["match"])}
+
+
 def spy_on_cli_refine(monkeypatch, record) -> None:
     """Make ``fedbasin.alignment.learned_refine`` (which the CLI imports when it refines) call
-    ``record(kwargs)`` before refining. The ServerApp binds ``learned_refine`` when it is first
-    imported, so it is imported here first and keeps the real one for later tests."""
+    ``record(kwargs)`` (the option objects spelt out, :func:`expanded`) before refining. The ServerApp
+    binds ``learned_refine`` when it is first imported, so it is imported here first and keeps the real
+    one for later tests."""
     import fedbasin.server.server_app  # noqa: F401
     from fedbasin import alignment
 
     original = alignment.learned_refine
 
     def spy(*args, **kwargs):
-        record(kwargs)
+        record(expanded(kwargs))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(alignment, "learned_refine", spy)

@@ -159,7 +159,13 @@ def translator_drops_head_lr() -> None:
     """The options translator forgets the per-head learning rate (the maps all train at ``lr``)."""
     from fedbasin import options
 
-    _replace_result(options, "refine_call", lambda found: {**found, "head_lr": None})
+    original = options.refine_call
+
+    @functools.wraps(original)
+    def mutant(*args, **kwargs):
+        return {**original(*args, **kwargs), "head_lr": None}
+
+    replace_everywhere(original, mutant)
 
 
 MUTATIONS = {

@@ -12,7 +12,7 @@ import torch
 from fedbasin.alignment import learned_refine, proxy_streams
 from fedbasin.config import RunConfigError, resolve_run_config
 from fedbasin.training import cross_entropy
-from tests.helpers import DIGITS_VIT, cli_error, spy_on_cli_refine, trained_digits_vit
+from tests.helpers import DIGITS_VIT, cli_error, expanded, spy_on_cli_refine, trained_digits_vit
 from tests.test_soft_labels import assert_same_function, digits_pair
 
 
@@ -114,7 +114,7 @@ def test_the_server_refiner_passes_refine_head_lr(monkeypatch):
 
     seen = []
     original = server_app.learned_refine
-    monkeypatch.setattr(server_app, "learned_refine", lambda *a, **k: seen.append(k["head_lr"]) or original(*a, **k))
+    monkeypatch.setattr(server_app, "learned_refine", lambda *a, **k: seen.append(expanded(k)["head_lr"]) or original(*a, **k))
     model, spec, task, a, b = digits_pair()
     for value in (0.05, 0.0):
         config = resolve_run_config({"proxy-size": 300, "refine-steps": 2, "refine-head-lr": value})

@@ -13,7 +13,7 @@ import pytest
 from fedbasin import options as schema
 from fedbasin.cli import build_parser
 from fedbasin.config import DEFAULT_RUN_CONFIG, RunConfigError, resolve_run_config
-from tests.helpers import DIGITS_VIT, cli_error, spy_on_cli_refine, trained_digits_vit
+from tests.helpers import DIGITS_VIT, cli_error, expanded, spy_on_cli_refine, trained_digits_vit
 
 ROOT = Path(__file__).resolve().parents[1]
 BOTH = [(name, f, opt) for cls in schema.GROUPS for name, f, opt in schema.schema_fields(cls)
@@ -169,7 +169,7 @@ def test_the_cli_and_the_server_translate_the_same_options_the_same_way(tmp_path
     config = resolve_run_config({**given, "proxy-size": 120, "refine-workers": 1})
     task = task_from_config(config)
     model = model_from_config(task, config, seed=0)
-    server = make_refiner(model_adapter(task, model)[1].spec, model, task, config).keywords
+    server = expanded(make_refiner(model_adapter(task, model)[1].spec, model, task, config).keywords)
     assert {k: seen[k] for k in OPTION_KEYWORDS} == {k: server[k] for k in OPTION_KEYWORDS}
     assert (seen["lr"], seen["group"], seen["steps"], seen["match_iterations"]) == (0.02, "invertible", 3, 4)
 
@@ -283,7 +283,7 @@ def test_a_flower_round_refines_by_default_within_its_budget(monkeypatch):
     model, spec, task, _, _ = digits_pair()
     assert refines(config, task)
     refine = make_refiner(spec, model, task, config)
-    assert refine.keywords["steps"] is None and refine.keywords["budget"] == 4.0
+    assert expanded(refine.keywords)["steps"] is None and expanded(refine.keywords)["budget"] == 4.0
     strategy = AlignedFedAvg(spec, refine=refine, independent_init=True, min_train_nodes=3, min_available_nodes=3)
     arrays, metrics = one_shot_round(strategy, [trained_digits_vit(seed) for seed in range(3)])
     assert arrays is not None and metrics["round_failed"] == 0 and "refine_heldout_loss" in metrics
@@ -306,3 +306,30 @@ def test_the_strategy_matches_with_the_head_weight_of_its_options(monkeypatch):
                              independent_init=True, min_train_nodes=2, min_available_nodes=2)
     arrays, metrics = one_shot_round(strategy, [trained_digits_vit(seed) for seed in range(2)])
     assert arrays is not None and metrics["round_failed"] == 0 and seen == [3.0]
+
+
+def test_the_library_takes_the_option_objects():
+    """``weight_match``, ``merge`` and ``learned_refine`` take the schema's objects: the same result as the
+    keywords they stand for; an unresolved ``auto`` or half a pair of objects is refused."""
+    import torch
+
+    from fedbasin.alignment import learned_refine, merge, weight_match
+    from fedbasin.models import build_model
+    from tests.helpers import spec_of
+
+    spec = spec_of("vit", DIGITS_VIT)
+    a, b, c = (trained_digits_vit(seed) for seed in (0, 1, 2))
+    match = schema.MatchOptions(symmetry="permutation", align_iterations=3, align_tol=0.0, head_weight=1.0)
+    by_object = weight_match(spec, a, b, match=match)
+    by_keywords = weight_match(spec, a, b, mode="permutation", iterations=3, tol=0.0)
+    assert by_object.objective == by_keywords.objective and len(by_object.objective) == 4
+    with pytest.raises(ValueError, match="head_weight 'auto': resolve"):
+        weight_match(spec, a, b, match=schema.MatchOptions())
+    universe = schema.MatchOptions(align_iterations=2, universe_iterations=3, head_weight=1.0)
+    merged = merge(spec, [a, b, c], match=universe)
+    assert len(merged.universe_change) == 3
+    assert torch.equal(merged.state["head.weight"], merge(spec, [a, b, c], iterations=2, universe_iterations=3
+                                                          ).state["head.weight"])
+    with pytest.raises(ValueError, match="together"):
+        learned_refine(spec, build_model("vit", DIGITS_VIT), a, [b], None, iter([]), [],
+                       options=schema.resolve_refine(schema.RefineOptions(), schema.IMAGE))

@@ -144,13 +144,13 @@ def test_refine_keys_reach_learned_refine(monkeypatch, overrides, keyword, value
     2-step refinement of two trained digits ViTs, so that learned_refine also accepts them)."""
     from fedbasin.alignment import learned_refine
     from fedbasin.models import build_model
-    from tests.helpers import DIGITS_VIT, trained_digits_vit
+    from tests.helpers import DIGITS_VIT, expanded, trained_digits_vit
     from tests.test_alignment import spec_of
 
     seen = {}
 
     def spy(*args, **kwargs):
-        seen.update(kwargs)
+        seen.update(expanded(kwargs))
         return learned_refine(*args, **kwargs)
 
     monkeypatch.setattr(server_app, "learned_refine", spy)

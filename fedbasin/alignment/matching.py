@@ -42,6 +42,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from fedbasin import heap
+from fedbasin.options import MatchOptions, match_call
 
 from .canonical import canonicalize, fold_tiny, to_gauge
 from .group import (
@@ -615,6 +616,7 @@ def weight_match(
     release: bool = False,
     head_weight: float = 1.0,
     like: dict | None = None,
+    match: MatchOptions | None = None,
 ) -> MatchResult:
     """Align ``candidate`` to ``reference`` (raw state dicts of the same architecture).
 
@@ -654,7 +656,12 @@ def weight_match(
     original gains when ``reference`` is already canonical, e.g. a universe): before matching
     where the candidate's own gain is small too (same basis, e.g. trained from the reference),
     and after it (aligned basis) everywhere.
+    ``match``: the options schema's :class:`~fedbasin.options.MatchOptions` (``auto`` resolved); when
+    given, its values replace ``mode``, ``iterations``, ``tol`` and ``head_weight``.
     """
+    if match is not None:
+        return weight_match(spec, reference, candidate, weighting=weighting, init=init, progress=progress,
+                            token_rows=token_rows, release=release, like=like, **match_call(match))
     if not (math.isfinite(head_weight) and head_weight > 0):
         raise ValueError(f"head_weight must be a finite number > 0, got {head_weight}")
     inferred = None

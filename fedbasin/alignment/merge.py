@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fedbasin.options import MatchOptions, match_call
+
 from .canonical import canonicalize, to_gauge
 from .group import GroupElement, apply_group, inverse
 from .matching import MatchResult, weight_match
@@ -167,6 +169,7 @@ def merge(
     combine: Combiner | Callable[[list, list], dict] | None = None,
     release: bool = False,
     head_weight: float = 1.0,
+    match: MatchOptions | None = None,
 ) -> MergeResult:
     """Align every model to ``states[reference]`` (then to the running universe) and average.
 
@@ -198,7 +201,14 @@ def merge(
     into ``θ_k`` in place (``g_k⁻¹``, exact up to float round-off for orthogonal maps, bitwise for
     permutations), so the passes hold one form of each model, never two; a weight-0 model (an
     alignment target only, handed to ``combine`` unaligned in later passes) keeps its raw dict.
+
+    ``match``: the options schema's :class:`~fedbasin.options.MatchOptions` (``auto`` resolved); when
+    given, its values replace ``mode``, ``iterations``, ``tol``, ``head_weight`` and ``universe_iterations``.
     """
+    if match is not None:
+        return merge(spec, states, weights=weights, reference=reference, universe_tol=universe_tol, align=align,
+                     weighting=weighting, progress=progress, token_rows=token_rows, combine=combine, release=release,
+                     universe_iterations=match.universe_iterations, **match_call(match))
     t0 = time.perf_counter()
     if len(states) < 2:
         raise ValueError(f"merging needs at least 2 models, got {len(states)}")

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedbasin.options import MatchOptions, ResolvedRefine, refine_call
+
 from .canonical import canonicalize, to_gauge
 from .group import GroupElement, apply_group, compose
 from .keep_best import all_finite, check_step_options, keep_best_record
@@ -132,6 +134,8 @@ def learned_refine(
     model_labels: bool = False,
     budget: float | None = None,
     evaluations: int = 1,
+    options: ResolvedRefine | None = None,
+    match: MatchOptions | None = None,
 ) -> RefineResult:
     """Refine the alignment of ``candidates`` to ``reference`` on proxy data.
 
@@ -199,7 +203,17 @@ def learned_refine(
     (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
     ``from_standard``; it must be differentiable). Outputs with a ``.logits`` field are unwrapped.
+
+    ``options`` and ``match``: the options schema's resolved refinement options and the matching
+    options of the start (:func:`fedbasin.options.resolve_refine`, :class:`~fedbasin.options.MatchOptions`);
+    given together, their values (:func:`fedbasin.options.refine_call`) replace the keyword arguments
+    they name — the one translation from the schema, for the CLI and the ServerApp alike.
     """
+    if options is not None or match is not None:
+        if options is None or match is None:
+            raise ValueError("learned_refine takes the option objects together: options= and match=")
+        given = {k: v for k, v in locals().items() if k not in ("options", "match")}
+        return learned_refine(**{**given, **refine_call(options, match)})
     if permutations not in ("ste", "sinkhorn", "fixed"):
         raise ValueError(f"permutations must be 'ste', 'sinkhorn' or 'fixed', got {permutations!r}")
     if group not in GROUPS:

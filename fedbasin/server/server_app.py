@@ -16,6 +16,7 @@ rules).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -42,7 +43,6 @@ from fedbasin.options import (
     AUTO,
     from_run_config,
     model_kind,
-    refine_call,
     resolve_match,
     resolve_refine,
     robust_call,
@@ -121,14 +121,15 @@ def make_refiner(spec, model, task, config: dict, to_module_state=None):
     match, refine, _, _ = from_run_config(config)
     kind = kind_of(task, model)
     match = resolve_match(match, kind)
-    resolved = resolve_refine(refine, kind, gpu=resolve_device(config["device"]).type == "cuda")
+    resolved = resolve_refine(dataclasses.replace(refine, seed=config["seed"]), kind,  # the run's seed
+                              gpu=resolve_device(config["device"]).type == "cuda")
     options = resolved.options
     data = server_proxy_streams(task, model, config, options.batch_size)
     vocabulary = vocabulary_ids(options.vocabulary, task.proxy, task.train) if task.data == "text" else None
     return functools.partial(
         learned_refine, spec, model, loss_fn=task.loss_fn, batches=data.batches, selection=data.selection,
-        to_module_state=to_module_state, evaluation=data.evaluation,
-        **{**refine_call(resolved, match), "seed": config["seed"]}, vocabulary=vocabulary)
+        to_module_state=to_module_state, evaluation=data.evaluation, options=resolved, match=match,
+        vocabulary=vocabulary)
 
 
 def make_distiller(model, task, config: dict, adapter=None, in_place: bool = False):
