@@ -1,4 +1,4 @@
-"""The barrier table's per-task learned-refinement settings (``barriers.REFINE_BY_TASK``), run through
+"""The barrier table's recorded learned-refinement recipes (``barriers.RECORDED_RECIPES``), run through
 the driver's own ``refine_pair`` on a really trained digits pair: each keeps both functions, never
 returns something worse than its start on the selection split, and honours its batch size and
 selection interval."""
@@ -18,7 +18,7 @@ from fedbasin.simulations import barriers
 from .helpers import DIGITS_VIT, rel_err, run, spec_of, trained_digits_vit
 
 
-@pytest.mark.parametrize("task", sorted(barriers.REFINE_BY_TASK))
+@pytest.mark.parametrize("task", sorted(barriers.RECORDED_RECIPES))
 def test_barrier_table_settings_keep_function_and_never_raise_the_selection_loss(task, monkeypatch):
     spec = spec_of("vit", DIGITS_VIT)
     a, b = (SimpleNamespace(spec=spec, family="vit", config=DIGITS_VIT, state=trained_digits_vit(seed))

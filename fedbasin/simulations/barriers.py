@@ -71,7 +71,11 @@ REFINE_DEFAULTS = dict(steps=1000, proxy_examples=1438, lr=1e-2, group="invertib
 REFINE_OLD = dict(steps=200, proxy_examples=512, lr=1e-2, group="orthogonal", mode="orthogonal",
                   lambda_range=(0.4, 0.6), schedule="constant", permutations="ste", dual=False,
                   selection_lambdas=(0.5,), batch_size=64, eval_every=10, soft_labels=0.0)
-# per task, the settings that measured best (docs/merging.md §7, §9, §10), sized to 2 minutes of wall time on 2 CPU
+# The recorded recipes behind the barrier table's learned rows (docs/benchmarks.md §1): what was run for
+# each of the table's pairs, kept so that the table reproduces. A record, keyed by the table's task; nothing
+# in the product reads it: fedbasin's defaults are chosen by what the model is (fedbasin.options.KIND_SETTINGS,
+# which took the CIFAR-10 recipe for image classifiers and the character GPT's for character LMs) and are
+# measured on the suite of pairs (fedbasin.simulations.suite). Each was sized to 2 minutes of wall time on 2 CPU
 # cores; batch_workers 2 (each batch in two slices on two threads) gives the same figures on any thread count.
 # Digits: the new settings with 4,000 steps at lr 3e-3, soft labels (half labels, half the two models' mean
 # probabilities) and selection every 100 steps: 0.000 on the three AMD EPYC pairs in 71-79 s (selection every 20
@@ -82,7 +86,7 @@ REFINE_OLD = dict(steps=200, proxy_examples=512, lr=1e-2, group="orthogonal", mo
 # the invertible group and λ ~ U(0.2, 0.6), where its curves peak, on 4,000 proxy blocks with selection every 170
 # steps, lr 5e-3 and the head maps at 4e-2: 0.0547 / 0.0586 over refinement seeds 0 / 1 in 112 s (lr 1e-2 for
 # every map: 0.0643 / 0.0674; merging.md §13)
-REFINE_BY_TASK = {"digits": dict(REFINE_DEFAULTS, steps=4000, lr=3e-3, eval_every=100, soft_labels=0.5,
+RECORDED_RECIPES = {"digits": dict(REFINE_DEFAULTS, steps=4000, lr=3e-3, eval_every=100, soft_labels=0.5,
                                   batch_workers=2),
                   "cifar10": dict(REFINE_OLD, steps=960, proxy_examples=12000, lr=5e-3, schedule="cosine",
                                   eval_every=160, soft_labels=0.5, batch_workers=2),
@@ -91,11 +95,12 @@ REFINE_BY_TASK = {"digits": dict(REFINE_DEFAULTS, steps=4000, lr=3e-3, eval_ever
                                       lr=5e-3, head_lr=4e-2, batch_workers=2)}
 
 
-def refine_settings(task: str, choice: str = "task", **overrides) -> dict:
-    """The refinement settings of ``task``: ``choice`` "new", "old" or "task" (:data:`REFINE_BY_TASK`,
-    "new" for other tasks), then every override that is not None."""
-    if choice == "task":
-        settings = dict(REFINE_BY_TASK.get(task, REFINE_DEFAULTS))
+def refine_settings(task: str, choice: str = "recorded", **overrides) -> dict:
+    """The refinement settings of the table's ``task``: ``choice`` "new", "old" or "recorded"
+    (:data:`RECORDED_RECIPES`, "new" for other tasks; "task" is its older name), then every override that
+    is not None."""
+    if choice in ("recorded", "task"):
+        settings = dict(RECORDED_RECIPES.get(task, REFINE_DEFAULTS))
     else:
         settings = dict(REFINE_DEFAULTS if choice == "new" else REFINE_OLD)
     settings.update({k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v is not None})
@@ -178,10 +183,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--proxy-examples", type=int,
                         help="training examples used as proxy data, split 60/20/20 train/selection/evaluation "
                         f"(default: {REFINE_DEFAULTS['proxy_examples']} new, {REFINE_OLD['proxy_examples']} old)")
-    parser.add_argument("--refine-settings", choices=["task", "new", "old"], default="task",
+    parser.add_argument("--refine-settings", choices=["recorded", "task", "new", "old"], default="recorded",
                         help="learned-refinement defaults: 'new' (1000 steps, invertible group, best start, "
-                        "λ ~ U(0, 1)), 'old' (200 steps, orthogonal group and start, λ ~ U(0.4, 0.6)) or 'task': "
-                        "the ones that measured best per task (barriers.REFINE_BY_TASK)")
+                        "λ ~ U(0, 1)), 'old' (200 steps, orthogonal group and start, λ ~ U(0.4, 0.6)) or 'recorded' ('task'): "
+                        "the recipes recorded per table row (barriers.RECORDED_RECIPES); the product's "
+                        "defaults are measured by fedbasin.simulations.suite")
     parser.add_argument("--refine-group", choices=["orthogonal", "invertible"])
     parser.add_argument("--refine-start", choices=["permutation", "orthogonal", "best"])
     parser.add_argument("--refine-lambda", type=float, nargs=2, metavar=("LO", "HI"), help="λ ~ U(LO, HI)")
