@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_parser(sub)
 
     try:
-        from fedbasin.simulations import simulate
+        from fedbasin import simulate
     except ImportError:  # pragma: no cover - the simulation needs flwr
         simulate = None
     if simulate is not None:

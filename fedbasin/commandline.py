@@ -1,6 +1,6 @@
 """Conventions every fedbasin command shares: the exit codes of the README's table ("Command
 line") and the ``--help`` formatter. Imported by ``fedbasin.cli`` and by the commands that run on
-their own (``fedbasin.simulations.simulate``), so neither imports the other for them."""
+their own (``fedbasin.simulate``), so neither imports the other for them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A Flower deployment on localhost (SuperLink + SuperNodes + ``flwr`` CLI), for the deployment
-tests and the round-time measurement (``python -m fedbasin.simulations.round_time``).
+tests and the round-time measurement (``python -m fedbasin.benchmarks.round_time``).
 
 Everything lives under one work directory: a throwaway ``FLWR_HOME`` with its ``config.toml``,
 one log file per process. Every process is started in its own session (process group) so that

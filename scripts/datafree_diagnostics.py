@@ -23,7 +23,7 @@ from fedbasin.alignment import interpolate, weight_match
 from fedbasin.alignment.canonical import canonicalize
 from fedbasin.alignment.matching import _Objective, token_indexed_keys, token_weights
 from fedbasin.checkpoint import build_torch_model, load_checkpoint
-from fedbasin.simulations.gpt2_pair import DEFAULT_TEXT, mean_loss, pair_data
+from fedbasin.benchmarks.gpt2_pair import DEFAULT_TEXT, mean_loss, pair_data
 
 #: the tensors swapped per family (HF GPT-2 keys with a leading "."): attention's fused q/k/v and its output apart
 FAMILIES = {"token embedding": r"\.wte\.", "position embedding": r"\.wpe\.", "output head": r"^\.lm_head\.",

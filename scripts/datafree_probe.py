@@ -32,7 +32,7 @@ from fedbasin.alignment.group import GroupElement, HeadMap, apply_group, contrac
 from fedbasin.alignment.matching import token_weights
 from fedbasin.checkpoint import build_torch_model, load_checkpoint
 from fedbasin.weights import weightless_copy
-from fedbasin.simulations.gpt2_pair import DEFAULT_TEXT, mean_loss, pair_data
+from fedbasin.benchmarks.gpt2_pair import DEFAULT_TEXT, mean_loss, pair_data
 
 
 def second_moments(checkpoint, spec, sites, state: dict, blocks: torch.Tensor) -> list[torch.Tensor]:

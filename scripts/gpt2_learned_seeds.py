@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
         rows[seed] = {"wall_seconds": round(wall, 1), "best_step": refinement.get("best_step")}
         print(f"seed {seed}: aligned in {wall:.1f} s (best step {rows[seed]['best_step']})", file=sys.stderr, flush=True)
     evaluations = {  # one thread each, side by side: the barriers do not depend on it
-        name: subprocess.Popen([sys.executable, "-m", "fedbasin.simulations.glmc_compare", a, b, "--text", args.text,
+        name: subprocess.Popen([sys.executable, "-m", "fedbasin.benchmarks.glmc_compare", a, b, "--text", args.text,
                                 "--points", "11", "--skip-vanilla", "--variants", "", "--circuit-variant", "",
                                 "--glmc-rows", "", *SLICES[name], "--out", str(args.out / f"{name}.json"),
                                 *(f"--aligned=seed{s}={args.out / f'seed{s}'}" for s in args.seeds)],

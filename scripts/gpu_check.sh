@@ -22,6 +22,6 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, stdout to $o
     [ $code -eq 0 ] || tail -c 2000 "$errors/$name.err"
 }
 step device_tests 180 $python -m pytest -q -p no:cacheprovider tests/test_device.py -rA --tb=short --durations=8
-step speed_cuda 90 $python -m fedbasin.simulations.bench_speed --device cuda
-step speed_cpu 90 $python -m fedbasin.simulations.bench_speed --device cpu  # the same machine's CPU, every core
-step memory_cuda 120 $python -m fedbasin.simulations.bench_memory --device cuda --threads 8 --dir /tmp/fedbasin-mem
+step speed_cuda 90 $python -m fedbasin.benchmarks.bench_speed --device cuda
+step speed_cpu 90 $python -m fedbasin.benchmarks.bench_speed --device cpu  # the same machine's CPU, every core
+step memory_cuda 120 $python -m fedbasin.benchmarks.bench_memory --device cuda --threads 8 --dir /tmp/fedbasin-mem

@@ -29,7 +29,7 @@ args=()
 while IFS= read -r line; do [ -n "$line" ] && args+=(--variant "$line"); done <<<"$variants"
 t0=$SECONDS
 # shellcheck disable=SC2086
-timeout "${LIMIT:-540}" $python -m fedbasin.simulations.suite --members ${MEMBERS:-gpt2-s01} --cache "$cache" \
+timeout "${LIMIT:-540}" $python -m fedbasin.benchmarks.suite --members ${MEMBERS:-gpt2-s01} --cache "$cache" \
     --out "$out/suite.json" --text "${TEXT:-../shared/data/tinyshakespeare/input.txt}" \
     --tokenizer "${TOKENIZER:-../shared/data/gpt2_tokenizer}" --train-device cuda "${args[@]}" ${SUITE_ARGS:-} \
     >"$out/suite.txt" 2>"$out/suite.log"

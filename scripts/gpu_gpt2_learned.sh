@@ -50,7 +50,7 @@ barriers() {  # barriers NAME [glmc_compare options...]: rows on the first 32 te
     local name=$1 split; shift
     for split in test validation; do
         local blocks=""; [ $split = test ] && blocks="--max-blocks 32"
-        step "eval_${name}_$split" 120 $python -m fedbasin.simulations.glmc_compare "$R/seed0" "$R/seed1" --text "$T" \
+        step "eval_${name}_$split" 120 $python -m fedbasin.benchmarks.glmc_compare "$R/seed0" "$R/seed1" --text "$T" \
             --points 11 $blocks --split $split --circuit-variant "" --glmc-rows "" --device "$device" \
             --out "$work/$name.$split.json" "$@" &&
         $python -c "import json, sys; r = json.load(open(sys.argv[1])); [print(json.dumps({'run': sys.argv[2], 'split': r['split'], \
@@ -78,7 +78,7 @@ $python -c "import sys, torch, transformers; print('python', sys.version.split()
 'transformers', transformers.__version__, 'cpus', torch.get_num_threads())" | tee -a "$summary"
 if [ ! -f "$R/seed1/config.json" ]; then
     for seed in 0 1; do  # side by side on one device
-        $python -m fedbasin.simulations.gpt2_pair --seed $seed --epochs "${EPOCHS:-6}" --device "$device" --out "$R" \
+        $python -m fedbasin.benchmarks.gpt2_pair --seed $seed --epochs "${EPOCHS:-6}" --device "$device" --out "$R" \
             --text "$T" --tokenizer "$TOK" --threads 4 >"$work/train$seed.out" 2>"$work/train$seed.err" &
     done
     wait

@@ -378,7 +378,7 @@ def _raising(error):
 
 
 def _terminated(*args, **kwargs):
-    from fedbasin.simulations import simulate
+    from fedbasin import simulate
 
     raise simulate.Terminated("signal 15")
 
@@ -398,7 +398,7 @@ EXIT_TABLE_CASES = {
     130: (["align", "{a}", "{b}", "--out", "{tmp}/aligned"], "interrupted",
           ("fedbasin.alignment", "weight_match", _raising(KeyboardInterrupt()))),
     143: (["simulate", "--out", "{tmp}/run"], "stopped by SIGTERM",
-          ("fedbasin.simulations.simulate", "simulate", _terminated)),
+          ("fedbasin.simulate", "simulate", _terminated)),
 }
 
 
@@ -495,7 +495,7 @@ def test_an_immutable_plot_file_is_refused_before_any_work(models, tmp_path, cap
 
 
 def test_simulate_refuses_an_unusable_out_dir_with_exit_4(tmp_path, capsys, monkeypatch, immutable):
-    from fedbasin.simulations import simulate
+    from fedbasin import simulate
 
     started = []
     monkeypatch.setattr(simulate, "LocalSuperLink", lambda *a, **k: started.append(1) / 0)

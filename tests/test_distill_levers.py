@@ -114,7 +114,7 @@ def test_augmented_distillation_trains_on_views_and_the_run_config_refuses_non_i
 
 
 def test_one_shot_reuses_cached_clients_only_when_every_client_setting_matches(tmp_path):
-    from fedbasin.simulations import oneshot
+    from fedbasin.benchmarks import oneshot
 
     base = {**oneshot.ONESHOT_DEFAULTS, "local-epochs": 2, "max-train-examples": 300, "align-iterations": 2,
             "proxy-size": 60, "refine-steps": 0}
@@ -141,7 +141,7 @@ def test_reproduce_cifar10_section_tables_every_distillation_variant_per_partiti
     import argparse
     import json
 
-    from fedbasin.simulations import reproduce
+    from fedbasin.benchmarks import reproduce
 
     for i, (name, _, _) in enumerate(reproduce.ONESHOT_CIFAR10_VARIANTS):
         rows = [{"partitioner": p, "best_client": 0.3, "fedavg": 0.1, "aligned_orthogonal": 0.2,
@@ -161,7 +161,7 @@ def test_further_rounds_continue_only_the_named_merges_and_bad_names_are_refused
     """``--further-from distilled``: the further rounds start from the distilled aligned merge
     (round 1 is that merge's own accuracy) next to FedAvg from a shared init, and no other arm
     is trained; a name that is unknown or whose merge is not computed is one line, exit 2."""
-    from fedbasin.simulations import oneshot
+    from fedbasin.benchmarks import oneshot
 
     config = resolve_run_config({**oneshot.ONESHOT_DEFAULTS, "local-epochs": 4, "max-train-examples": 300,
                                  "align-iterations": 2, "proxy-size": 60, "distill-steps": 10,
@@ -198,7 +198,7 @@ def test_reproduce_cifar10_seeds_section_tables_each_seed_the_mean_and_the_proba
     import argparse
     import json
 
-    from fedbasin.simulations import reproduce
+    from fedbasin.benchmarks import reproduce
 
     def row(label, seed, distilled):
         return {"data": "cifar10:x", "partitioner": label, "best_client": 0.30 + seed / 100, "fedavg": 0.1,
@@ -314,7 +314,7 @@ def test_reproduce_cifar10_long_distillation_section_reads_every_seed_and_partit
     import argparse
     import json
 
-    from fedbasin.simulations import reproduce
+    from fedbasin.benchmarks import reproduce
 
     assert "distill-steps=3000" in reproduce.ONESHOT_CIFAR10_LONG
     section = tmp_path / "oneshot-cifar10-long"

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not TOKENIZER.is_dir() or not SHAKESPEARE.is_fil
 
 
 def test_aligned_endpoint_rows(tmp_path):
-    from fedbasin.simulations.glmc_compare import main
+    from fedbasin.benchmarks.glmc_compare import main
 
     text = tmp_path / "excerpt.txt"
     text.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
@@ -31,8 +31,8 @@ def test_split_option_measures_on_the_validation_slice(tmp_path):
     """`--split validation` evaluates every row on the validation blocks (where settings are
     chosen), not on the test slice the reported figures use."""
     from fedbasin.checkpoint import build_torch_model, load_checkpoint
-    from fedbasin.simulations.glmc_compare import main
-    from fedbasin.simulations.gpt2_pair import mean_loss, pair_data
+    from fedbasin.benchmarks.glmc_compare import main
+    from fedbasin.benchmarks.gpt2_pair import mean_loss, pair_data
 
     text = tmp_path / "excerpt.txt"
     text.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
@@ -51,7 +51,7 @@ def test_aligned_endpoints_on_glmcs_merged_architecture(tmp_path):
     """`--aligned-on-glmc`: every aligned endpoint also goes to GLMC's driver as its model 1 with 0
     matching iterations (its path only); refused without `--glmc-path`. GLMC itself is stood in
     for by a script that records its arguments and returns a fixed curve."""
-    from fedbasin.simulations.glmc_compare import main
+    from fedbasin.benchmarks.glmc_compare import main
 
     text = tmp_path / "excerpt.txt"
     text.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:60_000], encoding="utf-8")

@@ -24,7 +24,7 @@ def test_pair_training_on_device(tmp_path, excerpt, device):
     """One epoch on the device: the record names it, the loss fell from log V, and the saved model's
     test loss recomputed on the CPU is the one recorded."""
     from fedbasin.checkpoint import build_torch_model, load_checkpoint
-    from fedbasin.simulations.gpt2_pair import main, mean_loss, pair_data
+    from fedbasin.benchmarks.gpt2_pair import main, mean_loss, pair_data
 
     out = tmp_path / "pair"
     assert main(["--seed", "0", "--epochs", "1", "--out", str(out), "--text", str(excerpt), "--tokenizer",
@@ -43,7 +43,7 @@ def test_pair_training_on_device(tmp_path, excerpt, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_curves_on_device_equal_the_cpus(tmp_path, excerpt, device):
-    from fedbasin.simulations.glmc_compare import main
+    from fedbasin.benchmarks.glmc_compare import main
 
     a, b = _gpt2(tmp_path / "a", 0), _gpt2(tmp_path / "b", 1)
     common = [str(a), str(b), "--text", str(excerpt), "--max-blocks", "4", "--points", "3", "--variants",
@@ -59,7 +59,7 @@ def test_curves_on_device_equal_the_cpus(tmp_path, excerpt, device):
 def test_an_unusable_device_is_refused_in_one_line(tmp_path, excerpt, capsys, module):
     import importlib
 
-    main = importlib.import_module(f"fedbasin.simulations.{module}").main
+    main = importlib.import_module(f"fedbasin.benchmarks.{module}").main
     a = _gpt2(tmp_path / "a", 0)
     args = (["--out", str(tmp_path / "pair"), "--text", str(excerpt), "--tokenizer", str(TOKENIZER)]
             if module == "gpt2_pair" else [str(a), str(a), "--text", str(excerpt)])
@@ -75,7 +75,7 @@ def test_llama_recipe_trains_and_the_command_line_reads_it(tmp_path, excerpt, ca
     saved with its tokenizer, which `fedbasin eval` and `fedbasin align` take as they are."""
     from fedbasin import cli
     from fedbasin.checkpoint import load_checkpoint
-    from fedbasin.simulations.gpt2_pair import main
+    from fedbasin.benchmarks.gpt2_pair import main
 
     out = tmp_path / "pair"
     assert main(["--model-type", "llama", "--seed", "0", "--seed", "1", "--epochs", "1", "--out", str(out), "--text",

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fedbasin"
 #: what the alignment core must not import (directly or in a function)
 FORBIDDEN = ("fedbasin.data", "fedbasin.models", "fedbasin.training", "fedbasin.server", "fedbasin.client",
-             "fedbasin.strategies", "fedbasin.simulations", "fedbasin.cli", "flwr")
+             "fedbasin.strategies", "fedbasin.benchmarks", "fedbasin.cli", "flwr")
 
 
 def module_name(path: Path) -> str:
@@ -96,10 +96,20 @@ def test_importing_alignment_loads_no_flower_and_no_data():
     assert out.stdout.strip() == "[]"
 
 
+
+def test_the_product_imports_no_benchmark():
+    """The benchmark and experiment drivers (``fedbasin.benchmarks``) sit apart from the product: no
+    other fedbasin module imports them (the main job, ``fedbasin.simulate``, included)."""
+    product = [name for name in MODULES if not name.startswith("fedbasin.benchmarks")]
+    assert "fedbasin.simulate" in product and "fedbasin.cli" in product
+    bad = sorted((name, target) for name in product for target in imported(MODULES[name], top_level_only=False)
+                 if target.startswith("fedbasin.benchmarks"))
+    assert bad == []
+
 @pytest.mark.parametrize("top_level_only", [True, False])
 def test_no_import_cycles(top_level_only):
     """None at module level, and none through imports inside functions either (a lazy import that
-    closes a cycle only hides it: ``cli`` ↔ ``simulations.simulate`` was one)."""
+    closes a cycle only hides it: ``cli`` ↔ ``simulate`` was one)."""
     graph = {name: {t for t in imported(path, top_level_only) if t in MODULES and t != name}
              for name, path in MODULES.items()}
     assert import_cycles(graph) == []

@@ -160,7 +160,7 @@ def test_an_unusable_final_model_is_recorded_and_raises(tmp_path):
 def test_simulate_exits_1_when_the_final_model_is_unusable(tmp_path, monkeypatch, capsys):
     import argparse
 
-    from fedbasin.simulations import simulate
+    from fedbasin import simulate
 
     def unusable(config, *args, **kwargs):
         raise UnusableModelError(f"the final global model of round 3 in {config['out-dir']} is unusable: x")

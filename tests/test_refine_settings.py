@@ -13,7 +13,7 @@ import torch
 from fedbasin.alignment import canonicalize, to_gauge
 from fedbasin.alignment.proxy import proxy_streams
 from fedbasin.data import load_task
-from fedbasin.simulations import barriers
+from fedbasin.benchmarks import barriers
 
 from .helpers import DIGITS_VIT, rel_err, run, spec_of, trained_digits_vit
 

@@ -135,7 +135,7 @@ def test_the_server_refiner_passes_refine_workers():
 
 
 def test_the_workers_benchmark_runs_and_reports_every_timing(capsys):
-    from fedbasin.simulations import bench_workers
+    from fedbasin.benchmarks import bench_workers
 
     result = bench_workers.main(["--batch", "4", "--repeats", "1"])
     timings = [k for k in result if k.endswith("_s")]

@@ -10,7 +10,7 @@ from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
 from fedbasin.server.server_app import time_exchanges
-from fedbasin.simulations.round_time import breakdown
+from fedbasin.benchmarks.round_time import breakdown
 
 from .test_simulation import ask, node
 

@@ -167,7 +167,7 @@ def test_refine_keys_reach_learned_refine(monkeypatch, overrides, keyword, value
 def test_a_bare_flwr_run_with_bad_keys_logs_one_line_each_and_touches_nothing(tmp_path):
     """End to end: ``flwr run . --run-config`` on a local SuperLink (fedbasin simulate's checks
     bypassed): the ServerApp's lines reach the user, no traceback, the earlier outputs survive."""
-    from fedbasin.simulations.simulate import LocalSuperLink, _stream, project_dir
+    from fedbasin.simulate import LocalSuperLink, _stream, project_dir
 
     out = tmp_path / "run"
     before = earlier_run(out)

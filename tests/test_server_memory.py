@@ -60,7 +60,7 @@ def test_chunked_cohort_screening_equals_the_whole_model_statistics(monkeypatch,
 
 
 def test_benchmark_measures_one_aggregation(monkeypatch):
-    from fedbasin.simulations import bench_server_memory as bench
+    from fedbasin.benchmarks import bench_server_memory as bench
 
     monkeypatch.setitem(bench.SHAPES, "small",
                         {"vocab_size": 50, "block_size": 8, "dim": 16, "depth": 1, "heads": 2, "mlp_dim": 32})

@@ -24,7 +24,7 @@ from fedbasin.config import (
     task_from_config,
 )
 from fedbasin.options import toml_value
-from fedbasin.simulations import simulate
+from fedbasin import simulate
 from tests.test_strategy import serverapp_identity  # noqa: F401  (autouse: a run identity)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -341,7 +341,7 @@ def test_reproduce_regenerates_a_barrier_row_that_reproduces(tmp_path, monkeypat
     """One small docs row end to end: trained pair → barrier table in the document, twice from
     scratch with identical figures; the row's accuracies are what `fedbasin eval` reports."""
     from fedbasin.cli import main as cli_main
-    from fedbasin.simulations import barriers, reproduce
+    from fedbasin.benchmarks import barriers, reproduce
 
     tiny = dict(barriers.TASKS["digits"], epochs=3, model=dict(dim=16, depth=1, heads=2, mlp_dim=32))
     monkeypatch.setitem(barriers.TASKS, "digits", tiny)
@@ -371,7 +371,7 @@ def test_reproduce_regenerates_a_barrier_row_that_reproduces(tmp_path, monkeypat
 
 
 def test_one_shot_comparison_smoke(tmp_path, capsys):
-    from fedbasin.simulations import oneshot
+    from fedbasin.benchmarks import oneshot
 
     out = tmp_path / "oneshot.json"
     run_config = "local-epochs=15 max-train-examples=600 align-iterations=5 seed=0"
@@ -396,7 +396,7 @@ def test_one_shot_distillation_and_further_rounds():
     and the plain average; then one more FedAvg round from every merge, and FedAvg from a shared
     init with the same 20 local epochs in 2 rounds."""
     from fedbasin.config import resolve_run_config
-    from fedbasin.simulations import oneshot
+    from fedbasin.benchmarks import oneshot
 
     config = resolve_run_config({**oneshot.ONESHOT_DEFAULTS, "local-epochs": 15, "max-train-examples": 600,
                                  "align-iterations": 5, "proxy-size": 150, "distill-steps": 60,
@@ -421,7 +421,7 @@ def test_one_shot_distillation_and_further_rounds():
 
 
 def test_one_shot_refuses_bad_input_before_training(tmp_path, capsys):
-    from fedbasin.simulations import oneshot
+    from fedbasin.benchmarks import oneshot
 
     for argv, message in (
         (["--further-rounds", "2"], "50 local epochs cannot be split evenly over 3 FedAvg rounds"),

@@ -1,4 +1,4 @@
-"""The suite driver (fedbasin.simulations.suite): member selection and input errors, the group
+"""The suite driver (fedbasin.benchmarks.suite): member selection and input errors, the group
 aggregation (mean ± spread) and table, row caching and resume, and the measurement of a real
 command line child (its JSON, wall time and own peak memory)."""
 
@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from fedbasin.simulations import suite
+from fedbasin.benchmarks import suite
 
 
 def _vit(path, seed: int):

@@ -28,7 +28,7 @@ class _Workers:
     cores better than one pass with intra-op threads: a CIFAR-10 ViT (width 96, 65 tokens) forward
     and backward on 64 images took 0.078 s wall as two slices of 32 on 2 threads, 0.116 s with 2
     intra-op threads and 0.157 s on one (2-core AMD EPYC; ``python -m
-    fedbasin.simulations.bench_workers``)."""
+    fedbasin.benchmarks.bench_workers``)."""
 
     def __init__(self, model: nn.Module, device: torch.device, count: int = 0):
         if device.type != "cpu":

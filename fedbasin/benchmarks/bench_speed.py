@@ -1,8 +1,8 @@
 """Speed benchmark: align two GPT-2-small-shaped models (12 layers, d=768, n=3072, 12 heads).
 
-    python -m fedbasin.simulations.bench_speed [--layers 12] [--tol 1e-4] [--profile] [--device cpu]
-    python -m fedbasin.simulations.bench_speed --previous-sweeps   # the previous iteration, same conditions
-    python -m fedbasin.simulations.bench_speed --kernels   # the kernels alone, 1 vs n threads
+    python -m fedbasin.benchmarks.bench_speed [--layers 12] [--tol 1e-4] [--profile] [--device cpu]
+    python -m fedbasin.benchmarks.bench_speed --previous-sweeps   # the previous iteration, same conditions
+    python -m fedbasin.benchmarks.bench_speed --kernels   # the kernels alone, 1 vs n threads
 
 Prints wall time per phase (setup = canonicalise + starts, heads, MLP, residual, finish = gauge;
 I/O = writing the aligned model to safetensors and reading it back), CPU seconds per phase and per

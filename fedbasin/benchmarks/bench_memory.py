@@ -1,6 +1,6 @@
 """Memory benchmark: streamed alignment of two Llama-shaped checkpoints stored in bfloat16.
 
-    python -m fedbasin.simulations.bench_memory [--dir /tmp/fedbasin-mem] [--iterations 1] [--device cpu]
+    python -m fedbasin.benchmarks.bench_memory [--dir /tmp/fedbasin-mem] [--iterations 1] [--device cpu]
 
 Default shape: TinyLlama-1.1B (22 layers, width 2048, 32 query heads, 4 key/value heads, MLP
 5632, vocabulary 32000; 1.1 B parameters, 2.2 GB per model in bfloat16). Step 1 writes both
@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     sizes = [make_checkpoint(root / name, shape, seed, args.shard_bytes) for seed, name in ((0, "a"), (1, "b"))]
     make_s = time.perf_counter() - t0
-    child = [sys.executable, "-m", "fedbasin.simulations.bench_memory", "--phase", "align", "--dir", str(root),
+    child = [sys.executable, "-m", "fedbasin.benchmarks.bench_memory", "--phase", "align", "--dir", str(root),
              "--iterations", str(args.iterations), "--threads", str(args.threads),
              "--shard-bytes", str(args.shard_bytes), "--device", args.device]
     proc = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True)

@@ -1,6 +1,6 @@
 """Learned refinement's batch workers: one forward and backward pass, and the maps' transform.
 
-    python -m fedbasin.simulations.bench_workers [--batch 64] [--repeats 20]
+    python -m fedbasin.benchmarks.bench_workers [--batch 64] [--repeats 20]
 
 On the CIFAR-10 recipe's ViT (width 96, 4 layers, 65 tokens; random weights and images: the
 timings do not depend on them), times the forward and backward pass of one batch through

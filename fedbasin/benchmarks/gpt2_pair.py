@@ -7,7 +7,7 @@ AdamW (lr 3e-4, weight decay 0.01), 5% linear warm-up then cosine decay, batch 3
 backward run under bfloat16 autocast (weights and optimiser in float32; the paper's scripts train
 with fp16 mixed precision on a GPU) unless ``--fp32``.
 
-    python -m fedbasin.simulations.gpt2_pair --seed 0 --epochs 6 --out runs/gpt2pair
+    python -m fedbasin.benchmarks.gpt2_pair --seed 0 --epochs 6 --out runs/gpt2pair
 
 ``--model-type llama`` trains a Llama-style model on the same data with the same optimiser,
 schedule, batch and context instead (``LlamaForCausalLM``: RoPE, grouped-query attention with 4

@@ -1,6 +1,6 @@
 """Width-heterogeneous merge on digits: a wide ViT (d=64) and a narrow one (d=32), same head width.
 
-    python -m fedbasin.simulations.width [--epochs 150] [--threads 1] [--out runs/width]
+    python -m fedbasin.benchmarks.width [--epochs 150] [--threads 1] [--out runs/width]
 
 Two clients hold disjoint halves of the digits training split; client A trains a wide ViT
 (d=64, 4 heads, n=128), client B a narrow one (d=32, 2 heads, n=64; head width 16 in both), both

@@ -1,6 +1,6 @@
 """Server memory of ``AlignedFedAvg.aggregate_train`` with K client replies of a model of size S.
 
-    python -m fedbasin.simulations.bench_server_memory [--clients 2 4 8] [--iterations 2]
+    python -m fedbasin.benchmarks.bench_server_memory [--clients 2 4 8] [--iterations 2]
         [--universe P] [--aggregator mean|trimmed-mean|median] [--distill-steps N [--distill-weights]] [--trace]
         [--shape small|gpt2-small]
 
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     rows = []
     for k in args.clients:
-        done = subprocess.run([sys.executable, "-m", "fedbasin.simulations.bench_server_memory",
+        done = subprocess.run([sys.executable, "-m", "fedbasin.benchmarks.bench_server_memory",
                                "--child", str(k), "--iterations", str(args.iterations),
                                "--universe", str(args.universe), "--aggregator", args.aggregator, "--shape", args.shape,
                                *(["--trace"] if args.trace else []), "--distill-steps", str(args.distill_steps),

@@ -16,7 +16,7 @@ default screening (per-reply magnitude check, capped counts, MAD rule) and with 
 option on its own. Also reports the screening overhead per round: aggregation seconds of the
 default settings against no defence, on the clean replies.
 
-    python -m fedbasin.simulations.robustness --out docs/robustness.json
+    python -m fedbasin.benchmarks.robustness --out docs/robustness.json
 
 ``--colluders``: the colluder table instead, two hostile nodes (the last two) among K = 4 and
 K = 5, 4 rounds of 3 local epochs at lr 0.005 (the server holds a proxy split of 100 examples in
@@ -28,7 +28,7 @@ every row, so that proxy screening, ``proxy-screening = 0.5``, can be compared),
   transposed images), the same every round, with an honest count;
 * ``label-flip``: label-flipped models with honest counts.
 
-    python -m fedbasin.simulations.robustness --colluders --out docs/robustness_colluders.json
+    python -m fedbasin.benchmarks.robustness --colluders --out docs/robustness_colluders.json
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
     overhead = federation.overhead(args.repeats)
     result = {
-        "command": "python -m fedbasin.simulations.robustness "
+        "command": "python -m fedbasin.benchmarks.robustness "
                    + " ".join(sys.argv[1:] if argv is None else argv),
         "seed": args.seed, "clients": args.clients, "run_config": overrides,
         "machine": f"{platform.machine()}, {platform.processor() or platform.system()}, "
@@ -303,7 +303,7 @@ def colluders(args, argv, started: float) -> int:
                 bar.update()
     bar.close()
     result = {
-        "command": "python -m fedbasin.simulations.robustness "
+        "command": "python -m fedbasin.benchmarks.robustness "
                    + " ".join(sys.argv[1:] if argv is None else argv),
         "seed": args.seed, "cohorts": COLLUDER_COHORTS, "run_config": overrides,
         "machine": f"{platform.machine()}, {platform.processor() or platform.system()}, "

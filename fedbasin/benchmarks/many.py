@@ -1,6 +1,6 @@
 """Merging 3–4 independently trained models: loss at the centroid and over the simplex.
 
-    python -m fedbasin.simulations.many --task digits --models 4 --out runs/many
+    python -m fedbasin.benchmarks.many --task digits --models 4 --out runs/many
 
 Methods compared at the centroid (equal weights): vanilla averaging, alignment to one reference,
 universe matching, and learned refinement on proxy data (λ ~ Dirichlet(1)); then the learned
@@ -25,7 +25,7 @@ from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.data import load_task
 from fedbasin.models import build_model, make_config
 from fedbasin.server.distill import LogitEnsemble, ensemble_distill
-from fedbasin.simulations.barriers import TASKS
+from fedbasin.benchmarks.barriers import TASKS
 from fedbasin.training import cross_entropy, evaluate, train
 
 

@@ -6,7 +6,7 @@ the barrier is evaluated on the test slice (the last 5% of the text, contiguous)
 ``--glmc-path`` in the Python given by ``--glmc-python`` (it needs transformers 4.50.1, POT and
 einops), through ``glmc_driver.py``; nothing of GLMC is copied here.
 
-    python -m fedbasin.simulations.glmc_compare RUN/seed0 RUN/seed1 --glmc-path $GLMC \\
+    python -m fedbasin.benchmarks.glmc_compare RUN/seed0 RUN/seed1 --glmc-path $GLMC \\
         --glmc-python $GLMC_PYTHON --out results.json
 
 Rows: vanilla; fedbasin permutation / orthogonal variants (weighting; matching on all token
@@ -41,7 +41,7 @@ from fedbasin.alignment import Curve, interpolate, lambda_grid, loss_barrier, we
 from fedbasin.alignment.matching import token_weights
 from fedbasin.alignment.token_rows import infer_token_rows
 from fedbasin.checkpoint import build_torch_model, load_checkpoint
-from fedbasin.simulations.gpt2_pair import (
+from fedbasin.benchmarks.gpt2_pair import (
     DEFAULT_TEXT,
     device_label,
     mean_loss,

@@ -1,7 +1,7 @@
 """Regenerate the tables of docs/benchmarks.md from the benchmark drivers.
 
-    python -m fedbasin.simulations.reproduce                  # every section (see --help for times)
-    python -m fedbasin.simulations.reproduce --sections barriers --tasks digits
+    python -m fedbasin.benchmarks.reproduce                  # every section (see --help for times)
+    python -m fedbasin.benchmarks.reproduce --sections barriers --tasks digits
 
 Each section runs its driver into ``OUT/SECTION/`` and replaces the text between the markers
 ``<!-- reproduce:SECTION -->`` and ``<!-- /reproduce:SECTION -->`` in the document. Results
@@ -22,7 +22,7 @@ import torch
 
 from fedbasin.atomic import atomic_write
 from fedbasin.data import load_task
-from fedbasin.simulations import barriers
+from fedbasin.benchmarks import barriers
 
 SECTIONS = ("barriers", "barrier-seeds", "many", "many4", "width", "oneshot", "oneshot-seeds", "oneshot-cifar10",
             "oneshot-cifar10-seeds", "oneshot-cifar10-long")
@@ -119,7 +119,7 @@ def section_barrier_seeds(args, out: Path) -> str:
 
 
 def section_many(args, out: Path) -> str:
-    from fedbasin.simulations import many
+    from fedbasin.benchmarks import many
 
     results = _cached(out / "digits_results.json", args.rerun,
                       lambda: many.main(["--task", "digits", "--models", "3", "--out", str(out)]))
@@ -130,7 +130,7 @@ def section_many(args, out: Path) -> str:
 
 
 def section_width(args, out: Path) -> str:
-    from fedbasin.simulations import width
+    from fedbasin.benchmarks import width
 
     _cached(out / "results.json", args.rerun, lambda: width.main(["--threads", "1", "--out", str(out)]))
     return (out / "width.md").read_text()
@@ -138,7 +138,7 @@ def section_width(args, out: Path) -> str:
 
 def section_many4(args, out: Path) -> str:
     """Four digits models (issue 7 item 5): the centroid against the best single model."""
-    from fedbasin.simulations import many
+    from fedbasin.benchmarks import many
 
     results = _cached(out / "digits_results.json", args.rerun,
                       lambda: many.main(["--task", "digits", "--models", "4", "--simplex-steps", "4",
@@ -147,7 +147,7 @@ def section_many4(args, out: Path) -> str:
 
 
 def section_oneshot(args, out: Path) -> str:
-    from fedbasin.simulations import oneshot
+    from fedbasin.benchmarks import oneshot
 
     tables = []
     for name, run_config, extra, title in (
@@ -168,7 +168,7 @@ def section_oneshot(args, out: Path) -> str:
 
 def section_oneshot_seeds(args, out: Path) -> str:
     """The digits one-shot rows with the server's proxy levers over three seeds: mean ± sd."""
-    from fedbasin.simulations import oneshot
+    from fedbasin.benchmarks import oneshot
 
     rows = []
     for seed in ONESHOT_SEEDS:
@@ -183,7 +183,7 @@ def section_oneshot_seeds(args, out: Path) -> str:
 def seed_table(rows: list[dict], keys: tuple[str, ...]) -> str:
     """One line per partition of one-shot ``rows`` (one row per seed and partition): mean ± sd
     over the seeds of every column in ``keys`` (in the order of ``oneshot.COLUMNS``)."""
-    from fedbasin.simulations import oneshot
+    from fedbasin.benchmarks import oneshot
 
     titles = [(k, title) for k, title, _ in oneshot.COLUMNS] + [("ensemble_probabilities", "probability ensemble")]
     keys = [(k, title) for k, title in titles if k in keys]
@@ -202,7 +202,7 @@ def section_oneshot_cifar10(args, out: Path) -> str:
     """One-shot rows on 12,000 CIFAR-10 training images (no further rounds: bounded CPU time):
     the clients are trained once (``out/clients``) and every distillation variant of
     :data:`ONESHOT_CIFAR10_VARIANTS` runs on the same clients."""
-    from fedbasin.simulations import oneshot
+    from fedbasin.benchmarks import oneshot
 
     header = ("| partition | server distillation | best client | FedAvg | aligned (orth) | aligned + distilled "
               "| FedAvg + distilled | logit ensemble | distill s (aligned) |")
@@ -227,7 +227,7 @@ def cifar10_oneshot_rows(args, cifar10: Path, path: Path, run_config: str,
     """The rows of one CIFAR-10 one-shot run with the settings of :data:`ONESHOT_CIFAR10` and
     ``run_config``, on the clients cache of the oneshot-cifar10 section (``cifar10``: its
     directory), computed only when ``path`` is missing (or ``--rerun``)."""
-    from fedbasin.simulations import oneshot
+    from fedbasin.benchmarks import oneshot
 
     argv = ["--data", f"cifar10:{args.cifar}", "--partitioners", partitions, "--out", str(path),
             "--clients-cache", str(cifar10 / "clients"), "--run-config", f"{ONESHOT_CIFAR10} {run_config}"]
@@ -247,7 +247,7 @@ def section_oneshot_cifar10_seeds(args, out: Path) -> str:
     partition on the same clients cache): per-seed accuracies and mean ± sd; then the rows of
     :data:`ONESHOT_CIFAR10_PROBABILITY_SEEDS` again with the probability teacher
     (``distill-teacher=probabilities``), both partitions, with their mean ± sd."""
-    from fedbasin.simulations import oneshot
+    from fedbasin.benchmarks import oneshot
 
     cifar10 = out.parent / "oneshot-cifar10"
 
@@ -328,7 +328,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--cifar", default="../shared/data/cifar10", help="CIFAR-10 parquet directory")
     parser.add_argument("--text", default="../shared/data/tinyshakespeare/input.txt", help="Tiny Shakespeare file")
     parser.add_argument("--refine-steps", type=int, help="barriers: learned-refinement steps (default: the "
-                        "barriers driver's, fedbasin.simulations.barriers.REFINE_DEFAULTS)")
+                        "barriers driver's, fedbasin.benchmarks.barriers.REFINE_DEFAULTS)")
     parser.add_argument("--ablation", default="cosine,rms,uniform", help="barriers: weightings compared")
     parser.add_argument("--doc", default="docs/benchmarks.md", help="document whose blocks are rewritten")
     parser.add_argument("--figures", default="docs/barriers",

@@ -1,9 +1,9 @@
 """Learned-refinement ablation on a trained pair of the barrier table: one JSON line per variant.
 
-    python -m fedbasin.simulations.refine_ablation --task digits --seeds 0 1 --out runs/barriers \
+    python -m fedbasin.benchmarks.refine_ablation --task digits --seeds 0 1 --out runs/barriers \
         --variant '{"settings": "old"}' --variant '{}' --variant '{"group": "orthogonal"}'
 
-The pair is trained (or reused) exactly as ``fedbasin.simulations.barriers`` does (cached under
+The pair is trained (or reused) exactly as ``fedbasin.benchmarks.barriers`` does (cached under
 ``OUT/TASK/seedN``). Each variant is a JSON object of :func:`fedbasin.alignment.learned_refine`
 options applied over ``barriers.REFINE_DEFAULTS`` (``"settings": "old"`` starts from
 ``barriers.REFINE_OLD`` instead), plus ``"proxy"`` (training examples used as proxy data, split
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fedbasin.data import load_task
-from fedbasin.simulations import barriers
+from fedbasin.benchmarks import barriers
 
 
 def run_variant(checkpoints, task, eval_split, variant: dict, default_proxy: int) -> dict:

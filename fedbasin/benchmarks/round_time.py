@@ -1,6 +1,6 @@
 """Where a deployed round's time goes: a SuperLink and SuperNodes on localhost, digits, small ViT.
 
-    python -m fedbasin.simulations.round_time [--rounds 3] [--supernodes 2] [--out runs/round_time]
+    python -m fedbasin.benchmarks.round_time [--rounds 3] [--supernodes 2] [--out runs/round_time]
 
 Starts the deployment (fedbasin.deployment.LocalFederation: throwaway FLWR_HOME, free ports,
 every process stopped at the end), submits the app with ``flwr run``, waits for the rounds by

@@ -146,7 +146,7 @@ def parse_run_config(text: str) -> dict:
 
 def project_dir() -> Path:
     """The fedbasin project directory (``pyproject.toml`` with ``[tool.flwr.app]``) ``flwr run`` builds."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     pyproject = root / "pyproject.toml"
     if not pyproject.is_file() or "flwr" not in tomllib.loads(pyproject.read_text()).get("tool", {}):
         raise FileNotFoundError(

@@ -1,6 +1,6 @@
 """Barrier table on independently trained pairs: vanilla vs permutation vs orthogonal matching.
 
-    python -m fedbasin.simulations.barriers --tasks digits,cifar10,shakespeare \
+    python -m fedbasin.benchmarks.barriers --tasks digits,cifar10,shakespeare \
         --cifar ../shared/data/cifar10 --text ../shared/data/tinyshakespeare/input.txt --out runs/barriers
 
 For each task two models are trained from different seeds (init and data order) on the same
@@ -75,7 +75,7 @@ REFINE_OLD = dict(steps=200, proxy_examples=512, lr=1e-2, group="orthogonal", mo
 # each of the table's pairs, kept so that the table reproduces. A record, keyed by the table's task; nothing
 # in the product reads it: fedbasin's defaults are chosen by what the model is (fedbasin.options.KIND_SETTINGS,
 # which took the CIFAR-10 recipe for image classifiers and the character GPT's for character LMs) and are
-# measured on the suite of pairs (fedbasin.simulations.suite). Each was sized to 2 minutes of wall time on 2 CPU
+# measured on the suite of pairs (fedbasin.benchmarks.suite). Each was sized to 2 minutes of wall time on 2 CPU
 # cores; batch_workers 2 (each batch in two slices on two threads) gives the same figures on any thread count.
 # Digits: the new settings with 4,000 steps at lr 3e-3, soft labels (half labels, half the two models' mean
 # probabilities) and selection every 100 steps: 0.000 on the three AMD EPYC pairs in 71-79 s (selection every 20
@@ -187,7 +187,7 @@ def main(argv=None) -> dict:
                         help="learned-refinement defaults: 'new' (1000 steps, invertible group, best start, "
                         "λ ~ U(0, 1)), 'old' (200 steps, orthogonal group and start, λ ~ U(0.4, 0.6)) or 'recorded' ('task'): "
                         "the recipes recorded per table row (barriers.RECORDED_RECIPES); the product's "
-                        "defaults are measured by fedbasin.simulations.suite")
+                        "defaults are measured by fedbasin.benchmarks.suite")
     parser.add_argument("--refine-group", choices=["orthogonal", "invertible"])
     parser.add_argument("--refine-start", choices=["permutation", "orthogonal", "best"])
     parser.add_argument("--refine-lambda", type=float, nargs=2, metavar=("LO", "HI"), help="λ ~ U(LO, HI)")

@@ -23,7 +23,7 @@ from every merge against FedAvg from one shared initialisation with the same tot
 epochs (``--further-from`` picks which merges to continue: each costs R rounds of K clients).
 Writes markdown tables to stdout and JSON to ``--out``::
 
-    python -m fedbasin.simulations.oneshot --data digits --further-rounds 3 \
+    python -m fedbasin.benchmarks.oneshot --data digits --further-rounds 3 \
         --run-config "proxy-size=300 refine-steps=200 distill-steps=500"
 """
 
@@ -44,7 +44,7 @@ from fedbasin.config import model_from_config, resolve_run_config, task_from_con
 from fedbasin.server.distill import LogitEnsemble
 from fedbasin.server.outputs import write_json_atomic
 from fedbasin.server.server_app import distill_augment, make_distiller, make_refiner, refines
-from fedbasin.simulations.simulate import parse_run_config
+from fedbasin.simulate import parse_run_config
 from fedbasin.training import evaluate, resolve_device, train
 
 ONESHOT_DEFAULTS = {"local-epochs": 30, "init": "client"}
@@ -292,7 +292,7 @@ def further_markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m fedbasin.simulations.oneshot", description=__doc__.splitlines()[0]
+        prog="python -m fedbasin.benchmarks.oneshot", description=__doc__.splitlines()[0]
     )
     p.add_argument("--data", action="append", help="data source (repeatable; default: digits)")
     p.add_argument("--clients", type=int, default=4, help="K clients (default 4)")

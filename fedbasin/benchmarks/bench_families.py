@@ -1,7 +1,7 @@
 """Per-family check: planted symmetry recovery time and a barrier-free midpoint, on small random
 Hugging Face models (float64, no downloads).
 
-    python -m fedbasin.simulations.bench_families
+    python -m fedbasin.benchmarks.bench_families
 
 For each family: a random model θ (seed 0, every weight perturbed, norm gains ~1), a random
 group element g (seed 11), candidate g·θ (same function). Reported: weight-matching time to

@@ -1,11 +1,11 @@
 """The suite of independently trained pairs on which fedbasin's defaults are chosen and reported.
 
-    python -m fedbasin.simulations.suite [--members NAME ...] [--cache runs/suite] [--out FILE.json]
+    python -m fedbasin.benchmarks.suite [--members NAME ...] [--cache runs/suite] [--out FILE.json]
 
 Every member is two (the universe member: three) models of one recipe trained from different
 seeds. The models are trained once and cached under ``--cache`` (image recipes with
-:func:`fedbasin.simulations.barriers.trained_pair`, the text recipes with
-:mod:`fedbasin.simulations.gpt2_pair` ``--model-type gpt2|llama``); ``--pair-dir MEMBER=DIR``
+:func:`fedbasin.benchmarks.barriers.trained_pair`, the text recipes with
+:mod:`fedbasin.benchmarks.gpt2_pair` ``--model-type gpt2|llama``); ``--pair-dir MEMBER=DIR``
 (``--gpt2-pair DIR`` for ``gpt2-s01``) takes a pair trained elsewhere (``DIR/seed{S}``).
 
 Each member is then measured only through the command line, as a user runs it (``python -m
@@ -196,7 +196,7 @@ def train_member(member: Member, args) -> list[Path]:
         out = Path(args.cache) / member.recipe
         for seed, _ in missing:
             say(f"{member.name}: training {recipe.task} seed {seed} into {out} (gpt2_pair, ~30 min on 2 cores)")
-            command = [sys.executable, "-m", "fedbasin.simulations.gpt2_pair", "--model-type", recipe.task,
+            command = [sys.executable, "-m", "fedbasin.benchmarks.gpt2_pair", "--model-type", recipe.task,
                        "--seed", str(seed), "--out", str(out), "--text", args.text, "--tokenizer", args.tokenizer,
                        "--threads", "1", "--device", args.train_device]
             done = subprocess.run(command, check=False, env=child_env(), stdout=sys.stderr)
@@ -206,7 +206,7 @@ def train_member(member: Member, args) -> list[Path]:
     import torch
 
     from fedbasin.data import load_task
-    from fedbasin.simulations.barriers import TASKS, trained_pair
+    from fedbasin.benchmarks.barriers import TASKS, trained_pair
 
     base = TASKS[recipe.task]
     spec = {**base, "model": {**base["model"], **dict(recipe.model)}}
@@ -282,7 +282,7 @@ def run_cli(arguments: list[str], log: Path | None = None) -> CliRun:
 def glmc_rows(a: Path, b: Path, args, blocks: int, work: Path) -> dict:
     """GLMC's weight matching barriers (permutation, orthogonal) through ``glmc_compare --glmc-only``."""
     out = work / "glmc.json"
-    command = [sys.executable, "-m", "fedbasin.simulations.glmc_compare", str(a), str(b), "--glmc-only",
+    command = [sys.executable, "-m", "fedbasin.benchmarks.glmc_compare", str(a), str(b), "--glmc-only",
                "--glmc-path", args.glmc_path, "--glmc-python", args.glmc_python, "--text", args.text,
                "--max-blocks", str(blocks), "--points", str(POINTS), "--circuit-variant", "", "--out", str(out)]
     with open(work / "glmc.log", "wb") as err:
@@ -555,7 +555,7 @@ def parse_variants(items: list[str]) -> dict[str, list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fedbasin.simulations.suite", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m fedbasin.benchmarks.suite", description=__doc__.splitlines()[0])
     p.add_argument("--members", nargs="+", metavar="NAME", help=f"members to run (default: all): {', '.join(MEMBERS)}")
     p.add_argument("--cache", default="runs/suite", help="trained models and per-member work (default runs/suite)")
     p.add_argument("--out", help="rows as JSON, rewritten after each member (default CACHE/suite.json)")
