@@ -618,7 +618,7 @@ def _refiner(args, ref, command: str, match):
     module = build_torch_model(ref)
     # selection/report batches of at most 32 examples whose logits stay under 2^26 values: GPT-2's
     # 50,257 tokens give 10 blocks of 128, and its head's product then runs 2.7 times faster per value
-    # than with 32 blocks (a 206 MB output instead of 823 MB; merging.md §13)
+    # than with 32 blocks (a 206 MB output instead of 823 MB; docs/journal/merging-notes.md §13)
     data = proxy_streams(proxy, options.batch_size, seed=options.seed, selection_fraction=options.selection_fraction,
                          evaluation_fraction=options.evaluation_fraction,
                          eval_batch_size=eval_batch_size(task, module, most=32))

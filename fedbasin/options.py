@@ -12,7 +12,7 @@ library's calls (:func:`refine_call`). A flag and a run-config key share one nam
 ``"auto"`` values are resolved by :func:`resolve_refine` from what the model is (:func:`model_kind`:
 an image classifier, a causal LM with a subword tokenizer, a character-level LM) and the time
 budget, never from a data set's name. The settings per kind are the ones measured best
-(docs/merging.md; the suite of pairs in docs/benchmarks.md).
+(docs/merging.md, the method; docs/journal/merging-notes.md, the measurements; the suite of pairs in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -446,8 +446,8 @@ def model_kind(data: str, vocab_size: int | None) -> str:
 
 
 # The measured best per kind (2-core AMD EPYC, ~2 minutes): image classifiers from the CIFAR-10 ViT
-# pairs (docs/merging.md §7, 0.017 ± 0.001 over refinement seeds), subword LMs from the GPT-2 recipe
-# pairs (merging.md §13-§15, the README's learned row), character LMs from the character GPT (§13).
+# pairs (docs/journal/merging-notes.md §7, 0.017 ± 0.001 over refinement seeds), subword LMs from the GPT-2 recipe
+# pairs (docs/journal/merging-notes.md §13-§15, the README's learned row), character LMs from the character GPT (§13).
 # ``evaluations``: keep-best checks over the run; ``examples``: proxy examples (at most the training split).
 KIND_SETTINGS: dict[str, dict[str, Any]] = {
     IMAGE: dict(examples=12000, batch_size=64, lr=5e-3, head_lr=0.0, permutations="ste", group="orthogonal",
@@ -471,7 +471,7 @@ KIND_SETTINGS: dict[str, dict[str, Any]] = {
 GPU_SETTINGS: dict[str, dict[str, Any]] = {SUBWORD_LM: dict(batch_size=64, dual=True)}
 
 
-HEAD_WEIGHT = {IMAGE: 1.0, SUBWORD_LM: 2.0, CHARACTER_LM: 1.0}  # measured: docs/merging.md §2 (GPT-2 recipe pair)
+HEAD_WEIGHT = {IMAGE: 1.0, SUBWORD_LM: 2.0, CHARACTER_LM: 1.0}  # measured: docs/journal/merging-notes.md §2 (GPT-2 recipe pair)
 
 
 def resolve_match(match: MatchOptions, kind: str) -> MatchOptions:

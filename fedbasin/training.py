@@ -58,7 +58,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     ``−Σ_j t_j log p_{c_j} − r·log(1 − Σ_j p_{c_j})``, p = softmax(z) — the cross-entropy of the
     coarse distribution (listed classes, rest), minimal where p gives the listed classes exactly
     their weights. Without the bucket, truncated targets reward moving all probability onto the
-    listed classes (docs/merging.md §14)."""
+    listed classes (docs/journal/merging-notes.md §14)."""
     if targets.is_floating_point() and targets.dim() == logits.dim() + 1:
         ids, weights = targets[..., 0].long(), targets[..., 1].to(logits.dtype)
         picked = logits.gather(-1, ids)

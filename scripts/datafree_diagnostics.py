@@ -1,4 +1,4 @@
-"""Where the data-free barrier of the GPT-2 recipe pair lives (docs/merging.md §14, first paragraph).
+"""Where the data-free barrier of the GPT-2 recipe pair lives (docs/journal/merging-notes.md §14, first paragraph).
 
 Aligns seed 1 to seed 0 by weight matching (orthogonal, √count token rows, head × 2) and prints:
 

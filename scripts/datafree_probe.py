@@ -1,4 +1,4 @@
-"""Exploratory probe of data-free objectives on the GPT-2 recipe pair (docs/merging.md §2a, "Two more
+"""Exploratory probe of data-free objectives on the GPT-2 recipe pair (docs/journal/merging-notes.md §2a, "Two more
 objectives"): weight matching (√count token rows, head × --head) on tensors changed before matching, then
 the group element it found applied to the unchanged candidate (exact either way), and the barrier (11 λ).
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPT-2 recipe pair on a GPU (docs/merging.md §13): does learned refinement reach the ≤ 0.02 barrier
+# The GPT-2 recipe pair on a GPU (docs/journal/merging-notes.md §13): does learned refinement reach the ≤ 0.02 barrier
 # when compute is not the limit? Trains the pair there (gpt2_pair --device cuda, both seeds side by side),
 # measures vanilla and data-free rows, then runs `fedbasin align --refine-data` at the 2-core CPU setting
-# (merging.md §12) and at 16 times its training examples (plain and dual), 8 times with the full
+# (docs/journal/merging-notes.md §12) and at 16 times its training examples (plain and dual), 8 times with the full
 # softmax, and 24 times on request (RUNS); each endpoint's barrier is measured on the first 32 test blocks and on the 141 validation
 # blocks right after its run.
 #

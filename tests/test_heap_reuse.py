@@ -1,5 +1,5 @@
 """fedbasin.heap.keep_freed_blocks: a loop that allocates the same large tensor every step stops
-faulting its pages in again (the refinement steps' logits, see docs/merging.md §7)."""
+faulting its pages in again (the refinement steps' logits, see docs/journal/merging-notes.md §7)."""
 
 import os
 import subprocess

@@ -10,7 +10,7 @@ The weights w_p set how much each tensor counts; every choice gives J = 1 for a 
 
 ``head_weight`` h multiplies w_p of the output head over the vocabulary (a token-indexed reader,
 :func:`token_indexed_keys`, other than the embedding), J normalised so that a perfect match still
-gives 1: the head's rows are what the loss reads directly (see docs/merging.md §2a for the effect).
+gives 1: the head's rows are what the loss reads directly (see docs/journal/merging-notes.md §2a for the effect).
 
 Each step maximises J exactly over one factor of the group, the others fixed, so the
 recorded objective never decreases:
@@ -96,7 +96,7 @@ class MatchResult:
 #: with the within-head maps (a maps-only sweep gains about what a full one does there), and it
 #: costs a fraction of a full sweep (no MLP scores or assignments, no head pair values).
 #: GPT-2-small pair, one thread: 0 → 82.4 CPU s to J = 0.103501; 2 → 49.8 s to 0.103511; 3 → 49.7 s
-#: to 0.103533 (0.103503 after 3 of its 4 iterations) — docs/scale.md, "Speed"
+#: to 0.103533 (0.103503 after 3 of its 4 iterations) — docs/journal/scale-notes.md, "Fourth pass"
 INNER_SWEEPS = 3
 #: keep the MLP weights unrotated during matching (see weight_match); False: rotate them with every
 #: residual step and recompute their covariance (the reference computation the tests compare with)

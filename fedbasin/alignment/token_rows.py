@@ -210,7 +210,7 @@ def infer_token_rows(spec: SymmetrySpec, *states: dict, weighting: str = "zipf")
     scaled to mean 1 over the rows judged trained. Returns None if the model has no token rows.
 
     Why ``zipf``: weight matching does best when row t counts ∝ √n_t, n_t its count in the training
-    text (docs/merging.md §2a). The counts are not in the weights, but their order is: the untrained
+    text (docs/journal/merging-notes.md §2a). The counts are not in the weights, but their order is: the untrained
     rows of a softmax head all share one push ``c`` (their logits pushed down), and a trained row's
     logit along ``−c`` is its learned unigram log-frequency up to an unknown scale (correlation 0.99
     with log n_t on the GPT-2 pair). Zipf's law, n ∝ 1/rank, turns the order into √n_t ∝ rank^(−1/2)

@@ -64,7 +64,7 @@ def trained_pair(name: str, spec: dict, task, out: Path, progress: bool, seeds=(
 
 
 # learned-refinement settings of the barrier table (``learned_refine`` options, plus the steps and the
-# number of training examples used as proxy data); measured in docs/merging.md §7
+# number of training examples used as proxy data); measured in docs/journal/merging-notes.md §7
 REFINE_DEFAULTS = dict(steps=1000, proxy_examples=1438, lr=1e-2, group="invertible", mode="best",
                        lambda_range=(0.0, 1.0), schedule="constant", permutations="ste", dual=False,
                        selection_lambdas=(0.5,), batch_size=64, eval_every=10, soft_labels=0.0)
@@ -85,7 +85,7 @@ REFINE_OLD = dict(steps=200, proxy_examples=512, lr=1e-2, group="orthogonal", mo
 # in 104-109 s (560 steps on 8,000 examples, one thread: 0.022 ± 0.001); the character GPT 680 steps of 32 blocks,
 # the invertible group and λ ~ U(0.2, 0.6), where its curves peak, on 4,000 proxy blocks with selection every 170
 # steps, lr 5e-3 and the head maps at 4e-2: 0.0547 / 0.0586 over refinement seeds 0 / 1 in 112 s (lr 1e-2 for
-# every map: 0.0643 / 0.0674; merging.md §13)
+# every map: 0.0643 / 0.0674; docs/journal/merging-notes.md §13)
 RECORDED_RECIPES = {"digits": dict(REFINE_DEFAULTS, steps=4000, lr=3e-3, eval_every=100, soft_labels=0.5,
                                   batch_workers=2),
                   "cifar10": dict(REFINE_OLD, steps=960, proxy_examples=12000, lr=5e-3, schedule="cosine",

@@ -37,7 +37,7 @@ ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config
 )
 ONESHOT_CIFAR10_SEEDS_DISTILL = ONESHOT_CIFAR10_VARIANTS[-1][2]  # the setting repeated over seeds
 ONESHOT_CIFAR10_PROBABILITY_SEEDS = (0, 1, 2)  # runs with distill-teacher=probabilities, both partitions
-# the seeds' setting distilled six times longer with the probability teacher (500 steps stop short: merging §8)
+# the seeds' setting distilled six times longer with the probability teacher (500 steps stop short: docs/journal/merging-notes.md §8)
 ONESHOT_CIFAR10_LONG = ("distill-steps=3000 distill-label-weight=0.2 distill-augment=crop-flip "
                         "distill-teacher=probabilities")
 # the refinement settings the one-shot tables were measured with (the run config's defaults before the options
