@@ -333,3 +333,22 @@ def test_the_library_takes_the_option_objects():
     with pytest.raises(ValueError, match="together"):
         learned_refine(spec, build_model("vit", DIGITS_VIT), a, [b], None, iter([]), [],
                        options=schema.resolve_refine(schema.RefineOptions(), schema.IMAGE))
+
+
+
+def test_the_server_refines_one_sided_even_where_auto_would_move_the_reference(monkeypatch):
+    """A round's refinement never moves the reference (from round 2 it is the previous global model, an
+    alignment target of weight 0, which ``dual`` would need to move): on a GPU, where ``auto`` picks dual
+    for subword LMs, the ServerApp still resolves it to one-sided; the GPU's batch size still applies."""
+    import types
+
+    from fedbasin.config import model_adapter, model_from_config, task_from_config
+    from fedbasin.server import server_app
+
+    monkeypatch.setitem(schema.GPU_SETTINGS, schema.IMAGE, dict(batch_size=48, dual=True))
+    monkeypatch.setattr(server_app, "resolve_device", lambda name: types.SimpleNamespace(type="cuda"))
+    config = resolve_run_config({"proxy-size": 120, "refine-steps": 2})
+    task = task_from_config(config)
+    model = model_from_config(task, config, seed=0)
+    resolved = server_app.make_refiner(model_adapter(task, model)[1].spec, model, task, config).keywords["options"]
+    assert (resolved.options.batch_size, resolved.options.dual) == (48, False)

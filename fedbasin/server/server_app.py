@@ -121,7 +121,8 @@ def make_refiner(spec, model, task, config: dict, to_module_state=None):
     match, refine, _, _ = from_run_config(config)
     kind = kind_of(task, model)
     match = resolve_match(match, kind)
-    resolved = resolve_refine(dataclasses.replace(refine, seed=config["seed"]), kind,  # the run's seed
+    # the run's seed; one-sided (the previous global model, an alignment target of weight 0, cannot move)
+    resolved = resolve_refine(dataclasses.replace(refine, seed=config["seed"], dual=False), kind,
                               gpu=resolve_device(config["device"]).type == "cuda")
     options = resolved.options
     data = server_proxy_streams(task, model, config, options.batch_size)
