@@ -94,3 +94,16 @@ def test_llama_recipe_trains_and_the_command_line_reads_it(tmp_path, excerpt, ca
     assert cli.main(["barrier", str(out / "seed0"), str(tmp_path / "aligned"), "--data", f"text:{excerpt}",
                      "--max-examples", "4", "--points", "3"]) == 0
     assert json.loads(capsys.readouterr().out)["barrier"] >= 0
+
+
+@pytest.mark.parametrize("flag", ["--text", "--tokenizer"])
+def test_a_missing_text_or_tokenizer_is_refused_in_one_line_before_any_work(tmp_path, excerpt, capsys, flag):
+    from fedbasin.benchmarks.gpt2_pair import main
+
+    given = {"--text": str(excerpt), "--tokenizer": str(TOKENIZER), flag: str(tmp_path / "missing")}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path / "pair"), *[x for kv in given.items() for x in kv]])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("gpt2_pair.py: error: " + flag) or f"error: {flag}" in err[-1]
+    assert "Traceback" not in "\n".join(err) and not (tmp_path / "pair").exists()

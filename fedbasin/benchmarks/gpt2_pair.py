@@ -235,6 +235,10 @@ def main(argv=None) -> int:
                         help="write the latest saved training state as OUT/seed{S}-step{N} and stop")
     args = parser.parse_args(argv)
     args.device = parsed_device(parser, args.device)
+    if not Path(args.text).is_file():  # bad input: one usage line before any work
+        parser.error(f"--text {args.text}: no such file")
+    if not (Path(args.tokenizer) / "tokenizer.json").is_file() and not (Path(args.tokenizer) / "vocab.json").is_file():
+        parser.error(f"--tokenizer {args.tokenizer}: not a tokenizer directory (no tokenizer.json or vocab.json)")
     torch.set_num_threads(args.threads)
     for seed in args.seed or [0, 1]:
         print(json.dumps(train_one(args, seed)), flush=True)
