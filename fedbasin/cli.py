@@ -1,7 +1,7 @@
 """``fedbasin align | merge | barrier | simulate``: the alignment core on checkpoints.
 
 Checkpoints are directories (``config.json`` + ``model.safetensors``) of fedbasin models or of
-Hugging Face models of every registered family (GPT-2, ViT, Llama/Mistral/Qwen2, GPT-NeoX;
+Hugging Face models of every registered family (GPT-2, ViT, Llama/Mistral/Qwen2, GPT-NeoX, Phi;
 ``fedbasin.alignment.families``), detected from the config; what a model reads (text or images)
 and its context length are its family's declarations, never a branch on names here. A JSON
 summary goes to stdout; progress bars and log lines go to stderr. Outputs are written atomically.
@@ -828,7 +828,18 @@ def _one_line(text: str) -> str:
 
 # train / eval
 
-MODELS = ("vit", "gpt", "hf-vit", "hf-gpt2")
+HF_PREFIX = "hf-"  # --model hf-<model_type>: a new Hugging Face model of a registered family
+
+
+def _models() -> tuple[str, ...]:
+    """``--model`` choices: the fedbasin families and ``hf-<model_type>`` for every registered model type
+    whose family builds new models (``Family.config_fields``)."""
+    from fedbasin.alignment.families import trainable
+    from fedbasin.models import FAMILIES
+
+    return (*FAMILIES, *(HF_PREFIX + t for t in trainable()))
+
+
 _SHAPE_OPTIONS = ("dim", "depth", "heads", "mlp_dim", "patch_size", "norm", "activation", "position")
 _FEDBASIN_ONLY = ("norm", "activation", "position")
 
@@ -841,16 +852,23 @@ def _add_train_parser(sub) -> None:
         "OUT atomically, with OUT/train.json. Unset shape and budget options take the data's recipe "
         "(fedbasin.training.RECIPES: digits 40 epochs, ViT d=64×2 layers; cifar10 4 epochs on 20,000 images, "
         "ViT d=96×4; text 2 epochs, GPT d=128×4). Every seed sees the same training examples; --seed sets "
-        "the initialisation and the batch order, so two seeds give two independent models.",
+        "the initialisation and the batch order, so two seeds give two independent models. An hf-<model_type> "
+        "model takes --dim/--depth/--heads/--mlp-dim (as many key/value heads as heads), the data's fields "
+        "(vocabulary and --block-size positions; image size, channels, classes), no dropout, and its config "
+        "class's defaults otherwise.",
     )
     p.add_argument("--data", required=True, metavar="SPEC", help=DATA_HELP + "; --tokenizer for subword tokens")
-    p.add_argument("--model", choices=MODELS,
-                   help="architecture; hf-* write a Hugging Face checkpoint (default: vit for images, gpt for text)")
+    models = _models()
+    p.add_argument("--model", choices=models, metavar="MODEL",
+                   help="architecture: vit (images) or gpt (character-level text), fedbasin models; or "
+                   "hf-<model_type>, a new Hugging Face model of that registered family, written with "
+                   "save_pretrained: " + ", ".join(m for m in models if m.startswith(HF_PREFIX))
+                   + "; the text ones need --tokenizer (default: vit for images, gpt for text)")
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write (config.json + "
                    "model.safetensors + train.json)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
     p.add_argument("--tokenizer", metavar="DIR", help="text only: a Hugging Face tokenizer directory "
-                   "(needed for --model hf-gpt2 on text)")
+                   "(needed by every hf-* text model, e.g. --model hf-gpt2 or hf-llama)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
     budget = p.add_argument_group("training budget (default: the data's recipe)")
     budget.add_argument("--epochs", type=_positive_int, help="passes over the training split")
@@ -903,55 +921,53 @@ def _load_data(spec: str, tokenizer: str | None = None, **kwargs):
         raise InputError(f"--data {spec}: {exc}") from None
 
 
-def _hf_config(model: str, shape: dict, data: dict):
-    """transformers config of ``hf-vit`` / ``hf-gpt2`` in fedbasin's shape vocabulary (no dropout,
-    like the fedbasin models)."""
-    import transformers
-
-    if model == "hf-vit":
-        return transformers.ViTConfig(
-            image_size=data["image_size"], patch_size=shape.get("patch_size") or data["patch_size"],
-            num_channels=data["channels"], num_labels=data["num_classes"], hidden_size=shape["dim"],
-            num_hidden_layers=shape["depth"], num_attention_heads=shape["heads"], intermediate_size=shape["mlp_dim"],
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return transformers.GPT2Config(
-        vocab_size=data["vocab_size"], n_positions=data["block_size"], n_embd=shape["dim"], n_layer=shape["depth"],
-        n_head=shape["heads"], n_inner=shape["mlp_dim"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-
-
 def _new_model(args, task, recipe: dict):
-    """(module returning logits, checkpoint kind, family, config) for ``--model``, initialised from ``--seed``."""
-    from fedbasin.models import build_model, make_config
+    """(module returning logits, checkpoint kind, family, config) for ``--model``, initialised from ``--seed``.
+
+    ``hf-<model_type>``: the registered family's ``new_config`` of the shape and the data's fields;
+    a family that reads text is fed subword tokens, so it needs ``--tokenizer``."""
+    from fedbasin.models import FAMILIES, build_model, make_config
 
     name = args.model or task.family
-    family = "vit" if name.endswith("vit") else "gpt"
-    if family != task.family:
-        needs = "image data (digits, cifar10)" if family == "vit" else "text data (text:FILE)"
-        holds = task.data
-        raise UsageError(f"--model {name} needs {needs}; --data {args.data} holds {holds}")
+    hf = name.startswith(HF_PREFIX)
+    if hf:
+        from fedbasin.alignment.families import family
+
+        model_type = name.removeprefix(HF_PREFIX)
+        fam = family(model_type)
+        reads = fam.data
+    else:
+        reads = FAMILIES[name][1].data
+    if reads != task.data:
+        needs = {"images": "image data (digits, cifar10)", "text": "text data (text:FILE)"}[reads]
+        raise UsageError(f"--model {name} needs {needs}; --data {args.data} holds {task.data}")
     given = {k: getattr(args, k) for k in _SHAPE_OPTIONS if getattr(args, k) is not None}
     shape = {**recipe["model"], **given}
-    if family == "vit":
+    if reads == "images":
         shape.pop("position", None)
         if "position" in given:
             raise UsageError("--position applies to gpt models only")
     elif "patch_size" in given:
         raise UsageError("--patch-size applies to image models only")
     torch.manual_seed(args.seed)
-    if name.startswith("hf-"):
+    if hf:
         fedbasin_only = [f"--{k}" for k in _FEDBASIN_ONLY if k in given]
         if fedbasin_only:
             raise UsageError(f"{', '.join(fedbasin_only)} apply to fedbasin models only, not {name}")
-        if name == "hf-gpt2" and args.tokenizer is None:
-            raise UsageError("--model hf-gpt2 on text needs --tokenizer DIR (a GPT-2 tokenizer "
-                             "directory); for character-level text use --model gpt")
-        from fedbasin.alignment.hf import hf_model_class
+        if reads == "text" and args.tokenizer is None:
+            raise UsageError(f"--model {name} on text needs --tokenizer DIR (a Hugging Face tokenizer "
+                             "directory, e.g. GPT-2's); for character-level text use --model gpt")
+        from fedbasin.alignment.hf import hf_adapter, hf_model_class
 
-        config = _hf_config(name, shape, task.model_overrides)
-        return _Logits(hf_model_class(config.model_type)(config)), "hf", config.model_type, config
+        try:
+            config = fam.new_config(model_type, shape, task.model_overrides)
+            hf_adapter(config)  # a shape fedbasin cannot align (heads not dividing the width) fails here
+        except ValueError as exc:
+            raise UsageError(f"--model {name}: {_one_line(exc)}") from None
+        return _Logits(hf_model_class(model_type)(config)), "hf", model_type, config
     try:
-        config = make_config(family, {**task.model_overrides, **shape})
-        return build_model(family, config, seed=args.seed), "fedbasin", family, config
+        config = make_config(name, {**task.model_overrides, **shape})
+        return build_model(name, config, seed=args.seed), "fedbasin", name, config
     except ValueError as exc:
         raise UsageError(f"{exc}") from None
 

@@ -40,6 +40,10 @@ SUBSETS = {
     "auto_kind": ["tests/test_options.py"],
     "budget": ["tests/test_options.py"],
     "translator": ["tests/test_options.py", "tests/test_head_lr.py"],
+    "phi": ["tests/test_families_cli.py", "tests/test_phi.py"],
+    "shared_norm": ["tests/test_phi.py"],
+    "token_biases": ["tests/test_causal_lm_cli.py"],
+    "new_config": ["tests/test_families_cli.py", "tests/test_train_eval.py"],
 }
 
 

@@ -168,6 +168,66 @@ def translator_drops_head_lr() -> None:
     replace_everywhere(original, mutant)
 
 
+def phi_unregistered() -> None:
+    """The Phi family is not registered (no ``phi`` model type, no ``train --model hf-phi``)."""
+    from fedbasin.alignment import hf
+    from fedbasin.alignment.families import registry
+
+    del registry._REGISTRY["phi"]
+    del hf.SUPPORTED_MODEL_TYPES["phi"]
+
+
+def shared_norm_feeds_attention_only() -> None:
+    """A parallel block's one norm (Phi's) feeds q/k/v only: its gain is not folded into the MLP."""
+    import dataclasses
+
+    from fedbasin.alignment.families import table
+
+    original = table.prenorm_spec
+
+    @functools.wraps(original)
+    def mutant(t, **kwargs):
+        spec = original(t, **kwargs)
+        if t.norm2:
+            return spec
+        mlp = {lin.weight for m in spec.mlp for lin in (m.up, m.gate) if lin}
+        norms = tuple(dataclasses.replace(n, readers=tuple(r for r in n.readers if r[0] not in mlp)) for n in spec.norms)
+        return dataclasses.replace(spec, norms=norms)
+
+    replace_everywhere(original, mutant)
+
+
+def token_biases_uncut() -> None:
+    """A restricted training vocabulary cuts the head's rows but not its bias (Phi's ``lm_head.bias``)."""
+    from fedbasin.alignment.vocabulary import _TrainingVocabulary
+
+    original = _TrainingVocabulary.__init__
+
+    @functools.wraps(original)
+    def mutant(self, spec, *args, **kwargs):
+        original(self, spec, *args, **kwargs)
+        self.keys = self.keys - set(spec.token_biases)
+
+    _TrainingVocabulary.__init__ = mutant
+
+
+def new_config_ignores_context() -> None:
+    """``train --model hf-*`` gives the model its config class's default positions, not the data's context."""
+    from fedbasin.alignment.families.registry import Family
+
+    original = Family.new_config
+
+    @functools.wraps(original)
+    def mutant(self, model_type, shape, data):
+        config = original(self, model_type, shape, data)
+        attribute = self.data_fields.get("block_size")
+        if attribute:
+            setattr(config, attribute, getattr(self.config_class(model_type)(), attribute))
+        return config
+
+    Family.new_config = mutant
+
+
 MUTATIONS = {
     "weights": weights_ignored,
     "universe": universe_off,
@@ -179,4 +239,8 @@ MUTATIONS = {
     "auto_kind": auto_ignores_kind,
     "budget": budget_ignored,
     "translator": translator_drops_head_lr,
+    "phi": phi_unregistered,
+    "shared_norm": shared_norm_feeds_attention_only,
+    "token_biases": token_biases_uncut,
+    "new_config": new_config_ignores_context,
 }

@@ -1,5 +1,5 @@
 """`fedbasin eval | barrier | align --refine-data` on every registered Hugging Face causal-LM family
-(Llama with grouped-query attention, Mistral, Qwen2, GPT-NeoX), each a tiny random model saved with
+(Llama with grouped-query attention, Mistral, Qwen2, GPT-NeoX, Phi), each a tiny random model saved with
 the GPT-2 tokenizer, on an excerpt of Tiny Shakespeare: the context length and the data kind come
 from the family registry, so nothing in the CLI is GPT-2 only."""
 
@@ -31,6 +31,7 @@ FAMILIES = {
     "mistral": dict(num_key_value_heads=2),
     "qwen2": dict(num_key_value_heads=2),  # q/k/v biases
     "gpt_neox": dict(num_attention_heads=2),  # head dim 8, a quarter of it rotary (NeoX default)
+    "phi": dict(num_attention_heads=2),  # one LayerNorm per parallel block, half of each head rotary
 }
 
 

@@ -67,9 +67,7 @@ def hf_model_class(model_type: str) -> type:
 
 def hf_config_class(model_type: str) -> type:
     """The transformers config class of ``model_type`` (``GPT2Config``, ``LlamaConfig``, ...)."""
-    import transformers
-
-    return getattr(transformers, family(model_type).classes[model_type][1])
+    return family(model_type).config_class(model_type)
 
 
 def hf_expected_shapes(config) -> dict[str, tuple[int, ...]]:

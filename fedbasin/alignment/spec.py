@@ -10,10 +10,9 @@ this standard layout.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
-
-import math
 
 import torch
 
@@ -113,6 +112,8 @@ class SymmetrySpec:
     norms: the norms with their readers (for gain folding).
     attention, mlp: the per-layer blocks carrying head and neuron symmetries.
     tied: pairs (source, alias) of keys that share storage; canonicalisation unties them.
+    token_biases: an output head's bias over the vocabulary (Phi): indexed by token id like the
+        head's rows, acted on by no group element.
     """
 
     width: int
@@ -123,6 +124,7 @@ class SymmetrySpec:
     tied: tuple[tuple[str, str], ...] = ()
     name: str = "model"
     embedding_keys: tuple[str, ...] = field(default=())  # residual writers indexed by token id
+    token_biases: tuple[str, ...] = field(default=())  # a head's bias over the vocabulary (see above)
 
     @property
     def norm_kind(self) -> str:

@@ -68,6 +68,7 @@ def units_of(spec: SymmetrySpec) -> list[Unit]:
             mlp=tuple(spec.mlp[i:i + 1]) if i is not None and i < len(spec.mlp) else (),
             tied=spec.tied if i is None else (),
             embedding_keys=spec.embedding_keys if i is None else (),
+            token_biases=spec.token_biases if i is None else (),
         )
         units.append(Unit(sub, keys, i))
     return units

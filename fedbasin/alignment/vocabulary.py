@@ -33,7 +33,8 @@ class _TrainingVocabulary:
 
     def __init__(self, spec: SymmetrySpec, state: dict, vocabulary, samples: int = 0, seed: int = 0,
                  batch_samples: int = 0):
-        self.keys = token_indexed_keys(spec, state)
+        # rows cut: the token embedding, the output head and its bias (spec.token_biases)
+        self.keys = token_indexed_keys(spec, state) | {k for k in spec.token_biases if k in state}
         if not self.keys:
             raise ValueError("vocabulary given but the model has no token embedding")
         size = state[spec.embedding_keys[0]].shape[0]

@@ -12,7 +12,7 @@ registry itself lives in ``registry.py``, which the family modules import (no cy
 
 from __future__ import annotations
 
-from . import gpt2, gpt_neox, llama, vit  # noqa: F401  (each module registers its family)
-from .registry import Family, family, register, supported
+from . import gpt2, gpt_neox, llama, phi, vit  # noqa: F401  (each module registers its family)
+from .registry import Family, family, register, supported, trainable
 
-__all__ = ["Family", "family", "register", "supported"]
+__all__ = ["Family", "family", "register", "supported", "trainable"]

@@ -93,6 +93,11 @@ def spec(config):
     )
 
 
+def config_fields(shape: dict) -> dict:
+    return dict(n_embd=shape["dim"], n_layer=shape["depth"], n_head=shape["heads"], n_inner=shape["mlp_dim"],
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
 FAMILY = register(Family(
     classes={"gpt2": ("GPT2LMHeadModel", "GPT2Config")},
     spec=spec,
@@ -101,4 +106,5 @@ FAMILY = register(Family(
     ignored_file_keys=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
     tie=("transformer.wte.weight", "lm_head.weight"),
     data_fields={"vocab_size": "vocab_size", "block_size": "n_positions"},
+    config_fields=config_fields,
 ))  # fmt: skip

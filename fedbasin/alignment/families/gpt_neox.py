@@ -91,6 +91,12 @@ def spec(config):
     )
 
 
+def config_fields(shape: dict) -> dict:
+    """A new model: the config's defaults (a quarter of each head rotary, parallel blocks), no dropout."""
+    return dict(hidden_size=shape["dim"], num_hidden_layers=shape["depth"], num_attention_heads=shape["heads"],
+                intermediate_size=shape["mlp_dim"], hidden_dropout=0.0, attention_dropout=0.0)
+
+
 FAMILY = register(Family(
     classes={"gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig")},
     spec=spec,
@@ -102,4 +108,5 @@ FAMILY = register(Family(
     tie=("gpt_neox.embed_in.weight", "lm_head.weight"),
     data="text",
     data_fields={"vocab_size": "vocab_size", "block_size": "max_position_embeddings"},
+    config_fields=config_fields,
 ))  # fmt: skip

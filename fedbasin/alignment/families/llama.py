@@ -54,6 +54,12 @@ def spec(config):
     )
 
 
+def config_fields(shape: dict) -> dict:
+    """A new model: plain multi-head attention (G = H key/value heads), no dropout."""
+    return dict(hidden_size=shape["dim"], num_hidden_layers=shape["depth"], num_attention_heads=shape["heads"],
+                num_key_value_heads=shape["heads"], intermediate_size=shape["mlp_dim"], attention_dropout=0.0)
+
+
 FAMILY = register(Family(
     classes={
         "llama": ("LlamaForCausalLM", "LlamaConfig"),
@@ -64,4 +70,5 @@ FAMILY = register(Family(
     tie=("model.embed_tokens.weight", "lm_head.weight"),
     data="text",
     data_fields={"vocab_size": "vocab_size", "block_size": "max_position_embeddings"},
+    config_fields=config_fields,
 ))  # fmt: skip

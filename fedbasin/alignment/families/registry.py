@@ -10,7 +10,6 @@ from typing import Callable
 
 from ..spec import SymmetrySpec
 
-
 DATA_KINDS = ("text", "images")
 
 
@@ -42,6 +41,10 @@ class Family:
     data_fields: fedbasin data field → config attribute, for the fields the data fixes
         (``vocab_size`` and ``block_size``, the context length, for text; ``image_size``,
         ``channels``, ``num_classes`` for images). The one place a context length is read.
+    config_fields: ``values → config keyword arguments`` for a new model, from fedbasin's shape
+        vocabulary (``dim``, ``depth``, ``heads``, ``mlp_dim``; ``patch_size`` for images), with
+        every dropout 0; the data fields are added from ``data_fields``. None: fedbasin does not
+        build new models of this family (``fedbasin train --model hf-<model_type>``).
     """
 
     classes: dict[str, tuple[str, str]]
@@ -56,6 +59,7 @@ class Family:
     data: str = "text"
     data_fields: dict[str, str] = field(
         default_factory=lambda: {"vocab_size": "vocab_size", "block_size": "max_position_embeddings"})
+    config_fields: Callable[[dict], dict] | None = None
 
     def __post_init__(self):
         if self.data not in DATA_KINDS:
@@ -75,6 +79,21 @@ class Family:
         value = getattr(config, attribute, None) if attribute else None
         return int(value) if value else None
 
+    def config_class(self, model_type: str) -> type:
+        """The transformers config class of ``model_type`` (``LlamaConfig``, ...)."""
+        import transformers
+
+        return getattr(transformers, self.classes[model_type][1])
+
+    def new_config(self, model_type: str, shape: dict, data: dict):
+        """A transformers config of ``model_type`` for a new model: ``data``'s fields (``data_fields``)
+        plus ``config_fields`` of ``shape`` (shape names ``shape`` leaves unset take ``data``'s value,
+        e.g. an image source's patch size)."""
+        if self.config_fields is None:
+            raise ValueError(f"fedbasin cannot build a new {model_type} model; trainable: {trainable()}")
+        fields = {attribute: data[name] for name, attribute in self.data_fields.items()}
+        return self.config_class(model_type)(**fields, **self.config_fields({**data, **shape}))
+
     def ignores(self, key: str) -> bool:
         return any(re.search(pattern, key) for pattern in self.ignored_file_keys)
 
@@ -93,6 +112,11 @@ def register(entry: Family) -> Family:
 def supported() -> list[str]:
     """Every registered ``model_type``, sorted."""
     return sorted(_REGISTRY)
+
+
+def trainable() -> list[str]:
+    """Every registered ``model_type`` whose family builds new models (``config_fields``), sorted."""
+    return [t for t in supported() if _REGISTRY[t].config_fields is not None]
 
 
 def family(model_type) -> Family:

@@ -14,6 +14,8 @@ class Table:
     Linear modules are named without ``.weight``/``.bias``; norms by module name.
     ``writers``: (key, residual axis) of the embeddings; ``head`` reads ``final_norm`` (axis 1).
     ``gate``: the gate projection of a gated (SwiGLU) MLP, else None.
+    ``norm2`` None: one norm per block feeds attention and MLP alike (Phi's parallel block
+    ``h + Attn(N h) + MLP(N h)``); its readers are q/k/v and up (gate).
     Biases: ``qkv_bias``, ``o_bias``, ``mlp_bias``, ``norm_bias`` say which exist.
     """
 
@@ -26,11 +28,12 @@ class Table:
     up: str
     down: str
     norm1: str
-    norm2: str
+    norm2: str | None
     final_norm: str
     head: str
     writers: tuple[tuple[str, int], ...]
     embedding: str | None = None  # token embedding (indexed by token id), may be tied to the head
+    head_bias: str | None = None  # the head's bias over the vocabulary (Phi), indexed by token id
     gate: str | None = None
     norm: str = "layernorm"
 
@@ -77,10 +80,13 @@ def prenorm_spec(
         mlp.append(MLPSpec(up, down, gate, "gated" if gate else activation, hidden))
         readers1 = ((q.weight, 1), (k.weight, 1), (v.weight, 1))
         readers2 = ((up.weight, 1),) + (((gate.weight, 1),) if gate else ())
-        n1, n2 = f"{p}{t.norm1}", f"{p}{t.norm2}"
-        b1, b2 = (f"{n1}.bias", f"{n2}.bias") if norm_bias else (None, None)
-        norms += [Norm(t.norm, f"{n1}.weight", b1, readers1), Norm(t.norm, f"{n2}.weight", b2, readers2)]
-        writers = [(o.weight, 0), (down.weight, 0)] + [(b, 0) for b in (o.bias, down.bias, b1, b2) if b]
+        fed = ((t.norm1, readers1), (t.norm2, readers2)) if t.norm2 else ((t.norm1, readers1 + readers2),)
+        norm_biases = []
+        for name, readers in fed:
+            n = f"{p}{name}"
+            norm_biases.append(f"{n}.bias" if norm_bias else None)
+            norms.append(Norm(t.norm, f"{n}.weight", norm_biases[-1], readers))
+        writers = [(o.weight, 0), (down.weight, 0)] + [(b, 0) for b in (o.bias, down.bias, *norm_biases) if b]
         residual += [*readers1, *readers2, *writers]
     nf = t.final_norm
     bf = f"{nf}.bias" if norm_bias else None
@@ -95,4 +101,5 @@ def prenorm_spec(
         tied=((t.embedding, t.head),) if tied and t.embedding else (),
         name=t.name,
         embedding_keys=(t.embedding,) if t.embedding else (),
+        token_biases=(t.head_bias,) if t.head_bias and t.embedding else (),
     )

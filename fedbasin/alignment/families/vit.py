@@ -91,6 +91,12 @@ def spec(config):
     )
 
 
+def config_fields(shape: dict) -> dict:
+    return dict(patch_size=shape["patch_size"], hidden_size=shape["dim"], num_hidden_layers=shape["depth"],
+                num_attention_heads=shape["heads"], intermediate_size=shape["mlp_dim"],
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
 FAMILY = register(Family(
     classes={"vit": ("ViTForImageClassification", "ViTConfig")},
     spec=spec,
@@ -101,4 +107,5 @@ FAMILY = register(Family(
     ignored_file_keys=(r"^vit\.pooler\.",),
     data="images",
     data_fields={"image_size": "image_size", "channels": "num_channels", "num_classes": "num_labels"},
+    config_fields=config_fields,
 ))  # fmt: skip
