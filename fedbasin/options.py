@@ -106,8 +106,8 @@ class RefineOptions:
                                   auto=True, metavar="LR")
     permutations: str = option(AUTO, "straight-through Hungarian, Sinkhorn relaxation, or keep the matching's "
                                "permutations", choices=("ste", "sinkhorn", "fixed"), auto=True)
-    group: str = option(AUTO, "maps learned: orthogonal, or invertible per-head QK/OV maps and ReLU neuron "
-                        "scalings (the larger exact group)", choices=("orthogonal", "invertible"), auto=True)
+    group: str = option(AUTO, "maps learned: orthogonal, or invertible per-head QK/OV maps and ReLU / gated "
+                        "neuron scalings (the larger exact group)", choices=("orthogonal", "invertible"), auto=True)
     start: str = option(AUTO, "the start: weight matching in the symmetry's mode, in a given mode, both modes "
                         "(the better on the selection split), or the models' activations on the proxy data",
                         choices=("symmetry", "permutation", "orthogonal", "best", "activations"), auto=True,

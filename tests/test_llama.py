@@ -97,3 +97,31 @@ def test_partial_rotary_llama_is_refused_clearly():
 def test_cli_and_api_outputs_load_with_from_pretrained(variant, tmp_path, capsys):
     model_type, overrides = variant
     check_cli_and_api(model_type, tmp_path, capsys, **overrides)
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[0], ("llama", {"num_key_value_heads": 2, "mlp_bias": True})], ids=vid)
+def test_gated_mlp_neurons_scale_exactly_and_refinement_learns_them(variant):
+    """SwiGLU ``down(silu(gate·x) ⊙ up·x)``: scaling ``up``'s rows by s > 0 and ``down``'s columns by 1/s
+    keeps the function (the larger, invertible group), and learned refinement in that group carries
+    one learnable scale per hidden unit."""
+    from fedbasin.alignment.parametrize import _Delta
+
+    model_type, overrides = variant
+    model = hf_model(model_type, **overrides)
+    adapter = hf_adapter(model)
+    spec, state = adapter.spec, adapter.to_standard(model.state_dict())
+    g = random_group_element(spec, 3, mode="invertible", state=state)
+    assert all(n.scale is not None and float((n.scale - 1).abs().max()) > 0.1 for n in g.neurons)
+    from fedbasin.alignment import apply_group, to_gauge
+
+    c = canonicalize(spec, state)
+    moved = to_gauge(spec, apply_group(spec, c.state, g), c.gains)
+    up = spec.mlp[0].up.weight
+    assert not torch.allclose(moved[up].norm(dim=1), state[up].norm(dim=1), rtol=1e-3)  # the rows did scale
+    x = torch.randint(0, model.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        expected = model(x).logits
+        model.load_state_dict(adapter.from_standard(moved))
+        assert torch.allclose(model(x).logits, expected, rtol=1e-9, atol=1e-9)
+    delta = _Delta(spec, state, "fixed", 1.0, group="invertible")
+    assert delta.scaled_mlps == list(range(len(spec.mlp)))

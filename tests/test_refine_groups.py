@@ -32,7 +32,8 @@ def _far_from_orthogonal(m: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_random_invertible_group_element_keeps_outputs_float64(name):
     """``random_group_element(mode="invertible")``: invertible (not orthogonal) QK/OV maps, scaled
-    RoPE planes and ReLU neuron scalings act exactly (relative output error < 1e-10)."""
+    RoPE planes and ReLU / gated (SwiGLU: ``up`` only) neuron scalings act exactly (relative output
+    error < 1e-10)."""
     family, config = CONFIGS[name]
     spec = spec_of(family, config)
     state = trained_like(family, config, seed=1).state_dict()
@@ -40,8 +41,8 @@ def test_random_invertible_group_element_keeps_outputs_float64(name):
     g = random_group_element(spec, 5, mode="invertible", state=state)
     for hm in g.heads:  # the maps really leave the orthogonal group
         assert _far_from_orthogonal(hm.ov) > 0.1 and _far_from_orthogonal(hm.qk) > 0.1
-    relu = config.get("activation") == "relu"
-    assert all((nm.scale is not None) == relu for nm in g.neurons)
+    scaled = config.get("activation") in ("relu", "swiglu")
+    assert all((nm.scale is not None) == scaled for nm in g.neurons)
     moved = to_gauge(spec, apply_group(spec, c.state, g), c.gains)
     assert max(float((moved[k] - state[k]).abs().max()) for k in state) > 0.1
     x, _ = inputs(family, config)
@@ -57,8 +58,8 @@ def test_learned_invertible_maps_are_exact_and_match_the_group_action(name):
     state = trained_like(family, config, seed=2).state_dict()
     canon = canonicalize(spec, state)
     delta = _Delta(spec, canon.state, "ste", init_scale=1.0, group="invertible")
-    relu = config.get("activation") == "relu"
-    assert bool(delta.neuron_log_scale) == relu  # scalings only where the activation is homogeneous
+    scaled = config.get("activation") in ("relu", "swiglu")
+    assert bool(delta.neuron_log_scale) == scaled  # scalings where exact: ReLU (homogeneous), gated (up)
     with torch.no_grad():
         for p in delta.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))

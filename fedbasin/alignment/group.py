@@ -24,6 +24,8 @@ import torch
 
 from .spec import AttentionSpec, MLPSpec, SymmetrySpec
 
+SCALED_ACTIVATIONS = ("relu", "gated")  # MLPs whose hidden units admit exact positive scalings
+
 
 @dataclass
 class HeadMap:
@@ -41,7 +43,7 @@ class HeadMap:
 
 @dataclass
 class NeuronMap:
-    """Per-layer MLP symmetry: ``perm`` (n,), optional positive ``scale`` (n,) (ReLU only)."""
+    """Per-layer MLP symmetry: ``perm`` (n,), optional positive ``scale`` (n,) (ReLU and gated MLPs)."""
 
     perm: torch.Tensor
     scale: torch.Tensor | None = None
@@ -153,8 +155,8 @@ def random_group_element(
 ) -> GroupElement:
     """A random element: ``orthogonal`` (Haar maps), ``permutation`` (permutation matrices only) or
     ``invertible`` (orthogonal residual map, random invertible per-head QK and OV maps — under RoPE
-    scaled plane rotations, the maps commuting with every position rotation — and, for ReLU MLPs,
-    positive neuron scalings: the largest exact group, GLMC's).
+    scaled plane rotations, the maps commuting with every position rotation — and, for ReLU and
+    gated MLPs, positive neuron scalings: the largest exact group, GLMC's).
 
     ``scales=True`` adds the optional non-orthogonal freedoms: positive neuron scalings (ReLU)
     and per-plane scalings of the QK map (RoPE). MLP widths come from the spec or ``state``.
@@ -175,7 +177,7 @@ def random_group_element(
     for m in spec.mlp:
         n = _mlp_width(m, state)
         scale = None
-        if scales and m.activation == "relu":
+        if scales and (m.activation == "relu" or (mode == "invertible" and m.activation == "gated")):
             scale = torch.exp(0.5 * torch.randn(n, generator=generator, dtype=torch.float64)).to(dtype)
         neurons.append(NeuronMap(torch.randperm(n, generator=generator), scale))
     return GroupElement(residual, heads, neurons)
@@ -300,17 +302,18 @@ def apply_head_map(a: AttentionSpec, state: dict, hm: HeadMap) -> None:
 
 
 def apply_neuron_map(m: MLPSpec, state: dict, nm: NeuronMap) -> None:
-    """In place on the dict (new tensors): permute hidden units, scale W_1 columns by s, W_2 rows by 1/s."""
+    """In place on the dict (new tensors): permute hidden units, scale W_1 columns by s, W_2 rows by 1/s.
+    ReLU: ``relu(s·z) = s·relu(z)`` for s > 0; gated: ``act(gate·x) ⊙ (s·up·x)``, only ``up`` scales."""
     perm = nm.perm.to(state[m.up.weight].device)
-    if nm.scale is not None and m.activation != "relu":
-        raise ValueError(f"{m.up.weight}: neuron scaling is only exact for ReLU MLPs")
+    if nm.scale is not None and m.activation not in SCALED_ACTIVATIONS:
+        raise ValueError(f"{m.up.weight}: neuron scaling is only exact for ReLU and gated MLPs")
     for lin in (m.up, m.gate):
         if lin is None:
             continue
         state[lin.weight] = state[lin.weight][perm]
         if lin.bias:
             state[lin.bias] = state[lin.bias][perm]
-        if nm.scale is not None:
+        if nm.scale is not None and lin is m.up:
             state[lin.weight] = scale_axis(state[lin.weight], 0, nm.scale)
             if lin.bias:
                 state[lin.bias] = state[lin.bias] * nm.scale.to(state[lin.bias])

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .group import (
+    SCALED_ACTIVATIONS,
     GroupElement,
     HeadMap,
     NeuronMap,
@@ -118,7 +119,7 @@ class _Delta(nn.Module):
             nn.Parameter(torch.eye(state[m.up.weight].shape[0], dtype=dtype) * init_scale)
             for m in (spec.mlp if learn_perms else ())
         )
-        self.scaled_mlps = [i for i, m in enumerate(spec.mlp) if self.invertible and m.activation == "relu"]
+        self.scaled_mlps = [i for i, m in enumerate(spec.mlp) if self.invertible and m.activation in SCALED_ACTIVATIONS]
         self.neuron_log_scale = nn.ParameterList(
             nn.Parameter(torch.zeros(state[spec.mlp[i].up.weight].shape[0], dtype=dtype)) for i in self.scaled_mlps
         )
@@ -242,7 +243,7 @@ class _Delta(nn.Module):
                         out[lin.weight] = p @ out[lin.weight]
                         if lin.bias:
                             out[lin.bias] = p @ out[lin.bias]
-                    if scale is not None:  # ReLU: W_1[:, i] *= s_i (torch rows), b_1[i] *= s_i
+                    if scale is not None and lin is m.up:  # W_1[i] *= s_i, b_1[i] *= s_i (gated: up only)
                         out[lin.weight] = out[lin.weight] * scale[:, None]
                         if lin.bias:
                             out[lin.bias] = out[lin.bias] * scale

@@ -91,7 +91,7 @@ class MLPSpec:
 
     ``activation``: ``"elementwise"`` (GELU, ...: permutations only), ``"relu"`` (positively
     homogeneous: permutations and positive scalings) or ``"gated"`` (SwiGLU: gate and up share
-    the permutation).
+    the permutation; ``up``, outside the activation, scales too).
     """
 
     up: Linear
