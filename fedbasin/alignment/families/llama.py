@@ -68,7 +68,5 @@ FAMILY = register(Family(
     },
     spec=spec,
     tie=("model.embed_tokens.weight", "lm_head.weight"),
-    data="text",
-    data_fields={"vocab_size": "vocab_size", "block_size": "max_position_embeddings"},
     config_fields=config_fields,
 ))  # fmt: skip
