@@ -88,6 +88,8 @@ def test_member_selection_keeps_order_and_refuses_unknown_names():
     (["--pair-dir", "digits-u012={tmp}"], "is not a pair member"),
     (["--members", "digits-s01", "--eval-examples", "digits=x"], "--eval-examples"),
     (["--members", "digits-s01", "--glmc-path", "{tmp}/none"], "--glmc-path"),
+    (["--members", "digits-s01", "--variant", "x=--refine-nonsense 3"], "--variant x: unrecognized arguments"),
+    (["--members", "digits-s01", "--variant", "x=--refine-lr -1"], "--variant x: argument --refine-lr"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path, capsys, monkeypatch, argv, message):
     def no_work(*args, **kwargs):

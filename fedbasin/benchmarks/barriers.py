@@ -19,8 +19,15 @@ from pathlib import Path
 
 import torch
 
-from fedbasin.alignment import canonicalize, fedbasin_adapter, interpolation_curve, to_gauge, weight_match
-from fedbasin.alignment import learned_refine, proxy_streams
+from fedbasin.alignment import (
+    canonicalize,
+    fedbasin_adapter,
+    interpolation_curve,
+    learned_refine,
+    proxy_streams,
+    to_gauge,
+    weight_match,
+)
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.data import load_task
 from fedbasin.models import build_model, make_config

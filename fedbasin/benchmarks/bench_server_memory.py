@@ -161,8 +161,8 @@ def _distiller(shape: dict, steps: int, cache: bool = True):
     import torch
 
     from fedbasin.models import build_model
-    from fedbasin.weights import holding_weights, release_weights
     from fedbasin.server.distill import cache_teacher_outputs, ensemble_distill
+    from fedbasin.weights import holding_weights, release_weights
 
     model = release_weights(build_model("gpt", shape, seed=0))
     g = torch.Generator().manual_seed(0)

@@ -29,7 +29,6 @@ import tempfile
 import time
 
 import safetensors.torch
-
 import torch
 
 from fedbasin.alignment import fedbasin_adapter, matching, weight_match

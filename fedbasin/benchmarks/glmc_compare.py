@@ -40,7 +40,6 @@ import torch
 from fedbasin.alignment import Curve, interpolate, lambda_grid, loss_barrier, weight_match
 from fedbasin.alignment.matching import token_weights
 from fedbasin.alignment.token_rows import infer_token_rows
-from fedbasin.checkpoint import build_torch_model, load_checkpoint
 from fedbasin.benchmarks.gpt2_pair import (
     DEFAULT_TEXT,
     device_label,
@@ -48,6 +47,7 @@ from fedbasin.benchmarks.gpt2_pair import (
     pair_data,
     parsed_device,
 )
+from fedbasin.checkpoint import build_torch_model, load_checkpoint
 
 
 def seen_tokens(train_ids: torch.Tensor) -> torch.Tensor:

@@ -19,13 +19,19 @@ from pathlib import Path
 
 import torch
 
-from fedbasin.alignment import average_states, canonicalize, merge, to_gauge
-from fedbasin.alignment import learned_refine, proxy_streams
+from fedbasin.alignment import (
+    average_states,
+    canonicalize,
+    learned_refine,
+    merge,
+    proxy_streams,
+    to_gauge,
+)
+from fedbasin.benchmarks.barriers import TASKS
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.data import load_task
 from fedbasin.models import build_model, make_config
 from fedbasin.server.distill import LogitEnsemble, ensemble_distill
-from fedbasin.benchmarks.barriers import TASKS
 from fedbasin.training import cross_entropy, evaluate, train
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from fedbasin.data import load_task
 from fedbasin.benchmarks import barriers
+from fedbasin.data import load_task
 
 
 def run_variant(checkpoints, task, eval_split, variant: dict, default_proxy: int) -> dict:

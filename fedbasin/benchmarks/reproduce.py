@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from fedbasin.atomic import atomic_write
-from fedbasin.data import load_task
 from fedbasin.benchmarks import barriers
+from fedbasin.data import load_task
 
 SECTIONS = ("barriers", "barrier-seeds", "many", "many4", "width", "oneshot", "oneshot-seeds", "oneshot-cifar10",
             "oneshot-cifar10-seeds", "oneshot-cifar10-long")

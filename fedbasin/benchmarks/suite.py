@@ -170,11 +170,34 @@ def check_inputs(members: list[Member], args) -> None:
             for split in ("train", "test"):
                 if not (Path(args.cifar) / f"{split}.parquet").is_file():
                     raise ValueError(f"--cifar {args.cifar}: no {split}.parquet there (member {member.name})")
+    for name, options in args.variants.items():  # the CLI's own parser: a bad flag is refused before any work
+        pairs = [m for m in members if m.group != "universe"]
+        if pairs and (why := cli_usage_error(["align", "A", "B", "--out", "C", "--refine-data",
+                                              data_spec(pairs[0], args), *options])):
+            raise ValueError(f"--variant {name}: {why}")
     if args.glmc_path is not None:
         if not Path(args.glmc_path).is_dir():
             raise ValueError(f"--glmc-path {args.glmc_path}: no such directory")
         if not Path(args.glmc_python).is_file():
             raise ValueError(f"--glmc-python {args.glmc_python}: no such file")
+
+
+def cli_usage_error(argv: list[str]) -> str | None:
+    """The usage error ``fedbasin`` would print for ``argv`` (argparse's own check: flags, types,
+    ranges), or None when it parses."""
+    import contextlib
+    import io
+
+    from fedbasin.cli import build_parser
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            build_parser().parse_args(argv)
+    except SystemExit:
+        line = (err.getvalue().strip().splitlines() or ["bad options"])[-1]  # "fedbasin align: MESSAGE (see ...)"
+        return line.removeprefix("fedbasin align: ").removeprefix("fedbasin: ").split(" (see fedbasin")[0]
+    return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,8 +228,8 @@ def train_member(member: Member, args) -> list[Path]:
         return paths
     import torch
 
-    from fedbasin.data import load_task
     from fedbasin.benchmarks.barriers import TASKS, trained_pair
+    from fedbasin.data import load_task
 
     base = TASKS[recipe.task]
     spec = {**base, "model": {**base["model"], **dict(recipe.model)}}
