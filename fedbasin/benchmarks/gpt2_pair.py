@@ -109,7 +109,8 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def train_one(args, seed: int) -> dict:
+def train_one(args, seed: int, data: tuple | None = None) -> dict:
+    """Train (or resume) seed ``seed``; ``data``: :func:`pair_data`'s result, shared by the seeds (else loaded)."""
     import transformers
     from tqdm import tqdm
 
@@ -117,7 +118,7 @@ def train_one(args, seed: int) -> dict:
 
     model_type = getattr(args, "model_type", "gpt2")
     make_config, model_class = MODEL_TYPES[model_type]
-    tokenizer, splits = pair_data(args.text, args.tokenizer, args.block_size)
+    tokenizer, splits = data or pair_data(args.text, args.tokenizer, args.block_size)
     config = make_config(tokenizer, args.block_size)
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).to(args.device)  # initialised on the CPU: the same start on any device
@@ -237,11 +238,13 @@ def main(argv=None) -> int:
     args.device = parsed_device(parser, args.device)
     if not Path(args.text).is_file():  # bad input: one usage line before any work
         parser.error(f"--text {args.text}: no such file")
-    if not (Path(args.tokenizer) / "tokenizer.json").is_file() and not (Path(args.tokenizer) / "vocab.json").is_file():
-        parser.error(f"--tokenizer {args.tokenizer}: not a tokenizer directory (no tokenizer.json or vocab.json)")
+    try:  # the text tokenised once, for every seed; the tokenizer's own check names what is wrong
+        data = pair_data(args.text, args.tokenizer, args.block_size)
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
+        parser.error(f"--tokenizer {args.tokenizer}: {' '.join(str(error).split())}")
     torch.set_num_threads(args.threads)
     for seed in args.seed or [0, 1]:
-        print(json.dumps(train_one(args, seed)), flush=True)
+        print(json.dumps(train_one(args, seed, data)), flush=True)
     return 0
 
 
