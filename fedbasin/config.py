@@ -26,11 +26,8 @@ from fedbasin.run_defaults import DEFAULT_RUN_CONFIG
 from fedbasin.training import device_name_problem
 
 # the run-level keys' checks; the schema's keys (fedbasin.options) carry their own
-CHOICES = {
-    "partitioner": ("iid", "dirichlet"),
-    "init": ("server", "client"),
-    **run_config_choices(),
-}
+RUN_CHOICES = {"partitioner": ("iid", "dirichlet"), "init": ("server", "client")}
+CHOICES = {**RUN_CHOICES, **run_config_choices()}  # every key with choices (simulate --help lists them)
 
 # (keys, lower bound, lower bound included): numeric keys outside their range are refused
 RANGES = (
@@ -85,9 +82,9 @@ def resolve_run_config(run_config: Mapping[str, object] | None = None) -> dict:
 def _value_problems(config: dict) -> list[str]:
     """One line per key of a well-typed config whose value is refused."""
     problems = []
-    for key in ("partitioner", "init"):
-        if config[key] not in CHOICES[key]:
-            problems.append(f"run-config {key}={config[key]!r}; expected one of {CHOICES[key]}")
+    for key, allowed in RUN_CHOICES.items():
+        if config[key] not in allowed:
+            problems.append(f"run-config {key}={config[key]!r}; expected one of {allowed}")
     problems += option_problems(from_run_config(config), RUN)
     for key, verb in (("refine-steps", "refines"), ("distill-steps", "distils"), ("proxy-screening", "scores replies")):
         if config[key] != AUTO and config[key] > 0 and config["proxy-size"] < 10:
