@@ -25,6 +25,7 @@ from fedbasin.config import (
 )
 from fedbasin.options import toml_value
 from fedbasin import simulate
+from fedbasin.benchmarks.inprocess import run_in_process
 from tests.test_strategy import serverapp_identity  # noqa: F401  (autouse: a run identity)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -282,6 +283,13 @@ def test_a_seeded_simulation_repeats_bit_for_bit(tmp_path):
                                                   "test_loss", "train_loss"]
     assert runs[0][0] == runs[1][0]  # floats compared exactly
     assert runs[0][1] == runs[1][1]
+    # the ServerApp and ClientApp in one process (benchmarks' driver): the same run, bit for bit
+    out = tmp_path / "in-process"
+    results = run_in_process({**config, "out-dir": str(out)}, num_nodes=4, node_seed=11)
+    assert [{k: v for k, v in r.items() if k.endswith(("_loss", "_accuracy", "align_gain"))}
+            for r in results["rounds"]] == runs[0][0]
+    assert [(out / f"round-{r['round']:04d}" / "model.safetensors").read_bytes()
+            for r in results["rounds"]] == runs[0][1]
 
 
 @pytest.mark.slow
