@@ -78,6 +78,10 @@ class MatchOptions:
     head_weight: float | str = option(AUTO, "factor on the output head's rows in the matching objective (models "
                                       "with a token embedding; auto: 2 for subword LMs, else 1)", low=0,
                                       open_low=True, auto=True)
+    already_aligned: str = option("average", "Flower rounds whose clients all trained from the broadcast model: "
+                                  "when a permutation matching pass leaves every client's heads and neurons in "
+                                  "place (they share the broadcast's basis), average them as FedAvg does (average) "
+                                  "or align them anyway (align)", choices=("average", "align"), surfaces=(RUN,))
 
 
 @dataclass

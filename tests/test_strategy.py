@@ -16,9 +16,9 @@ from flwr.app import (
 )
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedbasin.alignment import apply_group, canonicalize, random_group_element, to_gauge
+from fedbasin.alignment import apply_group, canonicalize, random_group_element, shares_basis, to_gauge
 from fedbasin.strategies import AlignedFedAvg
-from tests.helpers import VIT, inputs, rel_err, run, spec_of, trained_like
+from tests.helpers import GPT, VIT, inputs, rel_err, run, spec_of, trained_like
 
 NODES = [11, 22, 33]
 
@@ -120,6 +120,51 @@ def test_transformed_copies_merge_to_the_original_function(mode):
     arrays, metrics = fedavg.aggregate_train(2, replies)
     assert rel_err(run("vit", VIT, arrays.to_torch_state_dict(), x, torch.float32), expected) > 0.1
     assert metrics["align_gain"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["orthogonal", "permutation"])
+def test_clients_that_kept_the_broadcast_basis_are_averaged_as_fedavg_does(mode):
+    """Round 2: clients trained from the broadcast (here: it plus small noise) share its basis; the
+    aligned strategy checks that (one permutation pass moves nothing) and returns FedAvg's aggregate
+    bit for bit. ``already_aligned="align"`` aligns anyway (another aggregate); clients in other
+    bases (exact group elements of the broadcast) are aligned whatever the option says."""
+    spec = spec_of("vit", VIT)
+    base = base_state()
+    g = torch.Generator().manual_seed(3)
+    near = [{k: v + 0.02 * v.std() * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in NODES]
+    replies = lambda states: [reply(n, ArrayRecord(s), num_examples=100 + 10 * i)  # noqa: E731
+                              for i, (n, s) in enumerate(zip(NODES, states))]
+
+    def aggregate(states, **options):
+        arrays, metrics = strategy_for(spec, base, **options).aggregate_train(2, replies(states))
+        return {k: a.numpy().tobytes() for k, a in arrays.items()}, metrics
+
+    fedavg, _ = aggregate(near, alignment=False)
+    averaged, metrics = aggregate(near, mode=mode)
+    assert averaged == fedavg and metrics["already_aligned"] == 1 and metrics["align_gain"] == 0.0
+    aligned, metrics = aggregate(near, mode=mode, already_aligned="align")
+    assert aligned != fedavg and "already_aligned" not in metrics
+
+    moved = transformed_copies(spec, base, len(NODES), mode)
+    aligned, metrics = aggregate(moved, mode=mode)
+    assert aligned != aggregate(moved, alignment=False)[0]
+    assert "already_aligned" not in metrics and metrics["align_gain"] > 0
+    with pytest.raises(ValueError, match="already_aligned must be one of"):
+        AlignedFedAvg(spec, already_aligned="skip")
+
+
+def test_shares_basis_tells_a_common_descent_from_other_bases():
+    spec = spec_of("gpt", GPT)
+    state = lambda seed: {k: v.detach().clone()  # noqa: E731
+                          for k, v in trained_like("gpt", GPT, seed=seed, dtype=torch.float32).state_dict().items()}
+    base, g = state(1), torch.Generator().manual_seed(0)
+    near = {k: v + 0.01 * v.std() * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    permuted = apply_group(spec, canonicalize(spec, base).state,
+                           random_group_element(spec, g, mode="permutation", dtype=torch.float32))
+    before = {k: v.clone() for k, v in near.items()}
+    assert shares_basis(spec, base, base) and shares_basis(spec, base, near)
+    assert not shares_basis(spec, base, permuted) and not shares_basis(spec, base, state(2))
+    assert all(torch.equal(near[k], v) for k, v in before.items())  # the inputs are not changed
 
 
 def test_plain_fedavg_is_the_example_weighted_mean():

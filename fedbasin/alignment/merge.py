@@ -321,6 +321,31 @@ def merge(
     return result
 
 
+def _is_identity(g: GroupElement) -> bool:
+    """Every map of ``g`` leaves its axis in place: permutations the identity, matrices (the residual map,
+    per-head maps, stacked ``(H, d, d)``) the identity, no neuron scales."""
+    def eye(m: torch.Tensor | None) -> bool:
+        return m is None or torch.equal(m, torch.eye(m.shape[-1], dtype=m.dtype, device=m.device).expand_as(m))
+
+    def in_place(perm: torch.Tensor) -> bool:
+        return torch.equal(perm, torch.arange(len(perm), device=perm.device))
+
+    heads = all(h is None or (in_place(h.perm) and eye(h.qk) and eye(h.ov)) for h in g.heads)
+    neurons = all(n is None or (in_place(n.perm) and n.scale is None) for n in g.neurons)
+    return eye(g.residual) and heads and neurons
+
+
+def shares_basis(spec: SymmetrySpec, reference: dict, state: dict, head_weight: float = 1.0) -> bool:
+    """Whether ``state`` already sits in ``reference``'s basis: one pass of permutation weight matching
+    from the identity leaves every head and every MLP neuron in place, i.e. the identity is a fixed point
+    of the matching (``argmax_π ⟨θ_ref, π·θ⟩`` per layer, given the others). Models trained from one
+    common model (a federated round's broadcast) pass; independently initialised ones do not. Costs one
+    matching pass; neither input is changed."""
+    match = weight_match(spec, reference, state, mode="permutation", iterations=1, tol=0.0,
+                         head_weight=head_weight)
+    return _is_identity(match.transform)
+
+
 def _keep_records_only(matches: list[MatchResult]) -> None:
     """Drop the matches' states (a function of its own: no loop variable outlives it)."""
     for match in matches:

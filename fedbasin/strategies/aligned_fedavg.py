@@ -7,7 +7,8 @@ Per round, with client states ``θ_k`` and example counts ``n_k``:
   group element maximising ``⟨θ_ref, g·θ_k⟩`` (weight matching). The reference ``θ_ref`` is the
   previous global model, present only as the alignment target (weight 0); in round 1 with
   independently initialised clients it is the client with the most examples. The result is in
-  the reference's gauge.
+  the reference's gauge. Clients that trained from the broadcast and kept its basis (a permutation
+  matching pass moves no head or neuron) are averaged as plain FedAvg (``already_aligned``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from fedbasin.alignment import (
     canonicalize,
     merge,
     refined_merge,
+    shares_basis,
 )
 from fedbasin.options import AUTO, MatchOptions, RobustOptions
 from fedbasin.scratch import arrays_on_disk
@@ -50,6 +52,7 @@ from fedbasin.strategies.robust import (
 )
 
 MODES = ("orthogonal", "permutation")
+ALREADY_ALIGNED = ("average", "align")  # what a round whose clients share the broadcast's basis gets
 
 
 class ReplyError(ValueError):
@@ -79,6 +82,12 @@ class AlignedFedAvg(FedAvg):
         round 1 to the client with the most examples instead of the broadcast model.
     universe_iterations : int
         Re-align every client to the running average this many times (universe matching).
+    already_aligned : str
+        A round whose clients all trained from the broadcast model (every round but round 1 of
+        ``independent_init``), without ``refine``: ``"average"`` checks first whether one
+        permutation matching pass leaves every client's heads and neurons in place
+        (:func:`~fedbasin.alignment.shares_basis`) and, if so, averages them as plain FedAvg does
+        (metric ``already_aligned`` = 1); ``"align"`` always aligns.
     refine : callable, optional
         Server-side learned refinement, ``refine(reference_state, other_states,
         include_reference=...)`` returning a
@@ -165,6 +174,7 @@ class AlignedFedAvg(FedAvg):
         tol: float = 1e-4,
         independent_init: bool = False,
         universe_iterations: int = 1,
+        already_aligned: str = "average",
         refine=None,
         distill=None,
         max_abs_weight: float = 1e6,
@@ -186,6 +196,7 @@ class AlignedFedAvg(FedAvg):
             mode, iterations, tol, universe_iterations = (match.symmetry, match.align_iterations, match.align_tol,
                                                           match.universe_iterations)
             head_weight = 1.0 if match.head_weight == AUTO else float(match.head_weight)
+            already_aligned = match.already_aligned
         if robust is not None:
             (max_abs_weight, max_num_examples, max_examples_ratio, outlier_threshold, proxy_screening, clip_ratio,
              aggregator, trim_fraction) = (robust.max_abs_weight, robust.max_num_examples, robust.max_examples_ratio,
@@ -200,6 +211,8 @@ class AlignedFedAvg(FedAvg):
             raise ValueError(f"device must be a torch device such as cpu, cuda or cuda:N, got {device!r}") from None
         if mode not in MODES:
             raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
+        if already_aligned not in ALREADY_ALIGNED:
+            raise ValueError(f"already_aligned must be one of {ALREADY_ALIGNED}, got {already_aligned!r}")
         if spec.tied and alignment:
             log(WARNING, "%s: alignment unties %s (the final norm's gain is folded into the head, "
                 "which an orthogonal residual map cannot keep equal to the embedding); from round 2 "
@@ -239,6 +252,7 @@ class AlignedFedAvg(FedAvg):
         self.tol = tol
         self.independent_init = independent_init
         self.universe_iterations = universe_iterations
+        self.already_aligned = already_aligned
         self.head_weight = head_weight
         self.refine = refine
         self.distill = distill
@@ -494,6 +508,10 @@ class AlignedFedAvg(FedAvg):
             return combiner.combine(states, weights), {"align_gain": 0.0, **combiner.metrics}
         if len(states) == 1:
             return states[0], {"align_gain": 0.0}
+        if (owners[0] is None and self.refine is None and self.already_aligned == "average"
+                and all(shares_basis(self.spec, states[0], s, self.head_weight) for s in states[1:])):
+            # every client trained from the broadcast and kept its basis: alignment would only fit noise
+            return combiner.combine(states, weights), {"align_gain": 0.0, "already_aligned": 1, **combiner.metrics}
         reference = 0 if owners[0] is None else max(range(len(weights)), key=weights.__getitem__)
         if self.refine is not None:
             merged, refined = refined_merge(self.spec, states, weights, reference, self.refine,
