@@ -16,7 +16,13 @@ from flwr.app import (
 )
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedbasin.alignment import apply_group, canonicalize, random_group_element, shares_basis, to_gauge
+from fedbasin.alignment import (
+    apply_group,
+    canonicalize,
+    random_group_element,
+    shares_basis,
+    to_gauge,
+)
 from fedbasin.strategies import AlignedFedAvg
 from tests.helpers import GPT, VIT, inputs, rel_err, run, spec_of, trained_like
 
