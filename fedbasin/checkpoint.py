@@ -617,7 +617,8 @@ def stream_align(
             for source, alias, _ in tied:
                 if source in tensors and alias in tensors:
                     tie_kept[alias] = torch.equal(tensors[source], tensors[alias])
-            writer.add({k: v for k, v in tensors.items() if not (k in aliases and tie_kept.get(k))})
+            writer.add({k: v for k, v in tensors.items()
+                        if fmt.stores_tied_alias or not (k in aliases and tie_kept.get(k))})
 
         result_box["result"] = stream_match(spec, sources[0].load, sources[1].load, sink, mode=mode,
                                             iterations=iterations, tol=tol, device=device, progress=progress)

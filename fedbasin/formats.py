@@ -57,11 +57,14 @@ class ModelFormat:
     data: ``"text"`` or ``"images"``; ``data_values(config)``: the config fields the data fixes,
         in fedbasin names; ``context_length(config)``: tokens per example (None for images).
     reads_torch_weights: whether ``pytorch_model.bin`` is read when there is no safetensors file.
+    stores_tied_alias: whether the file holds a tied head as well as the embedding it shares
+        (fedbasin: yes, the ``state_dict()``; Hugging Face: no, as ``save_pretrained`` writes it).
     """
 
     kind: str
     family: str
     reads_torch_weights = False
+    stores_tied_alias = True
 
     @property
     def data(self) -> str:
@@ -195,6 +198,7 @@ class HFFormat(ModelFormat):
 
     kind = "hf"
     reads_torch_weights = True
+    stores_tied_alias = False
 
     def __init__(self, model_type: str):
         self.family = model_type  # checked where it is used (the family registry names the supported types)
