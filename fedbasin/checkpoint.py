@@ -9,6 +9,14 @@ A checkpoint is a directory holding ``config.json`` and ``model.safetensors``:
   Reading also accepts ``pytorch_model.bin`` and sharded ``model.safetensors.index.json``, hub
   files without the base-model prefix and transformers-4 key names.
 
+Each kind is one :class:`~fedbasin.formats.ModelFormat` (:mod:`fedbasin.formats`), the interface
+this module dispatches through: what data the family reads (``data``, ``data_values``,
+``context_length``), its config (from and to JSON, ``with_updates``, the fields that change the
+function), its tensors (``adapter``, ``expected_shapes``, ``tied_pairs``, ``config_updates``, file
+layout ↔ ``state_dict()`` keys) and ``build(config)`` → ``nn.Module``. :func:`fedbasin.formats.detect`
+is the one place a ``config.json`` is told apart; ``Checkpoint.kind`` (``"fedbasin"``/``"hf"``) is
+reported and names the format, and no code here branches on it.
+
 ``Checkpoint.state`` always uses the model's ``state_dict()`` keys (for HF: of the installed
 transformers), so ``checkpoint.adapter.to_standard(checkpoint.state)`` gives the layout the
 alignment code works in and ``adapter.from_standard`` brings results back for
@@ -20,9 +28,6 @@ only once complete; an existing checkpoint is removed only after the new one is 
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -37,15 +42,14 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from .alignment.adapters import Adapter, fedbasin_adapter
+from .alignment.adapters import Adapter
 from .atomic import exchange, publish, sweep_stale, temporary_sibling
-from .models import FAMILIES, build_model, make_config
+from .formats import FAMILY_FIELD, ModelFormat, detect, for_kind, kind_of, same_values  # noqa: F401  (FAMILY_FIELD: re-exported)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 TORCH_WEIGHTS_FILE = "pytorch_model.bin"
-FAMILY_FIELD = "fedbasin_family"
 _WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|h5|msgpack|ckpt)$|\.index\.json$")
 
 
@@ -76,102 +80,39 @@ class Checkpoint:
     def spec(self):
         return self.adapter.spec
 
-    # what the model reads, as its family declares it (fedbasin: the config class; Hugging Face:
-    # the registered Family) — callers ask here instead of branching on family names
+    @property
+    def format(self) -> ModelFormat:
+        """How this checkpoint's family is read, written, checked and built (:mod:`fedbasin.formats`)."""
+        return for_kind(self.kind, self.family)
+
+    # what the model reads, as its family declares it — callers ask here instead of branching on
+    # family names
 
     @property
     def data(self) -> str:
         """``"text"`` (token ids → next-token logits) or ``"images"`` (pixels → class logits)."""
-        return self.config.data if self.kind == "fedbasin" else _hf_family(self.family).data
+        return self.format.data
 
     def data_values(self) -> dict:
         """The config fields the data fixes, in fedbasin names (``vocab_size``, ``block_size``;
         ``image_size``, ``channels``, ``num_classes``)."""
-        if self.kind == "fedbasin":
-            return {name: getattr(self.config, name) for name in self.config.data_fields}
-        return _hf_family(self.family).data_values(self.config)
+        return self.format.data_values(self.config)
 
     @property
     def context_length(self) -> int | None:
         """Tokens per example the model takes (None for image models)."""
-        if self.kind == "fedbasin":
-            return int(self.config.block_size) if "block_size" in self.config.data_fields else None
-        return _hf_family(self.family).context_length(self.config)
+        return self.format.context_length(self.config)
 
 
 # ----------------------------------------------------------------------------------------------
-# per-kind helpers
-
-
-def _is_hf_config(config) -> bool:
-    try:
-        from transformers import PretrainedConfig
-    except ImportError:  # transformers is an optional extra
-        return False
-    return isinstance(config, PretrainedConfig)
-
-
-def _hf_family(model_type: str):
-    from .alignment.families import family
-
-    return family(model_type)
-
-
-def _hf():
-    if importlib.util.find_spec("transformers") is None:
-        raise ImportError("Hugging Face checkpoints need transformers: pip install 'fedbasin[hf]'")
-    from .alignment import hf
-
-    return hf
-
-
-def _adapter(kind: str, family: str, config) -> Adapter:
-    return fedbasin_adapter(family, config) if kind == "fedbasin" else _hf().hf_adapter(config)
-
-
-def _expected_shapes(kind: str, family: str, config) -> dict[str, tuple[int, ...]]:
-    if kind == "hf":
-        return _hf().hf_expected_shapes(config)
-    return {k: tuple(v.shape) for k, v in build_model(family, config).state_dict().items()}
-
-
-def _tied_pairs(kind: str, family: str, config) -> list[tuple[str, str, str]]:
-    """(source, alias, config field) for each tie the config declares."""
-    if kind == "fedbasin" and family == "gpt" and config.tie_embeddings:
-        return [("tok_emb.weight", "head.weight", "tie_embeddings")]
-    if kind == "hf":
-        pair = _hf().hf_tied_pair(config)
-        return [(*pair, "tie_word_embeddings")] if pair else []
-    return []
+# checks
 
 
 def config_updates(kind: str, family: str, config, state: dict) -> dict:
     """Config fields to change so that ``state`` loads faithfully: a tie is dropped
     (``tie_embeddings`` / ``tie_word_embeddings`` → False) when the tied tensors differ, as
     they do after canonicalisation folds the final norm's gain into the head."""
-    if kind == "hf":
-        return _hf().hf_config_updates(config, state)
-    updates = {}
-    for source, alias, field_name in _tied_pairs(kind, family, config):
-        a, b = state.get(source), state.get(alias)
-        if a is not None and b is not None and a is not b and not _same_values(a, b):
-            updates[field_name] = False
-    return updates
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a, b)
-
-
-def _with_updates(kind: str, config, updates: dict):
-    if not updates:
-        return config
-    if kind == "fedbasin":
-        return dataclasses.replace(config, **updates)
-    config = copy.deepcopy(config)
-    for key, value in updates.items():
-        setattr(config, key, value)
-    return config
+    return for_kind(kind, family).config_updates(config, state)
 
 
 def _check_state(state: dict, expected: dict, what: str, arch: str) -> None:
@@ -197,11 +138,6 @@ def _check_finite(state: dict, what: str) -> None:
             raise ValueError(f"{what}: tensor {key} has {bad} NaN or infinite value(s)")
 
 
-# fields of Hugging Face configs that change the function without changing any tensor shape
-_HF_FUNCTION_FIELDS = ("activation_function", "hidden_act", "layer_norm_epsilon", "layer_norm_eps",
-                       "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn")
-
-
 def architecture_mismatch(reference: Checkpoint, other: Checkpoint) -> str | None:
     """Why ``other`` cannot be aligned to / averaged with ``reference`` (``None`` if it can):
     a different kind or family, tensors one has and the other lacks (e.g. a different depth),
@@ -219,11 +155,8 @@ def architecture_mismatch(reference: Checkpoint, other: Checkpoint) -> str | Non
         if other.state[key].shape != value.shape:
             return (f"different architecture: {key} has shape {tuple(other.state[key].shape)}, "
                     f"the reference's {tuple(value.shape)}")
-    if reference.kind == "fedbasin":
-        ref_fields, other_fields = dataclasses.asdict(reference.config), dataclasses.asdict(other.config)
-    else:
-        ref_fields, other_fields = ({f: getattr(c.config, f, None) for f in _HF_FUNCTION_FIELDS}
-                                    for c in (reference, other))
+    function_fields = reference.format.function_fields
+    ref_fields, other_fields = function_fields(reference.config), function_fields(other.config)
     differing = [f"{f}={other_fields[f]!r} (reference {ref_fields[f]!r})" for f in ref_fields
                  if f != "tie_embeddings" and other_fields.get(f) != ref_fields[f]]  # ties: see config_updates
     if differing:
@@ -231,10 +164,10 @@ def architecture_mismatch(reference: Checkpoint, other: Checkpoint) -> str | Non
     return None
 
 
-def _alias_ties(kind: str, family: str, config, state: dict, what: str) -> None:
+def _alias_ties(fmt: ModelFormat, config, state: dict, what: str) -> None:
     """Make tied entries one tensor (as in ``state_dict()``); differing values are an error."""
-    for source, alias, field_name in _tied_pairs(kind, family, config):
-        if state[alias] is not state[source] and not _same_values(state[alias], state[source]):
+    for source, alias, field_name in fmt.tied_pairs(config):
+        if state[alias] is not state[source] and not same_values(state[alias], state[source]):
             raise ValueError(
                 f"{what}: {field_name} is true in {CONFIG_FILE} but {alias} differs from "
                 f"{source}; set {field_name} to false to keep both"
@@ -309,42 +242,20 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise ValueError(f"{path} is a file; pass the checkpoint directory holding {CONFIG_FILE}")
     data = _read_config(path)
     config_path = path / CONFIG_FILE
-    if FAMILY_FIELD in data:
-        kind, family = "fedbasin", data.pop(FAMILY_FIELD)
-        if family not in FAMILIES:
-            raise ValueError(
-                f"{config_path}: unknown {FAMILY_FIELD} {family!r}; known: {sorted(FAMILIES)}"
-            )
-        try:
-            config = make_config(family, data)
-            expected = _expected_shapes(kind, family, config)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{config_path}: invalid {family} config: {e}") from e
-    elif "model_type" in data:
-        kind, family = "hf", data["model_type"]
-        hf = _hf()
-        if family not in hf.SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"{config_path}: unsupported model_type {family!r}; "
-                f"supported: {sorted(hf.SUPPORTED_MODEL_TYPES)}"
-            )
-        try:
-            config = hf.hf_config_class(family).from_dict(data)
-            expected = _expected_shapes(kind, family, config)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{config_path}: invalid {family} config: {e}") from e
-    else:
-        raise ValueError(
-            f"{config_path}: cannot tell the checkpoint kind: no {FAMILY_FIELD!r} (fedbasin) "
-            f"or 'model_type' (Hugging Face) field"
-        )
-    stored, weights_path = _read_weights(path, allow_torch=kind == "hf")
-    state = _hf().hf_state_from_file(config, stored) if kind == "hf" else stored
+    fmt = detect(data, config_path)
+    family = fmt.family
+    try:
+        config = fmt.config_from_json(data)
+        expected = fmt.expected_shapes(config)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{config_path}: invalid {family} config: {e}") from e
+    stored, weights_path = _read_weights(path, allow_torch=fmt.reads_torch_weights)
+    state = fmt.state_from_file(config, stored)
     arch = f"the {family} architecture in {config_path}"
     _check_state(state, expected, str(weights_path), arch)
     _check_finite(state, str(weights_path))
-    _alias_ties(kind, family, config, state, str(weights_path))
-    return Checkpoint(kind, family, config, state, _adapter(kind, family, config), path)
+    _alias_ties(fmt, config, state, str(weights_path))
+    return Checkpoint(fmt.kind, family, config, state, fmt.adapter(config), path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,40 +378,15 @@ def save_checkpoint(
     ``dtype`` set to the tensors' dtype) and load with ``from_pretrained``. Returns the path.
     """
     path = Path(path)
-    if kind is None:
-        kind = "hf" if _is_hf_config(config) else "fedbasin"
-    if kind not in ("fedbasin", "hf"):
-        raise ValueError(f"kind must be 'fedbasin' or 'hf', got {kind!r}")
-    family = family_or_type
-    if kind == "fedbasin":
-        if dataclasses.is_dataclass(config):
-            config = dataclasses.asdict(config)
-        config = make_config(family, config)
-    else:
-        hf = _hf()
-        if isinstance(config, dict):
-            config = hf.hf_config_class(family).from_dict(config)
-        if getattr(config, "model_type", None) != family:
-            raise ValueError(
-                f"family_or_type {family!r} does not match the config's model_type "
-                f"{getattr(config, 'model_type', None)!r}"
-            )
-    updates = {**config_updates(kind, family, config, state), **(updates or {})}
-    config = _with_updates(kind, config, updates)
-    expected = _expected_shapes(kind, family, config)
+    fmt = for_kind(kind_of(config) if kind is None else kind, family_or_type)
+    family = fmt.family
+    config = fmt.config_to_save(config)
+    updates = {**fmt.config_updates(config, state), **(updates or {})}
+    config = fmt.with_updates(config, updates)
+    expected = fmt.expected_shapes(config)
     _check_state(state, expected, "state to save", f"the {family} architecture")
-
-    if kind == "fedbasin":
-        config_text = json.dumps({FAMILY_FIELD: family, **dataclasses.asdict(config)}, indent=2)
-        file_state = state
-    else:
-        config = copy.deepcopy(config)
-        config.architectures = [_hf().SUPPORTED_MODEL_TYPES[family]]
-        dtype = _state_dtype(state)
-        if dtype is not None:
-            config.dtype = dtype
-        config_text = config.to_json_string(use_diff=True)
-        file_state = _hf().hf_state_to_file(config, state)
+    config_text = fmt.config_json(config, _state_dtype(state))
+    file_state = fmt.state_to_file(config, state)
 
     def write(tmp: Path) -> None:
         (tmp / CONFIG_FILE).write_text(config_text)
@@ -524,13 +410,9 @@ def build_torch_model(checkpoint: Checkpoint, state: dict | None = None) -> nn.M
     model takes the state's dtype; a tie in the config is dropped if the tied tensors differ.
     """
     state = checkpoint.state if state is None else state
-    kind, family = checkpoint.kind, checkpoint.family
-    updates = config_updates(kind, family, checkpoint.config, state)
-    config = _with_updates(kind, checkpoint.config, updates)
-    if kind == "fedbasin":
-        model = build_model(family, config)
-    else:
-        model = _hf().hf_model_class(family)(config)
+    fmt = checkpoint.format
+    config = fmt.with_updates(checkpoint.config, fmt.config_updates(checkpoint.config, state))
+    model = fmt.build(config)
     dtype = _state_dtype(state)
     if dtype is not None:
         model.to(dtype)
@@ -710,33 +592,20 @@ def stream_align(
         if not p.is_dir():
             raise FileNotFoundError(f"checkpoint directory {p} does not exist")
         configs.append(_read_config(p))
-    data = configs[0]
-    if FAMILY_FIELD in data:
-        kind, family = "fedbasin", data[FAMILY_FIELD]
-        config = make_config(family, {k: v for k, v in data.items() if k != FAMILY_FIELD})
-        rename = None
-    else:
-        kind, family = "hf", data.get("model_type")
-        hf = _hf()
-        config = hf.hf_config_class(family).from_dict(data)
-        fam = hf.family(family)
-        if fam.to_standard.__name__ != "_same":
-            raise ValueError(f"{paths[0]}: streamed alignment needs checkpoints stored in the standard layout "
-                             f"(Llama/Mistral/Qwen2, fedbasin models); {family} is not — use `fedbasin align`")
-        expected = hf.hf_expected_shapes(config)
-        rename = lambda key: hf.hf_module_key(config, key, expected)  # noqa: E731
-    for p, c in zip(paths[1:], configs[1:]):
-        other = c.get(FAMILY_FIELD, c.get("model_type"))
-        if other != family:
-            raise ValueError(f"{p}: a {other} checkpoint but the reference is {family}")
-    adapter = _adapter(kind, family, config)
-    spec = adapter.spec
-    aliases = {alias: source for source, alias, _ in _tied_pairs(kind, family, config)}
+    formats = [detect(c, p / CONFIG_FILE) for p, c in zip(paths, configs)]
+    fmt, family = formats[0], formats[0].family
+    config = fmt.config_from_json(configs[0])
+    rename = fmt.lazy_rename(config, paths[0])
+    for p, other in zip(paths[1:], formats[1:]):
+        if (other.kind, other.family) != (fmt.kind, family):
+            raise ValueError(f"{p}: a {other.family} checkpoint but the reference is {family}")
+    spec = fmt.adapter(config).spec
+    tied = fmt.tied_pairs(config)
+    aliases = {alias: source for source, alias, _ in tied}
     sources = [LazyWeights(p, rename, aliases) for p in paths]
-    expected = _expected_shapes(kind, family, config)
+    expected = fmt.expected_shapes(config)
     for p, src in zip(paths, sources):
-        _check_state({k: _Shape(src.shape(k)) for k in src.keys()
-                      if k in expected or not (kind == "hf" and _hf().family(family).ignores(k))},
+        _check_state({k: _Shape(src.shape(k)) for k in src.keys() if k in expected or not fmt.ignores(k)},
                      expected, str(p), f"the {family} architecture in {paths[0] / CONFIG_FILE}")
     result_box = {}
 
@@ -745,10 +614,11 @@ def stream_align(
         tie_kept = {}
 
         def sink(tensors: dict) -> None:
-            for source, alias, _ in _tied_pairs(kind, family, config):
+            for source, alias, _ in tied:
                 if source in tensors and alias in tensors:
                     tie_kept[alias] = torch.equal(tensors[source], tensors[alias])
-            writer.add({k: v for k, v in tensors.items() if not (k in aliases and tie_kept.get(k))})
+            writer.add({k: v for k, v in tensors.items()
+                        if fmt.stores_tied_alias or not (k in aliases and tie_kept.get(k))})
 
         result_box["result"] = stream_match(spec, sources[0].load, sources[1].load, sink, mode=mode,
                                             iterations=iterations, tol=tol, device=device, progress=progress)
@@ -756,15 +626,8 @@ def stream_align(
         if rest:
             writer.add(sources[1].load(rest))
         writer.close()
-        updates = {field: False for _, alias, field in _tied_pairs(kind, family, config) if not tie_kept.get(alias)}
-        final = _with_updates(kind, config, updates)
-        if kind == "fedbasin":
-            text = json.dumps({FAMILY_FIELD: family, **dataclasses.asdict(final)}, indent=2)
-        else:
-            final = copy.deepcopy(final)
-            final.architectures = [_hf().SUPPORTED_MODEL_TYPES[family]]
-            text = final.to_json_string(use_diff=True)
-        (tmp / CONFIG_FILE).write_text(text)
+        updates = {field: False for _, alias, field in tied if not tie_kept.get(alias)}
+        (tmp / CONFIG_FILE).write_text(fmt.config_json(fmt.with_updates(config, updates)))
 
     _atomic_replace_dir(Path(out), write)
     return result_box["result"]

@@ -835,9 +835,9 @@ def _models() -> tuple[str, ...]:
     """``--model`` choices: the fedbasin families and ``hf-<model_type>`` for every registered model type
     whose family builds new models (``Family.config_fields``)."""
     from fedbasin.alignment.families import trainable
-    from fedbasin.models import FAMILIES
+    from fedbasin.models import names
 
-    return (*FAMILIES, *(HF_PREFIX + t for t in trainable()))
+    return (*names(), *(HF_PREFIX + t for t in trainable()))
 
 
 _SHAPE_OPTIONS = ("dim", "depth", "heads", "mlp_dim", "patch_size", "norm", "activation", "position")
@@ -922,22 +922,16 @@ def _load_data(spec: str, tokenizer: str | None = None, **kwargs):
 
 
 def _new_model(args, task, recipe: dict):
-    """(module returning logits, checkpoint kind, family, config) for ``--model``, initialised from ``--seed``.
+    """(module returning logits, checkpoint format, config) for ``--model``, initialised from ``--seed``.
 
     ``hf-<model_type>``: the registered family's ``new_config`` of the shape and the data's fields;
     a family that reads text is fed subword tokens, so it needs ``--tokenizer``."""
-    from fedbasin.models import FAMILIES, build_model, make_config
+    from fedbasin.formats import HFFormat, NativeFormat
 
     name = args.model or task.family
     hf = name.startswith(HF_PREFIX)
-    if hf:
-        from fedbasin.alignment.families import family
-
-        model_type = name.removeprefix(HF_PREFIX)
-        fam = family(model_type)
-        reads = fam.data
-    else:
-        reads = FAMILIES[name][1].data
+    fmt = HFFormat(name.removeprefix(HF_PREFIX)) if hf else NativeFormat(name)
+    reads = fmt.data  # what the family reads, as it declares it
     if reads != task.data:
         needs = {"images": "image data (digits, cifar10)", "text": "text data (text:FILE)"}[reads]
         raise UsageError(f"--model {name} needs {needs}; --data {args.data} holds {task.data}")
@@ -960,14 +954,14 @@ def _new_model(args, task, recipe: dict):
         from fedbasin.alignment.hf import hf_adapter, hf_model_class
 
         try:
-            config = fam.new_config(model_type, shape, task.model_overrides)
+            config = fmt.entry.new_config(fmt.family, shape, task.model_overrides)
             hf_adapter(config)  # a shape fedbasin cannot align (heads not dividing the width) fails here
         except ValueError as exc:
             raise UsageError(f"--model {name}: {_one_line(exc)}") from None
-        return _Logits(hf_model_class(model_type)(config)), "hf", model_type, config
+        return _Logits(hf_model_class(fmt.family)(config)), fmt, config
     try:
-        config = make_config(name, {**task.model_overrides, **shape})
-        return build_model(name, config, seed=args.seed), "fedbasin", name, config
+        config = fmt.entry.make_config({**task.model_overrides, **shape})
+        return fmt.entry.build(config, seed=args.seed), fmt, config
     except ValueError as exc:
         raise UsageError(f"{exc}") from None
 
@@ -992,7 +986,7 @@ def cmd_train(args) -> int:
     max_train = recipe["max_train_examples"] if args.max_train_examples is None else args.max_train_examples
     task = _load_data(args.data, args.tokenizer, max_train_examples=max_train,
                      **({"block_size": args.block_size} if kind == "text" else {}))
-    module, ckpt_kind, family, config = _new_model(args, task, recipe)
+    module, fmt, config = _new_model(args, task, recipe)
     epochs, lr, batch_size = (recipe[k] if getattr(args, k) is None else getattr(args, k)
                               for k in ("epochs", "lr", "batch_size"))
     print(f"fedbasin train: {args.model or task.family} on {task.name} ({len(task.train)} examples, "
@@ -1004,11 +998,11 @@ def cmd_train(args) -> int:
     test = task.evaluate(module, "test", device=device)
     model = module.model if isinstance(module, _Logits) else module
     summary = {"command": "train", "out": str(out), "data": args.data, "model": args.model or task.family,
-               "kind": ckpt_kind, "family": family, "seed": args.seed, "epochs": epochs, "lr": lr,
+               "kind": fmt.kind, "family": fmt.family, "seed": args.seed, "epochs": epochs, "lr": lr,
                "batch_size": batch_size, "train_examples": len(task.train), **stats,
                "test_loss": test["loss"], "test_accuracy": test["accuracy"], "seconds": round(seconds, 1)}
     # train.json is part of the checkpoint's atomic write: it never describes other weights
-    save_checkpoint(out, family, config, {k: v.cpu() for k, v in model.state_dict().items()}, kind=ckpt_kind,
+    save_checkpoint(out, fmt.family, config, {k: v.cpu() for k, v in model.state_dict().items()}, kind=fmt.kind,
                     extra_files=lambda tmp: (tmp / TRAIN_RECORD).write_text(json.dumps(summary, indent=2)))
     return _emit(summary)
 

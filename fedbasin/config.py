@@ -19,7 +19,7 @@ from fedbasin import causal_lm
 from fedbasin.alignment.adapters import Adapter, fedbasin_adapter
 from fedbasin.alignment.proxy import split_share_problem
 from fedbasin.data import Task, load_task
-from fedbasin.models import FAMILIES, build_model
+from fedbasin.models import FAMILIES, build_model, family_of
 from fedbasin.options import AUTO, RUN, convert, from_run_config, run_config_choices, run_config_fields
 from fedbasin.options import problems as option_problems
 from fedbasin.run_defaults import DEFAULT_RUN_CONFIG
@@ -167,7 +167,7 @@ def model_adapter(task: Task, model: nn.Module) -> tuple[str, Adapter]:
     """``(family, adapter)`` of a model from :func:`model_from_config`: the fedbasin family or the
     Hugging Face ``model_type``; the adapter's ``to_standard`` gives the layout the strategy's
     spec describes (what the Flower messages carry), ``from_standard`` the model's own keys."""
-    if isinstance(model.config, tuple(config_cls for _, config_cls in FAMILIES.values())):
+    if family_of(model.config) is not None:  # a fedbasin model (a registered family's config)
         return task.family, fedbasin_adapter(task.family, model.config)
     from fedbasin.alignment.hf import hf_adapter
 

@@ -2,7 +2,8 @@
 
 An adapter knows (1) the spec over the *standard layout* (separate q/k/v, torch ``nn.Linear``
 layout) and (2) how to translate a checkpoint's state dict to and from that layout. fedbasin
-models are stored in the standard layout already; Hugging Face adapters live in ``hf.py``.
+models are stored in the standard layout already (each registers the input side of its spec with
+:func:`register_native`); Hugging Face adapters live in ``hf.py``.
 """
 
 from __future__ import annotations
@@ -51,8 +52,33 @@ def block_specs(prefix, dim, heads, mlp_dim, norm, activation, bias, rotary=None
     return norms, attention, mlp, residual
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """The family-specific part of a fedbasin model's spec (the blocks and the final norm are shared):
+    ``residual`` entries (key, axis) of its embeddings, the ``tied`` (embedding, head) pairs and the
+    ``embedding_keys`` (token embeddings: rows are tokens)."""
+
+    residual: tuple = ()
+    tied: tuple = ()
+    embedding_keys: tuple = ()
+
+
+#: fedbasin family → ``config → Inputs``; each model module registers its own (``fedbasin.models``,
+#: through ``fedbasin.models.registry.register``), so this layer names no model family
+_NATIVE_INPUTS: dict[str, Callable[[object], Inputs]] = {}
+
+
+def register_native(family: str, inputs: Callable[[object], Inputs]) -> None:
+    """Record how to build the input side of the spec of fedbasin family ``family``."""
+    if _NATIVE_INPUTS.get(family, inputs) is not inputs:
+        raise ValueError(f"fedbasin family {family!r} is registered twice")
+    _NATIVE_INPUTS[family] = inputs
+
+
 def fedbasin_adapter(family: str, config) -> Adapter:
-    """Spec of a fedbasin ``ViT`` or ``GPT`` with the given config (dataclass)."""
+    """Spec of a fedbasin model (``ViT``, ``GPT``, ...: a registered family) with the given config (dataclass)."""
+    if family not in _NATIVE_INPUTS:
+        raise ValueError(f"no symmetry spec for model family {family!r}")
     c = config
     norm_bias = "norm_f.bias" if (c.bias and c.norm == "layernorm") else None
     rotary = "half" if getattr(c, "position", "learned") == "rope" else None
@@ -65,26 +91,16 @@ def fedbasin_adapter(family: str, config) -> Adapter:
         residual += r
     norms.append(Norm(c.norm, "norm_f.weight", norm_bias, (("head.weight", 1),)))
     residual += [("head.weight", 1)] + ([(norm_bias, 0)] if norm_bias else [])
-    tied: tuple = ()
-    embedding_keys: tuple = ()
-    if family == "vit":
-        residual += [("patch_emb.weight", 0), ("cls_token", 2), ("pos_emb", 2)]
-        residual += [("patch_emb.bias", 0)] if c.bias else []
-    elif family == "gpt":
-        residual += [("tok_emb.weight", 1)]
-        residual += [("pos_emb.weight", 1)] if c.position == "learned" else []
-        tied = (("tok_emb.weight", "head.weight"),) if c.tie_embeddings else ()
-        embedding_keys = ("tok_emb.weight",)
-    else:
-        raise ValueError(f"no symmetry spec for model family {family!r}")
+    inputs = _NATIVE_INPUTS[family](c)
+    residual += list(inputs.residual)
     spec = SymmetrySpec(
         width=c.dim,
         residual=tuple(residual),
         norms=tuple(norms),
         attention=tuple(attention),
         mlp=tuple(mlp),
-        tied=tied,
+        tied=tuple(inputs.tied),
         name=f"fedbasin-{family}",
-        embedding_keys=embedding_keys,
+        embedding_keys=tuple(inputs.embedding_keys),
     )
     return Adapter(spec)

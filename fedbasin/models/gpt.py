@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
 
+from fedbasin.alignment.adapters import Inputs
+
 from .layers import Block, init_weights, make_norm
+from .registry import NativeFamily
 
 
 @dataclass
 class GPTConfig:
-    data: ClassVar[str] = "text"  # what the model reads (as a Hugging Face Family declares it)
-    data_fields: ClassVar[tuple[str, ...]] = ("vocab_size", "block_size")  # the fields the data fixes
-
     vocab_size: int = 65
     block_size: int = 64
     dim: int = 64
@@ -63,3 +62,16 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm_f(x))
+
+
+def _inputs(c: GPTConfig) -> Inputs:
+    """Token (and learned position) embeddings feed the residual stream; the head may share the token embedding."""
+    return Inputs(
+        residual=(("tok_emb.weight", 1),) + ((("pos_emb.weight", 1),) if c.position == "learned" else ()),
+        tied=(("tok_emb.weight", "head.weight"),) if c.tie_embeddings else (),
+        embedding_keys=("tok_emb.weight",),
+    )
+
+
+FAMILY = NativeFamily("gpt", GPT, GPTConfig, data="text", data_fields=("vocab_size", "block_size"), inputs=_inputs,
+                      tie=("tok_emb.weight", "head.weight", "tie_embeddings"))

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
 
+from fedbasin.alignment.adapters import Inputs
+
 from .layers import Block, init_weights, make_norm
+from .registry import NativeFamily
 
 
 @dataclass
 class ViTConfig:
-    data: ClassVar[str] = "images"  # what the model reads (as a Hugging Face Family declares it)
-    data_fields: ClassVar[tuple[str, ...]] = ("image_size", "channels", "num_classes")  # the fields the data fixes
-
     image_size: int = 8
     patch_size: int = 2
     channels: int = 1
@@ -61,3 +60,13 @@ class ViT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm_f(x)[:, 0])
+
+
+def _inputs(c: ViTConfig) -> Inputs:
+    """Patch embedding, cls token and positions feed the residual stream."""
+    return Inputs(residual=(("patch_emb.weight", 0), ("cls_token", 2), ("pos_emb", 2))
+                  + ((("patch_emb.bias", 0),) if c.bias else ()))
+
+
+FAMILY = NativeFamily("vit", ViT, ViTConfig, data="images", data_fields=("image_size", "channels", "num_classes"),
+                      inputs=_inputs)
