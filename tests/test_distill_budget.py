@@ -66,10 +66,10 @@ def _tiny_vit():
 
 @pytest.mark.parametrize("kind", ["vit", "gpt2"])
 def test_a_budget_sizes_the_steps_before_the_first_and_the_recorded_count_repeats_the_run_bitwise(kind, monkeypatch):
-    """``steps=None``: the initial check (1 tick), the teachers' pass (1 tick) and the student's step (1 tick,
-    Adam 0) are timed after 9 ticks; a step costs 2 ticks + 1/16 of a check, one check is reserved:
-    ⌊(1.45 − 10/64) / (33/1024)⌋ = 40 steps. The probe changes nothing (weights, the batch order, the random
-    state behind dropout): the same call with ``steps=40`` gives bitwise the same state and history."""
+    """``steps=None``: the initial check (1 tick), the teachers' pass and the student's step (1 tick each, the
+    mean of 3 passes; Adam 0) are timed after 15 ticks; a step costs 2 ticks + 1/16 of a check, one check is
+    reserved: ⌊(1.45 − 16/64) / (33/1024)⌋ = 37 steps. The probe changes nothing (weights, the batch order, the
+    random state behind dropout): the same call with ``steps=37`` gives bitwise the same state and history."""
     make, batches, loss_fn = _tiny_gpt2() if kind == "gpt2" else _tiny_vit()
     model, teachers, student = make(0), [make(s).state_dict() for s in (1, 2)], make(3).state_dict()
     fake_clock(monkeypatch, distill_module)
@@ -80,11 +80,11 @@ def test_a_budget_sizes_the_steps_before_the_first_and_the_recorded_count_repeat
                                 batches[4:], eval_every=16, lr=1e-2, **options)
 
     sized = run(steps=None, budget=1.45)
-    assert sized.steps == math.floor((1.45 - 10 * TICK) / (2 * TICK + TICK / 16)) == 40
-    assert not sized.stopped_at_budget and sized.summary()["steps"] == 40
-    assert [step for step, _ in sized.history] == [0, 16, 32, 40]
-    again = run(steps=40)
-    assert again.history == sized.history and again.steps == 40 and again.best_step == sized.best_step
+    assert sized.steps == math.floor((1.45 - 16 * TICK) / (2 * TICK + TICK / 16)) == 37
+    assert not sized.stopped_at_budget and sized.summary()["steps"] == 37
+    assert [step for step, _ in sized.history] == [0, 16, 32, 37]
+    again = run(steps=37)
+    assert again.history == sized.history and again.steps == 37 and again.best_step == sized.best_step
     for key, value in again.state.items():
         assert torch.equal(sized.state[key], value), key
 
@@ -97,15 +97,15 @@ def test_step_cost_counts_the_checks_and_the_reserve():
 
 def test_a_budgeted_run_whose_steps_slow_down_stops_within_its_budget(monkeypatch):
     """Steps slower than timed (the clock jumps to 1 s per reading once the run is sized) stop the run once
-    its budget less one check is spent, with a last check at that step; so does a run of given steps with a
+    its budget less its last checks is spent, with a last check at that step; so does a run of given steps with a
     budget (the ServerApp's when ``prepare`` sized it); the summary reports it."""
     make, batches, loss_fn = _tiny_vit()
     model, teachers, student = make(0), [make(s).state_dict() for s in (1, 2)], make(3).state_dict()
-    fake_clock(monkeypatch, distill_module, after=(10, 1.0))
+    fake_clock(monkeypatch, distill_module, after=(16, 1.0))
     result = ensemble_distill(model, student, teachers, loss_fn, (batches[i % 4] for i in range(10**6)),
                               batches[4:], steps=None, budget=4.0, eval_every=16, lr=1e-2)
-    # sized after 10 ticks for 119 steps; at step k the clock reads 9 ticks + k s past the start: step 4 passes 4 s
-    # less one check
+    # sized after 15 ticks for 116 steps; at step k the clock reads 15 ticks + k s past the start: step 4 passes
+    # 4 s less one check
     assert result.steps == result.stopped_at_budget == 4 and result.history[-1][0] == 4
     assert result.summary()["stopped_at_budget"] == 4
     fake_clock(monkeypatch, distill_module, after=(0, 1.0))
@@ -156,7 +156,7 @@ def test_a_flower_round_sizes_its_distillation_before_the_merge_and_caches_that_
     """``distill-steps = auto``: ``prepare`` times one step (the first client standing in for the student)
     and the checks, sizes the run to the budget left, caches the clients' outputs for exactly those steps;
     ``distill`` takes them within the budget prepare left; the round's metrics report the sized steps."""
-    config = resolve_run_config({**ROUND, "distill-steps": "auto", "distill-budget": 0.35})  # a cache within budget
+    config = resolve_run_config({**ROUND, "distill-steps": "auto", "distill-budget": 0.45})  # a cache within budget
     task, model, spec, states, options = digits_round()
     costs, given = [], []
     probe, run = server_app.probe_step, server_app.ensemble_distill
@@ -167,13 +167,14 @@ def test_a_flower_round_sizes_its_distillation_before_the_merge_and_caches_that_
     fake_clock(monkeypatch, distill_module, server_app)
     arrays, metrics = one_shot_round(AlignedFedAvg(spec, distill=server_app.make_distiller(model, task, config),
                                                    **options), states)
-    # prepare: its start, 8 readings of the probe, then the sizing: 9 ticks spent
-    expected = costs[0].steps(0.35 - 9 * TICK)
+    # prepare: its start, 14 readings of the probe (teachers and student 3 passes each, a check), the sizing: 15
+    # ticks spent
+    expected = costs[0].steps(0.45 - 15 * TICK)
     assert expected == 4 and metrics["distill_steps"] == expected and metrics["distill_stopped_at_budget"] == 0
     teachers, keywords = given[0]
     assert [type(t).__name__ for t in teachers] == ["TeacherOutputs"] * 3
     assert {len(t) for t in teachers} == {expected} and keywords["steps"] == expected
-    assert keywords["budget"] == 0.35 - 10 * TICK  # what prepare left
+    assert keywords["budget"] == 0.45 - 16 * TICK  # what prepare left
     assert arrays is not None and metrics["round_failed"] == 0
 
 
@@ -199,6 +200,6 @@ def test_without_prepare_a_flower_distiller_sizes_itself(monkeypatch):
     task, model, spec, states, _ = digits_round()
     fake_clock(monkeypatch, distill_module, server_app)
     result = server_app.make_distiller(model, task, config)(states[0], states)
-    # the checks (selection, evaluation), teachers and student 1 tick each, 10 ticks spent; 2 checks reserved
-    assert result.steps == math.floor((0.5 - 10 * TICK - 2 * TICK) / (2 * TICK + TICK / 10)) > 0
+    # the checks (selection, evaluation), teachers and student 1 tick each, 16 ticks spent; 2 checks reserved
+    assert result.steps == math.floor((0.5 - 16 * TICK - 2 * TICK) / (2 * TICK + TICK / 10)) > 0
     assert result.summary()["steps"] == result.steps

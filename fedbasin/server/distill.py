@@ -22,7 +22,7 @@ transfer batch, the student's forward and backward pass and an Adam step estimat
 one, a keep-best check) and takes as many steps as the budget allows, so the cosine schedule
 spans the sized run from its first step: the run is bitwise the one given the recorded
 ``DistillResult.steps``. Should later steps run slower than timed, a budgeted run stops once the
-budget less one check is spent, with a last check (``DistillResult.stopped_at_budget``).
+budget less its last checks (selection, evaluation) is spent, with a last check (``DistillResult.stopped_at_budget``).
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def trainable_state(model: nn.Module, state: dict, in_place: bool) -> tuple[dict
 
 
 EVAL_EVERY = 10  # keep-best checks every this many steps (ensemble_distill's default; the ServerApp's)
-PROBE_PASSES = 2  # a probed part is timed on its last pass: the first pays one-off costs
+PROBE_PASSES = 3  # a probed part is timed as the mean of this many passes after an untimed one (one-off costs)
 ADAM_PROBE = 1 << 20  # elements of the scratch Adam step that times Adam's rate per element
 
 
@@ -313,20 +313,24 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(function: Callable[[], object], device: torch.device, passes: int = PROBE_PASSES) -> float:
-    """Seconds of the last of ``passes`` calls of ``function`` (the device's queue drained around it)."""
+def _timed(function: Callable[[], object], device: torch.device, passes: int = PROBE_PASSES,
+           warm_up: bool = True) -> float:
+    """Mean seconds of ``passes`` calls of ``function`` (the device's queue drained around each),
+    after an untimed one with ``warm_up`` (it pays the one-off costs)."""
+    if warm_up:
+        function()
     seconds = 0.0
     for _ in range(passes):
         _synchronize(device)
         started = time.perf_counter()
         function()
         _synchronize(device)
-        seconds = time.perf_counter() - started
-    return seconds
+        seconds += time.perf_counter() - started
+    return seconds / passes
 
 
 def adam_seconds(parameters: list[torch.Tensor], device: torch.device) -> float:
-    """Seconds of the run's Adam step over ``parameters`` (one Adam per slice of
+    """Seconds of the run's Adam step over ``parameters`` (one Adam and its schedule per slice of
     :data:`ADAM_SLICE` elements), estimated from timed steps over two scratch tensors on
     ``device``, of one and of up to :data:`ADAM_PROBE` elements: a cost per slice and a cost per
     element (at most 16 MiB of scratch, whatever the model)."""
@@ -338,7 +342,13 @@ def adam_seconds(parameters: list[torch.Tensor], device: torch.device) -> float:
     def step_seconds(n: int) -> float:
         scratch = torch.zeros(n, device=device, requires_grad=True)
         scratch.grad = torch.zeros_like(scratch)
-        return _timed(torch.optim.Adam([scratch], lr=1e-3).step, device)  # the first step makes Adam's moments
+        optimiser = torch.optim.Adam([scratch], lr=1e-3)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda t: 1.0)
+
+        def step() -> None:
+            optimiser.step()
+            schedule.step()
+        return _timed(step, device)  # the first step makes Adam's moments
 
     one, n = step_seconds(1), min(total, ADAM_PROBE)
     per_element = max(step_seconds(n) - one, 0.0) / n
@@ -351,7 +361,7 @@ def _student_seconds(model: nn.Module, live: dict, trained: list[torch.Tensor], 
     """Seconds of a student step on ``(x, y)`` towards ``target`` that changes nothing: the forward
     pass in train mode, the loss and the backward pass with each gradient dropped as soon as it is
     complete (as the run's Adam steps free it), the torch random state (dropout) restored after
-    it; plus the Adam step, estimated (:func:`adam_seconds`)."""
+    it, and the run's check for a non-finite step; plus the Adam step, estimated (:func:`adam_seconds`)."""
 
     def drop(parameter: torch.Tensor) -> None:
         parameter.grad = None
@@ -363,6 +373,7 @@ def _student_seconds(model: nn.Module, live: dict, trained: list[torch.Tensor], 
         if label_weight > 0:
             loss = loss + label_weight * loss_fn(logits, y)
         loss.backward()
+        all_finite(loss, trained)  # as the run checks every step
 
     hooks = [p.register_post_accumulate_grad_hook(drop) for p in trained]
     training = model.training
@@ -392,14 +403,14 @@ def probe_step(model: nn.Module, teachers: list[dict], batch: Batch, selection: 
     ensemble = StateEnsemble(model, teachers, combine=teacher)
     with torch.no_grad():
         target = ensemble(x)  # (also the warm-up pass)
-        teachers_seconds = _timed(lambda: ensemble(x), device, passes=1)
+        teachers_seconds = _timed(lambda: ensemble(x), device, warm_up=False)
     live, own_keys = trainable_state(model, model.state_dict(), in_place=True)
     trained = [live[k] for k in own_keys if live[k].requires_grad]
     student = _student_seconds(model, live, trained, x, y, target, loss_fn, temperature, label_weight, device)
     training = model.training
     model.eval()
     try:
-        check = _timed(lambda: mean_loss(model, loss_fn, selection, device), device, passes=1)
+        check = _timed(lambda: mean_loss(model, loss_fn, selection, device), device, passes=1, warm_up=False)
     finally:
         model.train(training)
     per_example = check / sum(len(b[1]) for b in selection)
@@ -450,7 +461,7 @@ def ensemble_distill(
     the sized run and ``DistillResult.steps`` given as ``steps`` repeats it bitwise. A ``budget``
     with ``steps`` given (a run sized beforehand: the ServerApp's, whose teachers' outputs were
     cached for it) only bounds the call. A budgeted run whose steps run slower than timed stops
-    once the budget less one check is spent, with a last check there (``stopped_at_budget``).
+    once the budget less its last checks is spent, with a last check there (``stopped_at_budget``).
     Without a ``budget`` the run takes exactly ``steps``.
     """
     if not teachers:
@@ -512,6 +523,7 @@ def ensemble_distill(
                              eval_every, lambda: budget - (time.perf_counter() - started))
         transfer = itertools.chain([first], itertools.islice(transfer, steps - 1)) if steps else iter(())
     result.steps = steps
+    last_checks = check_seconds + evaluation_seconds  # a budgeted run keeps them for its end
     if in_place:
         keep_best()  # θ₀ exists nowhere else
     # Adam per parameter, stepped as soon as that parameter's gradient is complete (inside the
@@ -556,7 +568,7 @@ def ensemble_distill(
                 for schedule in schedules:
                     schedule.step()
                 bar.update(1)
-                if budget is not None and step < steps and time.perf_counter() - started > budget - check_seconds:
+                if budget is not None and step < steps and time.perf_counter() - started > budget - last_checks:
                     steps = result.stopped_at_budget = step  # slower steps than timed: the budget holds, a last check
                 if step % eval_every == 0 or step == steps:
                     value = split_loss(selection)
@@ -603,7 +615,7 @@ def _sized_steps(model, live, own_keys, ensemble, batch, loss_fn, temperature, l
     x, y = batch[0].to(device), batch[1].to(device)
     with torch.no_grad():
         target = ensemble(x)  # (also the warm-up pass)
-        checks.teachers = _timed(lambda: ensemble(x), device, passes=1)
+        checks.teachers = _timed(lambda: ensemble(x), device, warm_up=False)
     trained = [live[k] for k in own_keys if live[k].requires_grad]
     checks.student = _student_seconds(model, live, trained, x, y, target, loss_fn, temperature, label_weight, device)
     return checks.steps(seconds_left(), eval_every)
