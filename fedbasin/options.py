@@ -150,8 +150,14 @@ class DistillOptions:
     """Ensemble distillation of the clients' outputs into the merge (Flower, on the proxy split)."""
 
     PREFIX = "distill-"
-    steps: int = option(0, ">0: distil the clients' ensemble into the merge on the proxy split", low=0,
-                        surfaces=(RUN,))
+    # the default: 0, no distillation; AUTO here distils, sized by ``budget``, whenever the server holds a proxy split
+    steps: int | str = option(0, ">0: distil the clients' ensemble into the merge on the proxy split for this many "
+                              "steps; auto: as many as distill-budget allows (no proxy split: no distillation)",
+                              low=0, auto=True, surfaces=(RUN,))
+    budget: float = option(120.0, "with distill-steps auto: seconds one distillation may take per round (caching "
+                           "the clients' outputs, the steps and keep-best checks); the steps follow from timing "
+                           "one step before the first; 0: no distillation", low=0, surfaces=(RUN,),
+                           metavar="SECONDS")
     lr: float = option(0.002, "Adam learning rate of the student", low=0, open_low=True, surfaces=(RUN,))
     temperature: float = option(3.0, "softmax temperature of teacher and student", low=0, open_low=True,
                                 surfaces=(RUN,))

@@ -39,6 +39,7 @@ SUBSETS = {
     "gauge": CORE + ["tests/test_strategy_merge.py"],
     "auto_kind": ["tests/test_options.py"],
     "budget": ["tests/test_options.py"],
+    "distill_budget": ["tests/test_distill_budget.py"],
     "translator": ["tests/test_options.py", "tests/test_head_lr.py"],
     "phi": ["tests/test_families_cli.py", "tests/test_phi.py"],
     "shared_norm": ["tests/test_phi.py"],

@@ -155,6 +155,14 @@ def budget_ignored() -> None:
     replace_everywhere(learned_refine, _forcing(learned_refine, steps=fixed))
 
 
+def distill_budget_ignored() -> None:
+    """A distillation sized by its budget (``steps=None``; ``distill-steps = auto``) takes a fixed 10 steps,
+    whatever its budget and the timed step."""
+    from fedbasin.server.distill import StepCost
+
+    StepCost.steps = lambda self, seconds, eval_every=10: 10
+
+
 def translator_drops_head_lr() -> None:
     """The options translator forgets the per-head learning rate (the maps all train at ``lr``)."""
     from fedbasin import options
@@ -238,6 +246,7 @@ MUTATIONS = {
     "gauge": gauge_skipped,
     "auto_kind": auto_ignores_kind,
     "budget": budget_ignored,
+    "distill_budget": distill_budget_ignored,
     "translator": translator_drops_head_lr,
     "phi": phi_unregistered,
     "shared_norm": shared_norm_feeds_attention_only,

@@ -11,7 +11,7 @@ client after the other), then reports test accuracy of
 * with a proxy split (and ``refine-steps`` not 0; auto: the run config's default, docs/options.md): the
   aligned merge after server-side learned refinement on the proxy
   split (``aligned + learned``),
-* with ``distill-steps > 0``: that merge (or the aligned one) after server-side ensemble
+* with ``distill-steps > 0`` (or ``auto``): that merge (or the aligned one) after server-side ensemble
   distillation on the proxy split (``aligned + distilled``), and, as a control, FedAvg distilled
   the same way (``FedAvg + distilled``) -- the ServerApp's ``make_refiner`` / ``make_distiller``,
 * the logit ensemble (mean of the K models' logits; K times the inference cost), and in the JSON
@@ -43,7 +43,13 @@ from fedbasin.atomic import atomic_write
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
 from fedbasin.server.distill import LogitEnsemble
 from fedbasin.server.outputs import write_json_atomic
-from fedbasin.server.server_app import distill_augment, make_distiller, make_refiner, refines
+from fedbasin.server.server_app import (
+    distill_augment,
+    distils,
+    make_distiller,
+    make_refiner,
+    refines,
+)
 from fedbasin.simulate import parse_run_config
 from fedbasin.training import evaluate, resolve_device, train
 
@@ -176,7 +182,7 @@ def check_further_from(names: tuple[str, ...], config: dict) -> tuple[str, ...]:
         if name not in FURTHER_FROM:
             raise ValueError(f"--further-from {name!r}: expected one of {', '.join(FURTHER_FROM)}")
         needs = FURTHER_FROM[name]
-        if needs and config[needs] <= 0:
+        if needs and config[needs] != "auto" and config[needs] <= 0:
             raise ValueError(f"--further-from {name}: that merge needs run-config {needs} > 0")
     return names
 
@@ -234,7 +240,7 @@ def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int 
         row["aligned_learned"] = f"{accuracy(merges['aligned + learned']):.4f}"
         row["align_seconds_learned"] = refined.seconds
         row["refine"] = refined.summary()
-    if config["distill-steps"] > 0:  # server-side ensemble distillation, from the best aligned merge
+    if distils(config, task):  # server-side ensemble distillation, from the best aligned merge
         distill = make_distiller(model_from_config(task, config, seed=0), task, config)
         start = "aligned + learned" if "aligned + learned" in merges else list(merges)[1]
         for key, name in (("aligned_distilled", start), ("fedavg_distilled", "FedAvg")):
@@ -337,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--further-from needs --further-rounds >= 1")
         for data in args.data or ["digits"]:  # loads (and caches) every data source up front
             config = resolve_run_config({**overrides, "data": data})
-            if config["distill-steps"] > 0:
+            if config["distill-steps"] != 0:  # > 0 or auto
                 distill_augment(task_from_config(config), config)
             else:
                 task_from_config(config)

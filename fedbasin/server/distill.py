@@ -15,10 +15,19 @@ and student alike, so the transfer set is larger than the proxy images. Keep-bes
 split: the student is scored every ``eval_every`` steps by ``loss_fn`` against the true labels
 and the best state seen (θ₀ included) is returned, so distillation never returns something worse
 than its start on that split; an optional *evaluation* split is only reported.
+
+``steps=None`` sizes the run by a time ``budget`` (seconds): before the first step the run times
+one step's parts without changing anything (:func:`probe_step`: the teachers' outputs on the first
+transfer batch, the student's forward and backward pass and an Adam step estimated from a scratch
+one, a keep-best check) and takes as many steps as the budget allows, so the cosine schedule
+spans the sized run from its first step: the run is bitwise the one given the recorded
+``DistillResult.steps``. Should later steps run slower than timed, a budgeted run stops once the
+budget less its last checks (selection, evaluation) is spent, with a last check (``DistillResult.stopped_at_budget``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -49,15 +58,21 @@ class DistillResult:
     evaluation_loss: float = math.nan
     seconds: float = 0.0
     diverged_step: int = 0  # the step whose loss or weights became non-finite (training stopped there); 0: none
+    steps: int = 0  # the steps the run was given (sized from the budget when steps=None)
+    stopped_at_budget: int = 0  # a budgeted run whose steps ran slower than timed stopped at this step
 
     @property
     def improved(self) -> bool:
         return self.best_step > 0
 
     def summary(self) -> dict:
-        """JSON-ready record, the same keep-best record as learned refinement's; says plainly when
-        distillation diverged or returned its start unchanged."""
-        return keep_best_record(self, "distillation", "the merged model", "weights")
+        """JSON-ready record, the same keep-best record as learned refinement's (its steps, and where
+        the budget stopped it); says plainly when distillation diverged or returned its start unchanged."""
+        out = keep_best_record(self, "distillation", "the merged model", "weights")
+        out["steps"] = self.steps
+        if self.stopped_at_budget:
+            out["stopped_at_budget"] = self.stopped_at_budget
+        return out
 
 
 TEACHERS = ("logits", "probabilities")
@@ -147,13 +162,13 @@ class TeacherOutputs(ScratchTensors):
     instead of a model in memory, so its weights can go before the run."""
 
 
-def transfer_batches(batches: Iterable[Batch], steps: int, augment=None, seed: int = 0):
-    """The ``steps`` transfer batches of a distillation run: ``(x, y)`` drawn in order from
-    ``batches``, each ``x`` replaced by ``augment(x, generator)`` with one generator seeded
-    ``seed`` — the same views whoever replays the same draws."""
+def transfer_batches(batches: Iterable[Batch], steps: int | None, augment=None, seed: int = 0):
+    """The ``steps`` transfer batches of a distillation run (None: as many as are drawn): ``(x, y)``
+    drawn in order from ``batches``, each ``x`` replaced by ``augment(x, generator)`` with one
+    generator seeded ``seed`` — the same views whoever replays the same draws."""
     iterator = iter(batches)
     views = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
+    for _ in (itertools.count() if steps is None else range(steps)):
         x, y = next(iterator)
         yield (x if augment is None else augment(x, views)), y
 
@@ -268,6 +283,141 @@ def trainable_state(model: nn.Module, state: dict, in_place: bool) -> tuple[dict
     return live, own_keys
 
 
+EVAL_EVERY = 10  # keep-best checks every this many steps (ensemble_distill's default; the ServerApp's)
+PROBE_PASSES = 3  # a probed part is timed as the mean of this many passes after an untimed one (one-off costs)
+ADAM_PROBE = 1 << 20  # elements of the scratch Adam step that times Adam's rate per element
+
+
+@dataclass
+class StepCost:
+    """Measured seconds of one distillation step's parts (:func:`probe_step`): ``teachers``, their
+    outputs on one transfer batch (forward passes, or reading the cached ones); ``student``, its
+    forward, loss, backward and Adam step; ``check``, one keep-best check on the selection split;
+    ``reserve``, the run's seconds besides its steps still to come (checks outside the steps)."""
+
+    teachers: float
+    student: float
+    check: float
+    reserve: float = 0.0
+
+    def steps(self, seconds: float, eval_every: int = EVAL_EVERY) -> int:
+        """The steps that fit in ``seconds``: each costs the teachers, the student and one
+        ``eval_every``-th of a check, after ``reserve``; 0 when not one fits."""
+        per_step = self.teachers + self.student + self.check / eval_every
+        left = seconds - self.reserve
+        return max(0, int(left / per_step)) if per_step > 0 else 0
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(function: Callable[[], object], device: torch.device, passes: int = PROBE_PASSES,
+           warm_up: bool = True) -> float:
+    """Mean seconds of ``passes`` calls of ``function`` (the device's queue drained around each),
+    after an untimed one with ``warm_up`` (it pays the one-off costs)."""
+    if warm_up:
+        function()
+    seconds = 0.0
+    for _ in range(passes):
+        _synchronize(device)
+        started = time.perf_counter()
+        function()
+        _synchronize(device)
+        seconds += time.perf_counter() - started
+    return seconds / passes
+
+
+def adam_seconds(parameters: list[torch.Tensor], device: torch.device) -> float:
+    """Seconds of the run's Adam step over ``parameters`` (one Adam and its schedule per slice of
+    :data:`ADAM_SLICE` elements), estimated from timed steps over two scratch tensors on
+    ``device``, of one and of up to :data:`ADAM_PROBE` elements: a cost per slice and a cost per
+    element (at most 16 MiB of scratch, whatever the model)."""
+    if not parameters:
+        return 0.0
+    total = sum(p.numel() for p in parameters)
+    slices = sum(max(1, -(-p.numel() // ADAM_SLICE)) for p in parameters)
+
+    def step_seconds(n: int) -> float:
+        scratch = torch.zeros(n, device=device, requires_grad=True)
+        scratch.grad = torch.zeros_like(scratch)
+        optimiser = torch.optim.Adam([scratch], lr=1e-3)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda t: 1.0)
+
+        def step() -> None:
+            optimiser.step()
+            schedule.step()
+        return _timed(step, device)  # the first step makes Adam's moments
+
+    one, n = step_seconds(1), min(total, ADAM_PROBE)
+    per_element = max(step_seconds(n) - one, 0.0) / n
+    return slices * one + total * per_element
+
+
+def _student_seconds(model: nn.Module, live: dict, trained: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                     target: torch.Tensor, loss_fn, temperature: float, label_weight: float,
+                     device: torch.device) -> float:
+    """Seconds of a student step on ``(x, y)`` towards ``target`` that changes nothing: the forward
+    pass in train mode, the loss and the backward pass with each gradient dropped as soon as it is
+    complete (as the run's Adam steps free it), the torch random state (dropout) restored after
+    it, and the run's check for a non-finite step; plus the Adam step, estimated (:func:`adam_seconds`)."""
+
+    def drop(parameter: torch.Tensor) -> None:
+        parameter.grad = None
+
+    def step() -> None:
+        model.train()
+        logits = _logits_of(torch.func.functional_call(model, live, (x,)))
+        loss = (1 - label_weight) * distillation_loss(logits, target, temperature)
+        if label_weight > 0:
+            loss = loss + label_weight * loss_fn(logits, y)
+        loss.backward()
+        all_finite(loss, trained)  # as the run checks every step
+
+    hooks = [p.register_post_accumulate_grad_hook(drop) for p in trained]
+    training = model.training
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            seconds = _timed(step, device)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train(training)
+    return seconds + adam_seconds(trained, device)
+
+
+def probe_step(model: nn.Module, teachers: list[dict], batch: Batch, selection: list[Batch],
+               evaluation: list[Batch] | None, loss_fn, *, temperature: float = 1.0, label_weight: float = 0.0,
+               teacher: str = "logits") -> StepCost:
+    """The :class:`StepCost` of a distillation of ``teachers`` whose student is ``model`` as it
+    is (e.g. holding one teacher's weights: the student's architecture is the teachers'), timed
+    on ``batch`` (the run's first transfer batch) and ``selection``; nothing changes. ``reserve``
+    holds the run's checks outside its steps: the student's start and end on the selection split
+    and, with an ``evaluation`` split, its start and end there (timed as the selection's, per
+    example). The ServerApp sizes a run with it before the merge, so that the teachers' outputs
+    can be cached for the sized steps (``prepare``)."""
+    _check_combine(teacher)
+    device = next(iter(model.parameters())).device
+    x, y = batch[0].to(device), batch[1].to(device)
+    ensemble = StateEnsemble(model, teachers, combine=teacher)
+    with torch.no_grad():
+        target = ensemble(x)  # (also the warm-up pass)
+        teachers_seconds = _timed(lambda: ensemble(x), device, warm_up=False)
+    live, own_keys = trainable_state(model, model.state_dict(), in_place=True)
+    trained = [live[k] for k in own_keys if live[k].requires_grad]
+    student = _student_seconds(model, live, trained, x, y, target, loss_fn, temperature, label_weight, device)
+    training = model.training
+    model.eval()
+    try:
+        check = _timed(lambda: mean_loss(model, loss_fn, selection, device), device, passes=1, warm_up=False)
+    finally:
+        model.train(training)
+    per_example = check / sum(len(b[1]) for b in selection)
+    evaluating = 0.0 if evaluation is None else per_example * sum(len(b[1]) for b in evaluation)
+    return StepCost(teachers_seconds, student, check, reserve=2 * (check + evaluating))
+
+
 def ensemble_distill(
     model: nn.Module,
     student: dict,
@@ -276,10 +426,10 @@ def ensemble_distill(
     batches: Iterable[Batch],
     selection: list[Batch],
     evaluation: list[Batch] | None = None,
-    steps: int = 200,
+    steps: int | None = 200,
     lr: float = 1e-3,
     temperature: float = 1.0,
-    eval_every: int = 10,
+    eval_every: int = EVAL_EVERY,
     progress: bool = False,
     label_weight: float = 0.0,
     augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
@@ -287,6 +437,7 @@ def ensemble_distill(
     teacher: str = "logits",
     in_place: bool = False,
     scratch_dir: str | None = None,
+    budget: float | None = None,
 ) -> DistillResult:
     """Distil the mean-logit ensemble of ``teachers`` into ``student`` (see the module doc).
 
@@ -303,12 +454,27 @@ def ensemble_distill(
     best state seen when it is not the live one (θ₀ too, when ``in_place``) is kept on disk in
     ``scratch_dir`` (:mod:`fedbasin.scratch`), not in memory; Adam steps each parameter inside the
     backward pass, so one gradient is alive at a time.
+
+    Time: ``steps=None`` takes as many steps as ``budget`` seconds allow (the whole call), sized
+    before the first step by :func:`probe_step`'s timings on the first transfer batch (the student
+    as it starts; nothing changes, the torch random state included), so the cosine schedule spans
+    the sized run and ``DistillResult.steps`` given as ``steps`` repeats it bitwise. A ``budget``
+    with ``steps`` given (a run sized beforehand: the ServerApp's, whose teachers' outputs were
+    cached for it) only bounds the call. A budgeted run whose steps run slower than timed stops
+    once the budget less its last checks is spent, with a last check there (``stopped_at_budget``).
+    Without a ``budget`` the run takes exactly ``steps``.
     """
     if not teachers:
         raise ValueError("ensemble distillation needs at least one teacher")
     if not selection:
         raise ValueError("ensemble distillation: the selection split is empty (keep-best needs data to choose on)")
-    check_step_options(steps, eval_every, lr=lr, temperature=temperature)
+    sized = steps is None
+    if budget is not None and not (isinstance(budget, (int, float)) and math.isfinite(budget)
+                                   and (budget > 0 or not sized)):
+        raise ValueError(f"budget must be a number of seconds{' > 0' * sized}, got {budget!r}")
+    if sized and budget is None:
+        raise ValueError("steps=None sizes the run by its budget: give budget (seconds)")
+    check_step_options(0 if sized else steps, eval_every, lr=lr, temperature=temperature)
     if not (isinstance(label_weight, (int, float)) and 0 <= label_weight <= 1):
         raise ValueError(f"label_weight must be a number in [0, 1], got {label_weight!r}")
     started = time.perf_counter()
@@ -316,6 +482,8 @@ def ensemble_distill(
     cached = all(isinstance(t, TeacherOutputs) for t in teachers)
     if not cached and any(isinstance(t, TeacherOutputs) for t in teachers):
         raise ValueError("teachers must be all states or all cached outputs, not a mix")
+    if cached and sized:
+        raise ValueError("cached teacher outputs fix the run's steps: give steps (their length), not None")
     if cached and any(len(t) != steps for t in teachers):
         raise ValueError(f"cached teacher outputs cover {sorted({len(t) for t in teachers})} steps, "
                          f"the run takes {steps}")
@@ -339,10 +507,23 @@ def ensemble_distill(
         for key in own_keys:
             best_copy.append(live[key])
 
+    check_started = time.perf_counter()
     best = initial = split_loss(selection)
+    check_seconds = time.perf_counter() - check_started  # (the loss is read: the device is synchronised)
     result = DistillResult({}, [(0, initial)], initial_loss=initial)
+    evaluation_seconds = 0.0
     if evaluation is not None:
         result.evaluation_initial_loss = split_loss(evaluation)
+        evaluation_seconds = time.perf_counter() - check_started - check_seconds
+    transfer = transfer_batches(batches, None if sized else steps, augment, seed)
+    if sized:  # time one step's parts on the first transfer batch (changing nothing), then size the run
+        first = next(transfer)
+        steps = _sized_steps(model, live, own_keys, ensemble, first, loss_fn, temperature, label_weight, device,
+                             StepCost(0.0, 0.0, check_seconds, reserve=check_seconds + evaluation_seconds),
+                             eval_every, lambda: budget - (time.perf_counter() - started))
+        transfer = itertools.chain([first], itertools.islice(transfer, steps - 1)) if steps else iter(())
+    result.steps = steps
+    last_checks = check_seconds + evaluation_seconds  # a budgeted run keeps them for its end
     if in_place:
         keep_best()  # θ₀ exists nowhere else
     # Adam per parameter, stepped as soon as that parameter's gradient is complete (inside the
@@ -367,7 +548,6 @@ def ensemble_distill(
 
     trained = [live[k] for k in own_keys if live[k].requires_grad]
     hooks = [p.register_post_accumulate_grad_hook(step_now) for p in trained]
-    transfer = transfer_batches(batches, steps, augment, seed)
     try:
         with tqdm(total=steps, desc="ensemble distillation", unit="step", disable=not progress, leave=False) as bar:
             for step, (x, y) in enumerate(transfer, start=1):
@@ -388,6 +568,8 @@ def ensemble_distill(
                 for schedule in schedules:
                     schedule.step()
                 bar.update(1)
+                if budget is not None and step < steps and time.perf_counter() - started > budget - last_checks:
+                    steps = result.stopped_at_budget = step  # slower steps than timed: the budget holds, a last check
                 if step % eval_every == 0 or step == steps:
                     value = split_loss(selection)
                     result.history.append((step, value))
@@ -397,6 +579,8 @@ def ensemble_distill(
                             keep_best()
                     if progress:
                         bar.set_postfix(best=f"{best:.4f}")
+                if step == steps:  # (stopped at the budget: the transfer batches go on)
+                    break
     finally:
         for hook in hooks:
             hook.remove()
@@ -418,5 +602,20 @@ def ensemble_distill(
     best_copy.close()
     # (in the model's dtypes, on the CPU: no copy when they are)
     result.state = {k: state[k].detach().to("cpu", v.dtype) for k, v in model.state_dict().items()}
+    result.steps = steps
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _sized_steps(model, live, own_keys, ensemble, batch, loss_fn, temperature, label_weight, device,
+                 checks: StepCost, eval_every, seconds_left: Callable[[], float]) -> int:
+    """:func:`ensemble_distill`'s steps with ``steps=None``: :func:`probe_step`'s timings with the
+    run's own student (``live``), teachers and first batch, and its checks (``checks``: their
+    measured seconds), sized to the seconds left once they are timed (``seconds_left()``)."""
+    x, y = batch[0].to(device), batch[1].to(device)
+    with torch.no_grad():
+        target = ensemble(x)  # (also the warm-up pass)
+        checks.teachers = _timed(lambda: ensemble(x), device, warm_up=False)
+    trained = [live[k] for k in own_keys if live[k].requires_grad]
+    checks.student = _student_seconds(model, live, trained, x, y, target, loss_fn, temperature, label_weight, device)
+    return checks.steps(seconds_left(), eval_every)

@@ -48,11 +48,14 @@ from fedbasin.options import (
     robust_call,
 )
 from fedbasin.server.distill import (
+    EVAL_EVERY,
     TeacherOutputs,
     cache_teacher_outputs,
     ensemble_distill,
     mean_loss,
+    probe_step,
     random_crop_flip,
+    transfer_batches,
 )
 from fedbasin.server.outputs import RunOutputs
 from fedbasin.strategies import AlignedFedAvg
@@ -133,6 +136,16 @@ def make_refiner(spec, model, task, config: dict, to_module_state=None):
         vocabulary=vocabulary)
 
 
+def distils(config: dict, task) -> bool:
+    """Whether the server distils each round's merge: ``distill-steps`` > 0 (a run config without
+    a proxy split is refused), or ``auto`` with a ``distill-budget`` > 0 and a proxy split (without
+    one: no distillation, and no error)."""
+    steps = config["distill-steps"]
+    if steps == AUTO:
+        return task.proxy is not None and config["distill-budget"] > 0
+    return steps > 0
+
+
 def make_distiller(model, task, config: dict, adapter=None, in_place: bool = False):
     """``distill(merged, clients)``: ensemble distillation of the clients' mean logits into the
     merged model on the proxy split (the same training / selection / evaluation parts as
@@ -142,36 +155,68 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
     student, trained in place (no copy of the model: the ServerApp's strategy discards it for the
     result); otherwise it is left as it was. ``model``
     may have released its weights (:func:`~fedbasin.weights.release_weights`): each call
-    lends it the states it runs, on the run config's device."""
+    lends it the states it runs, on the run config's device.
+
+    ``distill-steps = auto``: each round's distillation takes ``distill-budget`` seconds at most,
+    ``prepare`` (the teachers' outputs cached before the merge) and ``distill`` together (the merge
+    in between is not counted). ``prepare`` sizes the run before caching: it times one step's parts
+    on the first transfer batch with the first client's weights standing in for the student (the
+    same architecture; :func:`~fedbasin.server.distill.probe_step`), caches that many steps, and
+    ``distill`` takes them with the budget left (stopping early should its steps run slower than
+    timed). Without ``prepare`` (or when it was not called this round) ``distill`` sizes itself
+    the same way with the merge as the student (``ensemble_distill(steps=None)``)."""
     if task.proxy is None:
         raise ValueError(f"run-config distill-steps={config['distill-steps']} needs proxy data: "
                          f"{task.name} has no proxy split (set proxy-size >= 10)")
     adapter = adapter or model_adapter(task, model)[1]
     augment = distill_augment(task, config)
     device = resolve_device(config["device"])
+    auto, budget = config["distill-steps"] == AUTO, float(config["distill-budget"])
+    if auto and budget <= 0:
+        raise ValueError("run-config distill-steps='auto' distill-budget=0.0 distils nothing: a budget > 0 "
+                         "sizes the run")
+    sized = {}  # this round's run as prepare sized it: steps, and the seconds prepare spent
 
     def distill(merged: dict, clients: list):
+        steps, seconds = config["distill-steps"], None  # a given count: exactly that, unbounded
+        if auto:
+            steps, spent = sized.pop("steps", None), sized.pop("spent", 0.0)
+            seconds = budget - spent if steps is not None else budget
         data = server_proxy_streams(task, model, config)
         teachers = [c if isinstance(c, TeacherOutputs) else adapter.from_standard(c) for c in clients]
         with holding_weights(model, adapter.from_standard(merged), device) as student:
             result = ensemble_distill(model, student, teachers, task.loss_fn,
                                       data.batches, data.selection, data.evaluation,
-                                      steps=config["distill-steps"], lr=config["distill-lr"],
+                                      steps=steps, lr=config["distill-lr"],
                                       temperature=config["distill-temperature"],
                                       label_weight=config["distill-label-weight"], augment=augment,
                                       teacher=config["distill-teacher"],
-                                      seed=config["seed"], in_place=in_place)
+                                      seed=config["seed"], in_place=in_place, budget=seconds)
         result.state = adapter.to_standard(result.state)
         return result
 
     def prepare(clients: list[dict]):
         """The clients' outputs on the transfer batches ``distill`` will draw, so that their
-        weights can go during the merge; None when that cache would exceed half their weights."""
+        weights can go during the merge; None when that cache would exceed half their weights.
+        With ``auto`` steps, the run is sized here first (recorded for ``distill``)."""
+        started = time.perf_counter()
+        sized.clear()
         data = server_proxy_streams(task, model, config)
         teachers = [adapter.from_standard(c) for c in clients]
         with holding_weights(model, teachers[0], device):
-            return cache_teacher_outputs(model, teachers, data.batches, config["distill-steps"], augment=augment,
-                                         seed=config["seed"])
+            steps = config["distill-steps"]
+            if auto:  # the first transfer batch, drawn from a stream of its own (data's is the cache's)
+                first = next(transfer_batches(server_proxy_streams(task, model, config).batches, 1, augment,
+                                              config["seed"]))
+                cost = probe_step(model, teachers, first, data.selection, data.evaluation, task.loss_fn,
+                                  temperature=config["distill-temperature"],
+                                  label_weight=config["distill-label-weight"], teacher=config["distill-teacher"])
+                steps = sized["steps"] = cost.steps(budget - (time.perf_counter() - started), EVAL_EVERY)
+            cached = cache_teacher_outputs(model, teachers, data.batches, steps, augment=augment,
+                                           seed=config["seed"])
+        if auto:
+            sized["spent"] = time.perf_counter() - started
+        return cached
 
     distill.prepare = prepare
     return distill
@@ -250,7 +295,7 @@ def run_server(grid: Grid, config: dict) -> dict:
                              extra_files=causal_lm.save_tokenizer(task))
         spec = adapter.spec
         distill = ({"distill": make_distiller(model, task, config, adapter, in_place=True)}
-                   if config["distill-steps"] > 0 else {})
+                   if distils(config, task) else {})
         match, _, _, robust = from_run_config(config)
         match = resolve_match(match, kind_of(task, model))
         strategy = AlignedFedAvg(

@@ -485,7 +485,11 @@ class AlignedFedAvg(FedAvg):
         _log_keep_best(server_round, "ensemble distillation", "selection", result)
         return result.state, {**metrics, "distill_selection_loss_start": result.initial_loss,
                               "distill_selection_loss": result.best_loss, "distill_best_step": result.best_step,
-                              "distill_diverged_step": getattr(result, "diverged_step", 0)}
+                              "distill_diverged_step": getattr(result, "diverged_step", 0),
+                              # the steps it was given (sized by distill-budget with auto), where the budget stopped it
+                              **({"distill_steps": result.steps,
+                                  "distill_stopped_at_budget": getattr(result, "stopped_at_budget", 0)}
+                                 if hasattr(result, "steps") else {})}
 
     def _aligned_merge(
         self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list
