@@ -20,7 +20,7 @@ import dataclasses
 import importlib.util
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -66,15 +66,17 @@ class ModelFormat:
     reads_torch_weights = False
     stores_tied_alias = True
 
+    entry: Any  # the registered family (NativeFamily or the Hugging Face Family): what the model reads
+
     @property
     def data(self) -> str:
-        raise NotImplementedError
+        return self.entry.data
 
     def data_values(self, config) -> dict:
-        raise NotImplementedError
+        return self.entry.data_values(config)
 
     def context_length(self, config) -> int | None:
-        raise NotImplementedError
+        return self.entry.context_length(config)
 
     # config
 
@@ -152,16 +154,6 @@ class NativeFormat(ModelFormat):
         self.entry = native_family(name)  # ValueError "unknown model family ..." for an unknown name
         self.family = name
 
-    @property
-    def data(self) -> str:
-        return self.entry.data
-
-    def data_values(self, config) -> dict:
-        return self.entry.data_values(config)
-
-    def context_length(self, config) -> int | None:
-        return self.entry.context_length(config)
-
     def config_from_json(self, values: dict):
         return self.entry.make_config({k: v for k, v in values.items() if k != FAMILY_FIELD})
 
@@ -208,16 +200,6 @@ class HFFormat(ModelFormat):
         from .alignment.families import family
 
         return family(self.family)
-
-    @property
-    def data(self) -> str:
-        return self.entry.data
-
-    def data_values(self, config) -> dict:
-        return self.entry.data_values(config)
-
-    def context_length(self, config) -> int | None:
-        return self.entry.context_length(config)
 
     def config_from_json(self, values: dict):
         return _hf().hf_config_class(self.family).from_dict(values)
