@@ -975,6 +975,7 @@ def _refuse_overwrite(out: Path, overwrite: bool) -> None:
 def cmd_train(args) -> int:
     import time
 
+    from fedbasin import causal_lm
     from fedbasin.checkpoint import TRAIN_RECORD, save_checkpoint
     from fedbasin.training import RECIPES, train
 
@@ -1001,9 +1002,15 @@ def cmd_train(args) -> int:
                "kind": fmt.kind, "family": fmt.family, "seed": args.seed, "epochs": epochs, "lr": lr,
                "batch_size": batch_size, "train_examples": len(task.train), **stats,
                "test_loss": test["loss"], "test_accuracy": test["accuracy"], "seconds": round(seconds, 1)}
-    # train.json is part of the checkpoint's atomic write: it never describes other weights
+    save_tokenizer = causal_lm.save_tokenizer(task)  # subword text: eval, barrier, align find it there
+
+    def extra_files(tmp: Path) -> None:  # part of the checkpoint's atomic write: never beside other weights
+        (tmp / TRAIN_RECORD).write_text(json.dumps(summary, indent=2))
+        if save_tokenizer is not None:
+            save_tokenizer(tmp)
+
     save_checkpoint(out, fmt.family, config, {k: v.cpu() for k, v in model.state_dict().items()}, kind=fmt.kind,
-                    extra_files=lambda tmp: (tmp / TRAIN_RECORD).write_text(json.dumps(summary, indent=2)))
+                    extra_files=extra_files)
     return _emit(summary)
 
 

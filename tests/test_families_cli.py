@@ -68,7 +68,9 @@ def test_train_writes_a_checkpoint_from_pretrained_loads(trained):
 def test_eval_and_barrier_score_the_trained_pair(trained, text_file, capsys):
     model_type, root, summaries = trained
     data = ["--data", f"text:{text_file}", "--tokenizer", TOKENIZER]
-    scored = _run(capsys, ["eval", root / "s0", *data, "--max-examples", 8])
+    # train saved its tokenizer beside the weights: eval needs no --tokenizer
+    assert (root / "s0" / "tokenizer.json").is_file() or (root / "s0" / "vocab.json").is_file()
+    scored = _run(capsys, ["eval", root / "s0", *data[:2], "--max-examples", 8])
     assert scored["family"] == model_type and scored["examples"] == 8
     assert math.isfinite(scored["loss"]) and 0 <= scored["accuracy"] <= 1
     barrier = _run(capsys, ["barrier", root / "s0", root / "s1", *data, "--points", 3, "--max-examples", 8,

@@ -146,3 +146,18 @@ def test_align_matches_on_the_tokens_seen_in_training(tmp_path, text_file, capsy
     assert distance(weighted, masked) > 1e-4  # the weighting changed the result
     plain = weight_match(a.spec, a.adapter.to_standard(a.state), b.adapter.to_standard(b.state), iterations=3).state
     assert distance(written(out), plain) > 1e-4  # the option changed the result
+
+
+def test_a_tokenizer_saved_beside_another_model_type_loads_as_itself(tmp_path):
+    """A checkpoint directory holds the model's config.json and the tokenizer it was trained with; the
+    model type must not choose the tokenizer (a GPT-2 tokenizer beside a Qwen2 config loaded as
+    Qwen2Tokenizer and cut Tiny Shakespeare into 1,652 tokens instead of 1,690)."""
+    from fedbasin.data.sources import HFTokenizer
+
+    original = HFTokenizer(TOKENIZER)
+    original.tokenizer.save_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 4
+    saved = HFTokenizer(tmp_path)
+    assert type(saved.tokenizer) is type(original.tokenizer)
+    assert torch.equal(saved.encode(text), original.encode(text))

@@ -75,7 +75,7 @@ class HFTokenizer:
             raise FileNotFoundError(f"tokenizer directory {where} does not exist")
         else:
             try:
-                self.tokenizer = AutoTokenizer.from_pretrained(str(where))
+                self.tokenizer = _saved_tokenizer_class(where).from_pretrained(str(where))
             except Exception as error:  # transformers raises OSError/ValueError/TypeError variously
                 raise ValueError(f"{where} holds no loadable Hugging Face tokenizer ({error})") from None
         self.tokenizer.model_max_length = int(1e30)  # long texts are cut into blocks later
@@ -90,6 +90,23 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids])
+
+
+def _saved_tokenizer_class(where: Path):
+    """The class ``tokenizer_config.json`` names (``tokenizer_class``), else ``AutoTokenizer``. A tokenizer
+    saved beside a model's ``config.json`` (a checkpoint directory) must load as itself: ``AutoTokenizer``
+    may pick the model type's tokenizer instead (a GPT-2 tokenizer beside a Qwen2 model loads as
+    Qwen2Tokenizer and cuts the text differently)."""
+    import json
+
+    import transformers
+
+    try:
+        named = json.loads((where / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    chosen = getattr(transformers, named, None) if isinstance(named, str) else None
+    return chosen if hasattr(chosen, "from_pretrained") else transformers.AutoTokenizer
 
 
 def is_hub_id(name: str) -> bool:
