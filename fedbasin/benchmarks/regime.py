@@ -150,7 +150,8 @@ def plot(rows: list[dict], grid: dict, path: Path) -> None:
         ax.set_xticks(range(len(grid["partitions"])), grid["partitions"], fontsize=8)
         ax.set_yticks(range(len(grid["epochs"])), [str(e) for e in grid["epochs"]])
         ax.set_xlabel("partition")
-        ax.set_ylabel("local epochs")
+        if ax is axes[0][0]:
+            ax.set_ylabel("local epochs")
         ax.set_title(f"init={init} ({'shared' if init == 'server' else 'independent'})", fontsize=9)
     fig.colorbar(image, ax=list(axes[0]), label="AlignedFedAvg − FedAvg, final accuracy")
     save_figure(fig, path)
