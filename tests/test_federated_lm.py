@@ -49,6 +49,7 @@ def test_a_tiny_federation_of_gpt2_models_end_to_end(tmp_path, capsys):
                   "proxy-size=16 refine-budget=1.0 distill-steps=2")
     assert federated_lm.main(["--text", str(text), "--tokenizer", str(TOKENIZER), "--families", "gpt2",
                               "--run-config", run_config, "--out", str(out)]) == 0
+    assert (tmp_path / "lm-gpt2-clients.pt").is_file()  # the trained clients, kept for a rerun
     (row,) = json.loads(out.read_text())["rows"]
     assert len(row["client"]) == 4 and all(len(c["own"]) == 4 for c in row["client"])
     assert row["best_client"]["union"] == min(c["union"] for c in row["client"])
@@ -68,3 +69,20 @@ def test_bad_input_is_refused_in_one_line_before_any_training(tmp_path, capsys):
     with pytest.raises(SystemExit):
         federated_lm.main(["--clients", "1"])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_trained_clients_are_reused_only_for_the_same_settings(tmp_path):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return [{"w": torch.full((2,), float(len(calls)))}]
+
+    path = tmp_path / "clients.pt"
+    first = federated_lm.cached(path, compute, {"lr": 0.003})
+    again = federated_lm.cached(path, compute, {"lr": 0.003})
+    assert len(calls) == 1 and torch.equal(first[0]["w"], again[0]["w"])
+    other = federated_lm.cached(path, compute, {"lr": 0.001})  # another setting: trained again
+    assert len(calls) == 2 and other[0]["w"][0] == 2.0
+    path.write_bytes(b"damaged")
+    assert federated_lm.cached(path, compute, {"lr": 0.001})[0]["w"][0] == 3.0 and len(calls) == 3

@@ -28,13 +28,15 @@ one row per ``--families`` entry::
 from __future__ import annotations
 
 import argparse
+import json
+import pickle
 import time
 from pathlib import Path
 
 import torch
 
 LM_DEFAULTS = {"block-size": 64, "model.dim": 64, "model.depth": 2, "model.heads": 4, "model.mlp-dim": 256,
-               "local-epochs": 4, "lr": 0.003, "batch-size": 16, "proxy-size": 200, "distill-steps": 300,
+               "local-epochs": 3, "lr": 0.003, "batch-size": 16, "proxy-size": 200, "distill-steps": 300,
                "refine-budget": 120.0}
 FAMILY_DEFAULTS = {"llama": {"model.kv-heads": 2}, "mistral": {"model.kv-heads": 2}, "qwen2": {"model.kv-heads": 2}}
 
@@ -65,11 +67,31 @@ def client_parts(task, clients: int, own_test: float, proxy_size: int, seed: int
     return trains, tests, concat(proxies) if per_client else None
 
 
+def cached(path: Path | None, compute, key: dict):
+    """``compute()``'s result, kept in ``path`` (written atomically) with ``key`` and reused while the
+    stored key is the same (trained clients survive a later failure and a rerun)."""
+    from fedbasin.atomic import atomic_write
+
+    key = json.loads(json.dumps({**key, "torch": str(torch.__version__)}, sort_keys=True, default=str))
+    if path is not None:
+        try:
+            stored = torch.load(path, weights_only=True)
+            if stored["key"] == key:
+                return stored["value"]
+        except (OSError, RuntimeError, KeyError, TypeError, EOFError, pickle.UnpicklingError):
+            pass
+    value = compute()
+    if path is not None:
+        atomic_write(path, lambda tmp: torch.save({"key": key, "value": value}, tmp))
+    return value
+
+
 def federated_lm(config: dict, clients: int, own_test: float = 0.1, rounds: int = 0, round_epochs: int = 1,
-                 progress: bool = True) -> dict:
-    """One benchmark row for one run config (``hf-config`` names the family); see the module docstring."""
+                 progress: bool = True, cache: Path | None = None) -> dict:
+    """One benchmark row for one run config (``hf-config`` names the family); see the module docstring.
+    ``cache``: a file keeping the trained clients for a rerun with the same settings."""
     from fedbasin.alignment import average_states, merge, refined_merge
-    from fedbasin.config import model_adapter, model_from_config, task_from_config
+    from fedbasin.config import eval_batch_size, model_adapter, model_from_config, task_from_config
     from fedbasin.data.task import Task
     from fedbasin.options import from_run_config, resolve_match
     from fedbasin.server.distill import LogitEnsemble
@@ -85,10 +107,11 @@ def federated_lm(config: dict, clients: int, own_test: float = 0.1, rounds: int 
     module = model_from_config(task, config, seed=0)
     adapter = model_adapter(task, module)[1]
     spec = adapter.spec
+    batch = eval_batch_size(task, module)  # one batch's logits stay small (50k-token vocabularies)
 
-    def losses(model) -> dict:
-        return {"union": evaluate(model, task.test, device)["loss"],
-                "own": [evaluate(model, test, device)["loss"] for test in tests]}
+    def losses(model, batch_size: int = batch) -> dict:
+        return {"union": evaluate(model, task.test, device, batch_size)["loss"],
+                "own": [evaluate(model, test, device, batch_size)["loss"] for test in tests]}
 
     def of_state(state: dict) -> dict:
         module.load_state_dict(adapter.from_standard(state))
@@ -107,7 +130,8 @@ def federated_lm(config: dict, clients: int, own_test: float = 0.1, rounds: int 
             states.append({key: v.detach().cpu().clone() for key, v in adapter.to_standard(model.state_dict()).items()})
         return states, seconds
 
-    states, train_seconds = local_training(None, config["local-epochs"], 1000 * config["seed"])
+    states, train_seconds = cached(cache, lambda: local_training(None, config["local-epochs"], 1000 * config["seed"]),
+                                   {"config": config, "clients": clients, "own_test": own_test})
     weights = [float(len(t)) for t in trains]
     row = {"family": config["hf-config"], "clients": clients, "blocks": [len(t) for t in trains],
            "union_test_blocks": len(task.test), "proxy_blocks": len(proxy) if proxy is not None else 0,
@@ -120,7 +144,7 @@ def federated_lm(config: dict, clients: int, own_test: float = 0.1, rounds: int 
         member = model_from_config(task, config, seed=0)
         member.load_state_dict(adapter.from_standard(state))
         members.append(member)
-    row["ensemble"] = losses(LogitEnsemble(members))
+    row["ensemble"] = losses(LogitEnsemble(members), max(1, batch // clients))
     del members
     merges = {"FedAvg": average_states(states, weights)}
     reference = max(range(clients), key=weights.__getitem__)
@@ -205,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as error:
         p.error(str(error).splitlines()[0])
     rows = []
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for config in configs:
-        rows.append(federated_lm(config, args.clients, args.own_test, args.rounds, args.round_epochs))
+        cache = Path(args.out).with_name(f"{Path(args.out).stem}-{config['hf-config']}-clients.pt")
+        rows.append(federated_lm(config, args.clients, args.own_test, args.rounds, args.round_epochs, cache=cache))
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     table = markdown(rows)
     print("\n" + table)
