@@ -227,9 +227,10 @@ def measure(clients: int, iterations: int, consume: bool = True, fixed_mmap: boo
             return nodes
 
     distill = _distiller(SHAPES[shape], distill_steps, cache=not distill_weights) if distill_steps else None
+    # the replies are the broadcast plus noise, i.e. in its basis: align them anyway (the cost measured)
     strategy = AlignedFedAvg(spec, iterations=iterations, min_train_nodes=clients,
                              min_available_nodes=clients, universe_iterations=universe, aggregator=aggregator,
-                             distill=distill)
+                             distill=distill, already_aligned="align")
     list(strategy.configure_train(1, broadcast, ConfigRecord(), Grid()))
     strategy.consume_replies = consume  # what ``start`` does: Flower drops the replies afterwards
     _release()

@@ -515,7 +515,8 @@ class AlignedFedAvg(FedAvg):
         if (owners[0] is None and self.refine is None and self.already_aligned == "average"
                 and all(shares_basis(self.spec, states[0], s, self.head_weight) for s in states[1:])):
             # every client trained from the broadcast and kept its basis: alignment would only fit noise
-            return combiner.combine(states, weights), {"align_gain": 0.0, "already_aligned": 1, **combiner.metrics}
+            return combiner.combine(states, weights), {"align_gain": 0.0, "already_aligned": 1, "universe_passes": 0,
+                                                       **combiner.metrics}
         reference = 0 if owners[0] is None else max(range(len(weights)), key=weights.__getitem__)
         if self.refine is not None:
             merged, refined = refined_merge(self.spec, states, weights, reference, self.refine,
