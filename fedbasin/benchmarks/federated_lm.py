@@ -95,7 +95,7 @@ def federated_lm(config: dict, clients: int, own_test: float = 0.1, rounds: int 
     from fedbasin.data.task import Task
     from fedbasin.options import from_run_config, resolve_match
     from fedbasin.server.distill import LogitEnsemble
-    from fedbasin.server.server_app import kind_of, make_distiller, make_refiner
+    from fedbasin.server.server_app import distils, kind_of, make_distiller, make_refiner, refines
     from fedbasin.training import evaluate, resolve_device, train
 
     started = time.perf_counter()
@@ -152,19 +152,19 @@ def federated_lm(config: dict, clients: int, own_test: float = 0.1, rounds: int 
     t0 = time.perf_counter()
     merges["aligned"] = merge(spec, [dict(s) for s in states], weights, reference, match=match).state
     row["align_seconds"] = time.perf_counter() - t0
-    if proxy is not None:
+    if refines(config, task):  # the ServerApp's rules: a proxy split and refine-steps > 0 or auto with a budget
         refine = make_refiner(spec, module, task, config, adapter.from_standard)
         t0 = time.perf_counter()
         merges["aligned + learned"], refined = refined_merge(spec, [dict(s) for s in states], weights, reference,
                                                              refine)
         row["refine_seconds"], row["refine"] = time.perf_counter() - t0, refined.summary()
-        if config["distill-steps"] > 0:
-            distill = make_distiller(module, task, config, adapter)
-            for name in ("aligned + learned", "FedAvg"):
-                t0 = time.perf_counter()
-                result = distill(merges[name], states)
-                merges[f"{name} + distilled"] = result.state
-                row[f"distill_seconds_{name}"] = time.perf_counter() - t0
+    if distils(config, task):  # distill-steps > 0, or auto with a budget and a proxy split
+        distill = make_distiller(module, task, config, adapter)
+        for name in ("aligned + learned" if "aligned + learned" in merges else "aligned", "FedAvg"):
+            t0 = time.perf_counter()
+            result = distill(merges[name], states)
+            merges[f"{name} + distilled"] = result.state
+            row[f"distill_seconds_{name}"] = time.perf_counter() - t0
     row["merges"] = {name: of_state(state) for name, state in merges.items()}
     if rounds > 0:
         start = min(merges, key=lambda name: row["merges"][name]["union"])
@@ -185,7 +185,7 @@ def federated_lm(config: dict, clients: int, own_test: float = 0.1, rounds: int 
 
 def markdown(rows: list[dict]) -> str:
     """Union-test loss of every model; each client also on its own split (in parentheses)."""
-    names = ["FedAvg", "aligned", "aligned + learned", "aligned + learned + distilled", "FedAvg + distilled"]
+    names = list(dict.fromkeys(name for row in rows for name in row["merges"]))  # in the order computed
     lines = ["| family | clients: union (own) | best client | " + " | ".join(names) + " | ensemble |",
              "|---|---|---|" + "---|" * (len(names) + 1)]
     for row in rows:

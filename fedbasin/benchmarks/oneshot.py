@@ -41,6 +41,7 @@ import torch
 from fedbasin.alignment import average_states, fedbasin_adapter, merge, refined_merge
 from fedbasin.atomic import atomic_write
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
+from fedbasin.options import AUTO
 from fedbasin.server.distill import LogitEnsemble
 from fedbasin.server.outputs import write_json_atomic
 from fedbasin.server.server_app import (
@@ -182,7 +183,7 @@ def check_further_from(names: tuple[str, ...], config: dict) -> tuple[str, ...]:
         if name not in FURTHER_FROM:
             raise ValueError(f"--further-from {name!r}: expected one of {', '.join(FURTHER_FROM)}")
         needs = FURTHER_FROM[name]
-        if needs and config[needs] != "auto" and config[needs] <= 0:
+        if needs and config[needs] != AUTO and config[needs] <= 0:
             raise ValueError(f"--further-from {name}: that merge needs run-config {needs} > 0")
     return names
 

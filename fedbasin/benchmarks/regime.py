@@ -92,8 +92,11 @@ def rounds_to(accuracy: list[float], target: float) -> int | None:
 
 
 def mean_spread(values: list[float]) -> str:
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.3f} ± {spread:.3f}"
+    """``mean ± sample std`` (± 0.000 for one value; :func:`fedbasin.benchmarks.suite.mean_spread`)."""
+    from fedbasin.benchmarks.suite import mean_spread as mean_and_spread
+
+    mean, spread = mean_and_spread(values)
+    return f"{mean:.3f} ± {spread or 0.0:.3f}"
 
 
 def summarise(runs: dict, grid: dict, target: float) -> list[dict]:

@@ -37,7 +37,7 @@ from fedbasin.alignment import (
     refined_merge,
     shares_basis,
 )
-from fedbasin.options import AUTO, MatchOptions, RobustOptions
+from fedbasin.options import AUTO, MatchOptions, RobustOptions, run_config_choices
 from fedbasin.scratch import arrays_on_disk
 from fedbasin.strategies.robust import (
     AGGREGATORS,
@@ -52,7 +52,8 @@ from fedbasin.strategies.robust import (
 )
 
 MODES = ("orthogonal", "permutation")
-ALREADY_ALIGNED = ("average", "align")  # what a round whose clients share the broadcast's basis gets
+# what a round whose clients share the broadcast's basis gets: the schema's choices (MatchOptions.already_aligned)
+ALREADY_ALIGNED = run_config_choices()["already-aligned"]
 
 
 class ReplyError(ValueError):
