@@ -29,10 +29,14 @@ def check_step_options(steps, eval_every, **positive) -> None:
 
 def keep_best_record(result, what: str, start: str, learned: str) -> dict:
     """The keep-best fields shared by refinement and distillation results: selection loss at the
-    start and at the kept step, the kept step, the evaluation split's losses when measured, the
-    step where training diverged (if it did), and a ``note`` saying so and when ``start`` came back."""
+    start and at the kept step, the kept step, the steps the run was given and where a budget stopped it
+    (if it did), the evaluation split's losses when measured, the step where training diverged (if it
+    did), and a ``note`` saying so and when ``start`` came back."""
     out = {"selection_loss_start": result.initial_loss, "selection_loss_best": result.best_loss,
-           "best_step": result.best_step, "improved": result.improved, "seconds": round(result.seconds, 3)}
+           "best_step": result.best_step, "improved": result.improved, "seconds": round(result.seconds, 3),
+           "steps": result.steps}
+    if result.stopped_at_budget:
+        out["stopped_at_budget"] = result.stopped_at_budget
     if not np.isnan(result.evaluation_loss):
         out.update(evaluation_loss_start=result.evaluation_initial_loss, evaluation_loss=result.evaluation_loss)
     notes = []

@@ -85,9 +85,6 @@ class RefineResult:
         if self.start_mode:
             out["start"] = self.start_mode
         out["batch_workers"] = self.workers
-        out["steps"] = self.steps
-        if self.stopped_at_budget:
-            out["stopped_at_budget"] = self.stopped_at_budget
         return out
 
 

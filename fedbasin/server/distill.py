@@ -68,11 +68,7 @@ class DistillResult:
     def summary(self) -> dict:
         """JSON-ready record, the same keep-best record as learned refinement's (its steps, and where
         the budget stopped it); says plainly when distillation diverged or returned its start unchanged."""
-        out = keep_best_record(self, "distillation", "the merged model", "weights")
-        out["steps"] = self.steps
-        if self.stopped_at_budget:
-            out["stopped_at_budget"] = self.stopped_at_budget
-        return out
+        return keep_best_record(self, "distillation", "the merged model", "weights")
 
 
 TEACHERS = ("logits", "probabilities")
