@@ -145,6 +145,9 @@ class RefineOptions:
                                    low=1, auto=True, metavar="N")
 
 
+AUGMENTS = ("none", "crop", "crop-flip", "mixup", "crop-mixup", "crop-flip-mixup")
+
+
 @dataclass
 class DistillOptions:
     """Ensemble distillation of the clients' outputs into the merge (Flower, on the proxy split)."""
@@ -163,8 +166,10 @@ class DistillOptions:
                                 surfaces=(RUN,))
     label_weight: float = option(0.0, "w: (1 − w) KL to the ensemble + w cross-entropy on the proxy labels", low=0,
                                  high=1.0, surfaces=(RUN,))
-    augment: str = option("none", "random views of the transfer images (image data)",
-                          choices=("none", "crop", "crop-flip"), surfaces=(RUN,))
+    augment: str = option(AUTO, "random views of the transfer images (image data): crops, left-right flips, "
+                          "mixup (convex mixes of two proxy images, labelled by the teachers); auto: mixup for "
+                          "image classifiers when distill-label-weight is 0, else none",
+                          choices=AUGMENTS, auto=True, surfaces=(RUN,))
     teacher: str = option("logits", "the ensemble averages the clients' logits or probabilities",
                           choices=("logits", "probabilities"), surfaces=(RUN,))
 
@@ -292,7 +297,25 @@ def problems(options: Iterable, surface: str, data: str | None = None) -> list[s
     refine, match = by_type.get(RefineOptions), by_type.get(MatchOptions)
     if refine is not None:
         found += [_joined(keys, refine, match, surface, why) for keys, why in _refine_rules(refine, match, data)]
+    if (distill := by_type.get(DistillOptions)) is not None:
+        found += [_joined(keys, distill, None, surface, why) for keys, why in _distill_rules(distill)]
     return found
+
+
+def resolve_augment(distill: DistillOptions, kind: str) -> str:
+    """``distill-augment`` with ``auto`` set for ``kind``: mixup for image classifiers distilled
+    without labels (docs/benchmarks.md, "One-shot at the ensemble"), none otherwise."""
+    if distill.augment != AUTO:
+        return distill.augment
+    return "mixup" if kind == IMAGE and distill.label_weight == 0 else "none"
+
+
+def _distill_rules(d: DistillOptions) -> list[tuple[tuple[str, ...], str]]:
+    """``(options at fault, why)`` of every refused combination of distillation options."""
+    if d.augment.endswith("mixup") and d.label_weight not in (AUTO, 0):
+        return [(("distill-augment", "distill-label-weight"),
+                 "a mixed image has no proxy label: mixup needs distill-label-weight 0")]
+    return []
 
 
 def _joined(keys, refine, match, surface, why) -> str:

@@ -15,7 +15,13 @@ from fedbasin.alignment.proxy import proxy_streams
 from fedbasin.config import resolve_run_config
 from fedbasin.data import Split, load_task
 from fedbasin.models import build_model
-from fedbasin.server.distill import LogitEnsemble, distillation_loss, ensemble_distill, random_crop_flip
+from fedbasin.server.distill import (
+    LogitEnsemble,
+    distillation_loss,
+    ensemble_distill,
+    random_crop_flip,
+    random_mixup,
+)
 from fedbasin.server.server_app import distill_augment, make_distiller
 from fedbasin.training import cross_entropy
 from tests.helpers import DIGITS_VIT, trained_digits_vit
@@ -104,7 +110,7 @@ def test_augmented_distillation_trains_on_views_and_the_run_config_refuses_non_i
     students = [make_distiller(build_model("vit", DIGITS_VIT), digits, {**config, "distill-augment": augment})(
         start, teachers).state["head.weight"] for augment in ("none", "crop", "none")]
     assert torch.equal(students[0], students[2]) and not torch.equal(students[0], students[1])
-    text = types.SimpleNamespace(name="text", train=Split(torch.zeros(4, 64, dtype=torch.long), torch.zeros(4, 64)))
+    text = types.SimpleNamespace(name="text", data="text", train=Split(torch.zeros(4, 64, dtype=torch.long), torch.zeros(4, 64)))
     with pytest.raises(ValueError, match=r"distill-augment='crop-flip' needs image data .* shape \(64,\)"):
         distill_augment(text, config)
     with pytest.raises(ValueError, match="distill-label-weight=1.5 must be at most 1.0"):
@@ -331,3 +337,41 @@ def test_reproduce_cifar10_long_distillation_section_reads_every_seed_and_partit
     assert lines[7] == "| dirichlet(0.5) | 2 | 0.3200 | 0.1000 | 0.2000 | 0.3800 | 0.3500 | 0.3700 | 290 |"
     assert lines[-1] == ("| dirichlet(0.5) | 0.310 ± 0.010 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.370 ± 0.010 "
                          "| 0.350 ± 0.000 | 0.370 ± 0.000 |")
+
+
+def test_mixup_views_are_convex_mixes_of_two_images_of_the_batch_and_refuse_token_ids():
+    x = torch.randn(6, 1, 8, 8)
+    views = random_mixup()(x, torch.Generator().manual_seed(3))
+    replay = torch.Generator().manual_seed(3)  # the same draws: λ_i, then the partner permutation
+    weight, partner = torch.rand(6, generator=replay), torch.randperm(6, generator=replay)
+    for i in range(6):
+        expected = weight[i] * x[i] + (1 - weight[i]) * x[partner[i]]
+        assert torch.allclose(views[i], expected, atol=1e-6)
+    assert 0 < float(weight.min()) and float(weight.max()) < 1 and not torch.equal(views, x)
+    assert torch.equal(views, random_mixup()(x, torch.Generator().manual_seed(3)))  # seeded: the same views
+    with pytest.raises(ValueError, match="mixes continuous inputs"):
+        random_mixup()(torch.zeros(4, 64, dtype=torch.long), torch.Generator())
+
+
+def test_augment_auto_is_mixup_for_images_without_labels_and_nothing_for_text(setting):
+    teachers, _ = setting
+    start = average_states(teachers, [1.0] * 3)
+    digits = load_task("digits", seed=0, proxy_size=50)
+    config = resolve_run_config({"proxy-size": 50, "distill-steps": 5})
+    assert config["distill-augment"] == "auto"
+    x = digits.train.inputs[:8]
+    auto = distill_augment(digits, config)(x, torch.Generator().manual_seed(0))
+    assert torch.equal(auto, random_mixup()(x, torch.Generator().manual_seed(0)))
+    assert distill_augment(digits, {**config, "distill-label-weight": 0.2}) is None  # labels: no mixing
+    crop_mix = distill_augment(digits, {**config, "distill-augment": "crop-flip-mixup"})(x, torch.Generator())
+    assert crop_mix.shape == x.shape
+    text = types.SimpleNamespace(name="text", data="text", train=Split(torch.zeros(4, 64, dtype=torch.long),
+                                                                         torch.zeros(4, 64)))
+    assert distill_augment(text, config) is None  # auto never refuses
+    # the ServerApp's distiller trains on the mixed views: another student than without them
+    students = [make_distiller(build_model("vit", DIGITS_VIT), digits, {**config, "distill-augment": augment})(
+        start, teachers).state["head.weight"] for augment in ("none", "auto")]
+    assert not torch.equal(students[0], students[1])
+    with pytest.raises(ValueError, match="distill-augment='mixup' run-config distill-label-weight=0.2 a "
+                                         "mixed image has no proxy label"):
+        resolve_run_config({"distill-augment": "mixup", "distill-label-weight": 0.2})

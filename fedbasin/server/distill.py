@@ -10,8 +10,8 @@ the student starts from the merged model θ₀ and minimises, on the server's pr
 
 with Adam and a cosine learning-rate schedule. ``w`` (``label_weight``, default 0: labels unused)
 mixes in the task's loss on the proxy labels the server holds. ``augment`` (e.g.
-:func:`random_crop_flip`) replaces every transfer batch by a random view of it, seen by teacher
-and student alike, so the transfer set is larger than the proxy images. Keep-best on a disjoint *selection*
+:func:`random_crop_flip`, :func:`random_mixup`) replaces every transfer batch by a random view of
+it, seen by teacher and student alike, so the transfer set is larger than the proxy images. Keep-best on a disjoint *selection*
 split: the student is scored every ``eval_every`` steps by ``loss_fn`` against the true labels
 and the best state seen (θ₀ included) is returned, so distillation never returns something worse
 than its start on that split; an optional *evaluation* split is only reported.
@@ -245,6 +245,26 @@ def random_crop_flip(pad: int = 4, flip: bool = True) -> Callable[[torch.Tensor,
         mirror = (torch.rand(n, generator=generator) < 0.5).tolist() if flip else [False] * n
         views = [padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)]
         return torch.stack([v.flip(-1) if m else v for v, m in zip(views, mirror)])
+
+    return augment
+
+
+def random_mixup(base: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None
+                 ) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+    """``augment(x, generator)`` that replaces every input ``x_i`` of a batch by
+    ``λ_i · x_i + (1 − λ_i) · x_π(i)``, with ``λ_i ~ U(0, 1)`` and ``π`` a random permutation of the
+    batch (after ``base``'s views, when given): inputs between the proxy examples, which the teachers
+    label, so a few hundred proxy images give an unbounded transfer set. The proxy labels do not
+    hold for a mixed input: use it with ``label_weight = 0``."""
+
+    def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        if not x.is_floating_point():
+            raise ValueError(f"random_mixup mixes continuous inputs (images), not {x.dtype} (token ids)")
+        if base is not None:
+            x = base(x, generator)
+        weight = torch.rand(x.shape[0], generator=generator).to(x.dtype).view(-1, *([1] * (x.ndim - 1)))
+        partner = torch.randperm(x.shape[0], generator=generator)
+        return weight * x + (1 - weight) * x[partner]
 
     return augment
 

@@ -43,6 +43,7 @@ from fedbasin.options import (
     AUTO,
     from_run_config,
     model_kind,
+    resolve_augment,
     resolve_match,
     resolve_refine,
     robust_call,
@@ -55,6 +56,7 @@ from fedbasin.server.distill import (
     mean_loss,
     probe_step,
     random_crop_flip,
+    random_mixup,
     transfer_batches,
 )
 from fedbasin.server.outputs import RunOutputs
@@ -223,16 +225,21 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
 
 
 def distill_augment(task, config: dict):
-    """The run config's ``distill-augment`` as an ``augment`` for :func:`ensemble_distill`: None,
-    or random crops (zero padding of H // 8 pixels) with (``crop-flip``) or without left-right
-    flips; refused for data that are not images."""
-    if config["distill-augment"] == "none":
+    """The run config's ``distill-augment`` as an ``augment`` for :func:`ensemble_distill`: None, or
+    random crops (zero padding of H // 8 pixels) with (``crop-flip``) or without left-right flips,
+    followed (``…mixup``) or not by mixup; ``auto``: :func:`~fedbasin.options.resolve_augment` (mixup
+    for images distilled without labels, else none). Refused for data that are not images."""
+    distill = from_run_config(config)[2]
+    choice = resolve_augment(distill, model_kind(task.data, None))
+    if choice == "none":
         return None
     shape = tuple(task.train.inputs.shape[1:])
     if len(shape) != 3 or shape[-1] < 8:
         raise ValueError(f"run-config distill-augment={config['distill-augment']!r} needs image data "
                          f"(C, H, W) at least 8 pixels wide; {task.name} examples have shape {shape}")
-    return random_crop_flip(pad=shape[-2] // 8, flip=config["distill-augment"] == "crop-flip")
+    crop = choice.removesuffix("mixup").rstrip("-")
+    views = random_crop_flip(pad=shape[-2] // 8, flip=crop == "crop-flip") if crop else None
+    return random_mixup(views) if choice.endswith("mixup") else views
 
 
 def robust_options(config: dict) -> dict:

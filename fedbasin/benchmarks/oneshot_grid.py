@@ -1,0 +1,188 @@
+"""One-shot federated merging against the clients' ensemble, over K × partitions × seeds.
+
+Runs :func:`fedbasin.benchmarks.oneshot.one_shot` (K clients from independent initialisations, one
+long local round, then the server's merges) for every number of clients, partition and seed, and
+writes per cell (data, K, partition) the test accuracy, mean ± sample std over the seeds, of the
+best client, FedAvg, the aligned merge, + learned refinement, + ensemble distillation, FedAvg +
+the same distillation and the logit ensemble, with the paired differences the question turns on:
+
+* ``distilled − ensemble``: is one merged model as good as the K clients together (goal: > −0.01)?
+* ``aligned − FedAvg (distilled)``: does the alignment carry weight once both are distilled the
+  same way from their own start (goal: +0.03 on average)?
+
+Outputs in ``--out``: ``oneshot_grid.md`` (the table), ``oneshot_grid.json`` (every run's row) and
+``runs/<cell>.json`` (a finished run is not run again: interrupt and rerun freely). Trained clients
+are cached in ``--out``/clients, so other server-side settings (``--run-config``) can be compared on
+the same clients. The defaults (``GRID_RUN_CONFIG``) fix the step counts, so every figure repeats::
+
+    python -m fedbasin.benchmarks.oneshot_grid --out runs/oneshot_grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+from fedbasin.benchmarks.regime import mean_spread, parse_partition
+
+# a proxy of 300 labelled examples (of digits' 1,138 training images; at most 1,000 for any data),
+# refinement and distillation by step counts (the figures repeat; ~35 s and ~40 s on a 2-core CPU)
+GRID_RUN_CONFIG = "proxy-size=300 refine-steps=1000 distill-steps=3000"
+DEFAULTS = dict(data="digits", clients="4,5,8", partitions="iid,dirichlet:0.3,dirichlet:0.5", seeds="0,1,2")
+MERGES = (  # row key of one_shot, column title
+    ("best_client", "best client"),
+    ("fedavg", "FedAvg"),
+    ("aligned_orthogonal", "aligned"),
+    ("aligned_learned", "+ learned"),
+    ("aligned_distilled", "+ learned + distilled"),
+    ("fedavg_distilled", "FedAvg + distilled"),
+    ("ensemble", "ensemble"),
+)
+GAPS = (("distilled − ensemble", "aligned_distilled", "ensemble"),
+        ("aligned − FedAvg (distilled)", "aligned_distilled", "fedavg_distilled"),
+        ("distilled − best client", "aligned_distilled", "best_client"))
+
+
+def cell_name(data: str, clients: int, partition: str, seed: int) -> str:
+    return f"{data.split(':', 1)[0]}-k{clients}-{partition.replace(':', '')}-s{seed}"
+
+
+def run_cell(name: str, overrides: dict, clients: int, out: str) -> dict:
+    """One one-shot run in a worker process; its row is written to ``out/runs/<name>.json``."""
+    import torch
+
+    from fedbasin.benchmarks.oneshot import one_shot
+    from fedbasin.config import resolve_run_config
+    from fedbasin.server.outputs import write_json_atomic
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    row = one_shot(resolve_run_config(overrides), clients, progress=False, cache=Path(out) / "clients")
+    row.update(name=name, overrides=overrides, seconds=time.perf_counter() - started)
+    write_json_atomic(Path(out) / "runs" / f"{name}.json", row)
+    return row
+
+
+def finished(out: Path, name: str, overrides: dict) -> dict | None:
+    """The row of an earlier run of ``name`` with the same run-config overrides, else None."""
+    try:
+        row = json.loads((out / "runs" / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return row if row.get("overrides") == overrides else None
+
+
+def figure(row: dict, key: str) -> float:
+    """A merge's test accuracy from a one_shot row (its optional merges are formatted strings)."""
+    return float(row[key])
+
+
+def summarise(rows: dict, jobs: dict) -> list[dict]:
+    """One line per (data, K, partition): every merge's and gap's values over the seeds."""
+    cells: dict[tuple, list[dict]] = {}
+    for name, job in jobs.items():
+        cells.setdefault(job["cell"], []).append(rows[name])
+    lines = []
+    for (data, clients, partition), members in cells.items():
+        line = {"data": data, "clients": clients, "partition": partition, "seeds": len(members)}
+        for key, _ in MERGES:
+            line[key] = [figure(r, key) for r in members]
+        for title, a, b in GAPS:
+            line[title] = [figure(r, a) - figure(r, b) for r in members]
+        lines.append(line)
+    return lines
+
+
+def markdown(lines: list[dict]) -> str:
+    header = ["data", "K", "partition"] + [t for _, t in MERGES] + [t for t, _, _ in GAPS]
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for line in lines:
+        cells = [line["data"], str(line["clients"]), line["partition"]]
+        cells += [mean_spread(line[k]) for k, _ in MERGES] + [mean_spread(line[t]) for t, _, _ in GAPS]
+        out.append("| " + " | ".join(cells) + " |")
+    everything = {t: [v for line in lines for v in line[t]] for t, _, _ in GAPS}
+    out.append("")
+    out += [f"- {title}, all {len(values)} runs: {mean_spread(values)}; cells within the goal: "
+            f"{sum(goal(sum(line[title]) / len(line[title])) for line in lines)}/{len(lines)}"
+            for (title, _, _), values, goal in zip(GAPS, everything.values(),
+                                                  (lambda m: m >= -0.01, lambda m: m >= 0.03, lambda m: m > 0))]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedbasin.benchmarks.oneshot_grid",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=DEFAULTS["data"], help="data source (default: digits; cifar10:DIR)")
+    p.add_argument("--clients", default=DEFAULTS["clients"], help="numbers of clients K (default 4,5,8)")
+    p.add_argument("--partitions", default=DEFAULTS["partitions"],
+                   help="iid and/or dirichlet:ALPHA, comma-separated (default iid,dirichlet:0.3,dirichlet:0.5)")
+    p.add_argument("--seeds", default=DEFAULTS["seeds"], help="run seeds, comma-separated (default 0,1,2)")
+    p.add_argument("--run-config", default=GRID_RUN_CONFIG,
+                   help=f"run-config overrides for every run (default {GRID_RUN_CONFIG!r}; the one-shot "
+                   "defaults, local-epochs=30 init=client, apply first)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (default 2)")
+    p.add_argument("--out", default="runs/oneshot_grid", help="output directory (default runs/oneshot_grid)")
+    args = p.parse_args(argv)
+    from fedbasin.benchmarks.oneshot import ONESHOT_DEFAULTS
+    from fedbasin.config import resolve_run_config, task_from_config
+    from fedbasin.server.server_app import distill_augment, distils, refines
+    from fedbasin.simulate import parse_run_config
+
+    try:  # every bad value is refused before any training
+        clients = [int(k) for k in args.clients.split(",")]
+        seeds = [int(s) for s in args.seeds.split(",")]
+        partitions = args.partitions.split(",")
+        extra = {**ONESHOT_DEFAULTS, **parse_run_config(args.run_config), "data": args.data}
+        if min(clients) < 2 or args.jobs < 1:
+            raise ValueError("--clients must be >= 2 and --jobs >= 1")
+        config = resolve_run_config(extra)
+        task = task_from_config(config)
+        if not (refines(config, task) and distils(config, task)):
+            raise ValueError("the grid compares distilled merges: give a proxy-size >= 10 with refine-steps and "
+                             "distill-steps > 0 (or auto)")
+        distill_augment(task, config)
+        jobs = {}
+        for k in clients:
+            for partition in partitions:
+                for seed in seeds:
+                    overrides = {**extra, **parse_partition(partition), "seed": seed}
+                    resolve_run_config(overrides)
+                    jobs[cell_name(args.data, k, partition, seed)] = {
+                        "overrides": overrides, "clients": k, "cell": (args.data.split(":", 1)[0], k, partition)}
+    except ValueError as error:
+        p.error(str(error))
+    from tqdm import tqdm
+
+    out = Path(args.out)
+    started = time.perf_counter()
+    rows = {name: row for name, job in jobs.items() if (row := finished(out, name, job["overrides"]))}
+    todo = [name for name in jobs if name not in rows]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool, tqdm(total=len(jobs), initial=len(rows),
+                                                                 desc="one-shot runs") as bar:
+        futures = [pool.submit(run_cell, name, jobs[name]["overrides"], jobs[name]["clients"], str(out))
+                   for name in todo]
+        for future in as_completed(futures):
+            row = future.result()
+            rows[row["name"]] = row
+            bar.update()
+    lines = summarise(rows, jobs)
+    table = markdown(lines)
+    seconds = time.perf_counter() - started
+    from fedbasin.atomic import atomic_write
+    from fedbasin.server.outputs import write_json_atomic
+
+    write_json_atomic(out / "oneshot_grid.json", {"args": vars(args), "cells": lines, "rows": rows,
+                                                  "seconds": seconds})
+    atomic_write(out / "oneshot_grid.md", lambda tmp: Path(tmp).write_text(table + "\n"))
+    print(table)
+    print(f"\n{len(todo)} runs in {seconds:.0f} s ({len(rows) - len(todo)} from earlier runs); "
+          f"wrote {out / 'oneshot_grid.md'}, oneshot_grid.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
