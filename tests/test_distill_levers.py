@@ -21,6 +21,7 @@ from fedbasin.server.distill import (
     ensemble_distill,
     random_crop_flip,
     random_mixup,
+    transfer_batches,
 )
 from fedbasin.server.server_app import distill_augment, make_distiller
 from fedbasin.training import cross_entropy
@@ -353,7 +354,24 @@ def test_mixup_views_are_convex_mixes_of_two_images_of_the_batch_and_refuse_toke
         random_mixup()(torch.zeros(4, 64, dtype=torch.long), torch.Generator())
 
 
-def test_augment_auto_is_mixup_for_images_without_labels_and_nothing_for_text(setting):
+def test_mixup_mixes_the_labels_as_the_inputs_and_the_label_term_is_their_cross_entropy():
+    x, y = torch.randn(6, 1, 8, 8), torch.tensor([0, 1, 2, 2, 3, 4])
+    views, mixed = random_mixup()(x, torch.Generator().manual_seed(5), y)
+    replay = torch.Generator().manual_seed(5)
+    weight, partner = torch.rand(6, generator=replay), torch.randperm(6, generator=replay)
+    logits = torch.randn(6, 10)
+    expected = -(weight * torch.log_softmax(logits, -1)[torch.arange(6), y]
+                 + (1 - weight) * torch.log_softmax(logits, -1)[torch.arange(6), y[partner]]).mean()
+    assert torch.allclose(cross_entropy(logits, mixed), expected, atol=1e-6)
+    assert torch.equal(views, random_mixup()(x, torch.Generator().manual_seed(5)))  # the same views either way
+    # the transfer batches carry the mixed labels; other views keep theirs
+    (batch,) = transfer_batches([(x, y)], 1, random_mixup(), seed=5)
+    assert torch.equal(batch[0], views) and torch.equal(batch[1], mixed)
+    (batch,) = transfer_batches([(x, y)], 1, random_crop_flip(pad=1), seed=5)
+    assert torch.equal(batch[1], y)
+
+
+def test_augment_auto_is_mixup_for_images_and_nothing_for_text(setting):
     teachers, _ = setting
     start = average_states(teachers, [1.0] * 3)
     digits = load_task("digits", seed=0, proxy_size=50)
@@ -362,16 +380,13 @@ def test_augment_auto_is_mixup_for_images_without_labels_and_nothing_for_text(se
     x = digits.train.inputs[:8]
     auto = distill_augment(digits, config)(x, torch.Generator().manual_seed(0))
     assert torch.equal(auto, random_mixup()(x, torch.Generator().manual_seed(0)))
-    assert distill_augment(digits, {**config, "distill-label-weight": 0.2}) is None  # labels: no mixing
     crop_mix = distill_augment(digits, {**config, "distill-augment": "crop-flip-mixup"})(x, torch.Generator())
     assert crop_mix.shape == x.shape
     text = types.SimpleNamespace(name="text", data="text", train=Split(torch.zeros(4, 64, dtype=torch.long),
                                                                          torch.zeros(4, 64)))
     assert distill_augment(text, config) is None  # auto never refuses
-    # the ServerApp's distiller trains on the mixed views: another student than without them
-    students = [make_distiller(build_model("vit", DIGITS_VIT), digits, {**config, "distill-augment": augment})(
+    # the ServerApp's distiller trains on the mixed views (with their mixed labels): another student
+    students = [make_distiller(build_model("vit", DIGITS_VIT), digits,
+                               {**config, "distill-augment": augment, "distill-label-weight": 0.5})(
         start, teachers).state["head.weight"] for augment in ("none", "auto")]
-    assert not torch.equal(students[0], students[1])
-    with pytest.raises(ValueError, match="distill-augment='mixup' run-config distill-label-weight=0.2 a "
-                                         "mixed image has no proxy label"):
-        resolve_run_config({"distill-augment": "mixup", "distill-label-weight": 0.2})
+    assert torch.isfinite(students[1]).all() and not torch.equal(students[0], students[1])

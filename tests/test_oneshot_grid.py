@@ -15,7 +15,8 @@ TINY = ["--clients", "2", "--partitions", "iid", "--seeds", "0,1", "--jobs", "1"
 
 def test_the_gaps_are_paired_differences_and_the_goals_are_counted_per_cell():
     rows = {f"r{seed}": {"best_client": 0.8, "fedavg": 0.1, "aligned_orthogonal": 0.4, "aligned_learned": "0.7",
-                         "aligned_distilled": str(0.85 + 0.02 * seed), "fedavg_distilled": "0.81", "ensemble": 0.86}
+                         "aligned_distilled": str(0.85 + 0.02 * seed), "fedavg_distilled": "0.81", "proxy_only": 0.5,
+                         "ensemble": 0.86}
             for seed in (0, 1)}
     jobs = {name: {"cell": ("digits", 4, "iid")} for name in rows}
     (line,) = oneshot_grid.summarise(rows, jobs)
@@ -54,8 +55,7 @@ def test_a_tiny_grid_end_to_end_and_rerun_from_its_finished_runs(tmp_path, capsy
     (["--clients", "1"], "--clients must be >= 2"),
     (["--run-config", "proxy-size=0"], "the grid compares distilled merges"),
     (["--partitions", "dirichlet:-1"], "expected iid or dirichlet:ALPHA"),
-    (["--run-config", "proxy-size=60 distill-steps=5 distill-augment=mixup distill-label-weight=0.5"],
-     "mixup needs distill-label-weight 0"),
+    (["--run-config", "proxy-size=60 distill-steps=5 distill-teacher=median"], "distill-teacher='median'"),
 ])
 def test_bad_input_is_refused_in_one_line_before_any_training(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

@@ -14,6 +14,8 @@ client after the other), then reports test accuracy of
 * with ``distill-steps > 0`` (or ``auto``): that merge (or the aligned one) after server-side ensemble
   distillation on the proxy split (``aligned + distilled``), and, as a control, FedAvg distilled
   the same way (``FedAvg + distilled``) -- the ServerApp's ``make_refiner`` / ``make_distiller``,
+* the server alone (``proxy_only``, with distillation): a fresh model trained by the same recipe on the
+  proxy labels only (label weight 1): what the federation adds over the server's own data,
 * the logit ensemble (mean of the K models' logits; K times the inference cost), and in the JSON
   (``ensemble_probabilities``) the ensemble of the mean of their probabilities,
 
@@ -251,6 +253,10 @@ def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int 
             row[f"{key}_summary"] = distilled.summary()
             arms["distilled" if key == "aligned_distilled" else "fedavg-distilled"] = f"{name} + distilled"
             merges[f"{name} + distilled"] = distilled.state
+        # the server alone: a fresh model trained on the proxy labels by the same recipe (weight 1 on the labels)
+        alone = make_distiller(model_from_config(task, config, seed=0), task, {**config, "distill-label-weight": 1.0})
+        row["proxy_only"] = accuracy(alone(model_from_config(task, config, seed=config["seed"] + 999).state_dict(),
+                                           states).state)
     members = []
     for state in states:
         member = model_from_config(task, config, seed=0)

@@ -28,7 +28,9 @@ SECTIONS = ("barriers", "barrier-seeds", "many", "many4", "width", "oneshot", "o
             "oneshot-cifar10-seeds", "oneshot-cifar10-long")
 # the clients (refine-steps=0: these tables distil only, as measured before refinement became the default with a
 # proxy split); the server's options:
-ONESHOT_CIFAR10 = "max-train-examples=12000 proxy-size=500 local-epochs=10 refine-steps=0"
+# distillation as measured before mixup and labels became the image default (docs/options.md): pinned off
+DISTILL_BEFORE_AUTO = "distill-augment=none distill-label-weight=0.0"
+ONESHOT_CIFAR10 = f"max-train-examples=12000 proxy-size=500 local-epochs=10 refine-steps=0 {DISTILL_BEFORE_AUTO}"
 ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config), every one on the same cached clients
     ("kl", "KL, 500 steps", "distill-steps=500"),
     ("label", "KL + labels (w 0.5)", "distill-steps=500 distill-label-weight=0.5"),
@@ -46,7 +48,7 @@ REFINE_BEFORE_AUTO = ("refine-lr=0.01 refine-head-lr=0.0 refine-permutations='st
                       "refine-start='symmetry' refine-lambda='0.4,0.6' refine-schedule='constant' refine-soft-labels=0.0 "
                       "refine-soft-label-top-k=0 refine-workers=0 refine-batch-size=16 refine-vocabulary='full' "
                       "refine-vocabulary-samples=0 refine-vocabulary-batch-samples=0 refine-eval-every=10 head-weight=1.0")
-ONESHOT_PROXY = f"proxy-size=300 refine-steps=200 distill-steps=500 {REFINE_BEFORE_AUTO}"  # the server's proxy levers, §4
+ONESHOT_PROXY = f"proxy-size=300 refine-steps=200 distill-steps=500 {REFINE_BEFORE_AUTO} {DISTILL_BEFORE_AUTO}"  # the server's proxy levers, §4
 ONESHOT_SEEDS = (0, 1, 2)
 SEED_PAIRS = ((0, 1), (2, 3), (4, 5))
 

@@ -160,13 +160,19 @@ class TeacherOutputs(ScratchTensors):
 
 def transfer_batches(batches: Iterable[Batch], steps: int | None, augment=None, seed: int = 0):
     """The ``steps`` transfer batches of a distillation run (None: as many as are drawn): ``(x, y)``
-    drawn in order from ``batches``, each ``x`` replaced by ``augment(x, generator)`` with one
-    generator seeded ``seed`` — the same views whoever replays the same draws."""
+    drawn in order from ``batches``, each ``x`` replaced by ``augment(x, generator)`` (an augment
+    that ``mixes_labels``, :func:`random_mixup`: ``(x, y)`` by ``augment(x, generator, y)``) with
+    one generator seeded ``seed`` — the same views whoever replays the same draws."""
     iterator = iter(batches)
     views = torch.Generator().manual_seed(seed)
     for _ in (itertools.count() if steps is None else range(steps)):
         x, y = next(iterator)
-        yield (x if augment is None else augment(x, views)), y
+        if augment is None:
+            yield x, y
+        elif getattr(augment, "mixes_labels", False):  # mixup: the labels of a mixed input mix too
+            yield augment(x, views, y)
+        else:
+            yield augment(x, views), y
 
 
 def cache_teacher_outputs(model: nn.Module, teachers: list[dict], batches: Iterable[Batch], steps: int,
@@ -250,22 +256,31 @@ def random_crop_flip(pad: int = 4, flip: bool = True) -> Callable[[torch.Tensor,
 
 
 def random_mixup(base: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None
-                 ) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
-    """``augment(x, generator)`` that replaces every input ``x_i`` of a batch by
+                 ) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+    """``augment(x, generator[, y])`` that replaces every input ``x_i`` of a batch by
     ``λ_i · x_i + (1 − λ_i) · x_π(i)``, with ``λ_i ~ U(0, 1)`` and ``π`` a random permutation of the
     batch (after ``base``'s views, when given): inputs between the proxy examples, which the teachers
-    label, so a few hundred proxy images give an unbounded transfer set. The proxy labels do not
-    hold for a mixed input: use it with ``label_weight = 0``."""
+    label, so a few hundred proxy images give an unbounded transfer set. Given the class ids ``y``
+    it returns the mixed labels too, ``λ_i · e_{y_i} + (1 − λ_i) · e_{y_π(i)}``, as sparse
+    ``(class id, weight)`` pairs of shape (N, 2, 2) (:func:`fedbasin.training.cross_entropy`), so the
+    label term of :func:`ensemble_distill` stays a true cross-entropy on a mixed input."""
 
-    def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    def augment(x: torch.Tensor, generator: torch.Generator, y: torch.Tensor | None = None):
         if not x.is_floating_point():
             raise ValueError(f"random_mixup mixes continuous inputs (images), not {x.dtype} (token ids)")
         if base is not None:
             x = base(x, generator)
-        weight = torch.rand(x.shape[0], generator=generator).to(x.dtype).view(-1, *([1] * (x.ndim - 1)))
+        weight = torch.rand(x.shape[0], generator=generator).to(x.dtype)
         partner = torch.randperm(x.shape[0], generator=generator)
-        return weight * x + (1 - weight) * x[partner]
+        mixed = weight.view(-1, *([1] * (x.ndim - 1))) * x + (1 - weight.view(-1, *([1] * (x.ndim - 1)))) * x[partner]
+        if y is None:
+            return mixed
+        other = y[partner]
+        same = other == y  # one class: all its weight on the first pair (ids are distinct where weight > 0)
+        weights = torch.stack([torch.where(same, 1.0, weight), torch.where(same, 0.0, 1 - weight)], 1)
+        return mixed, torch.stack([torch.stack([y.to(x.dtype), other.to(x.dtype)], 1), weights], -1)
 
+    augment.mixes_labels = True
     return augment
 
 

@@ -43,7 +43,7 @@ from fedbasin.options import (
     AUTO,
     from_run_config,
     model_kind,
-    resolve_augment,
+    resolve_distill,
     resolve_match,
     resolve_refine,
     robust_call,
@@ -171,7 +171,7 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
         raise ValueError(f"run-config distill-steps={config['distill-steps']} needs proxy data: "
                          f"{task.name} has no proxy split (set proxy-size >= 10)")
     adapter = adapter or model_adapter(task, model)[1]
-    augment = distill_augment(task, config)
+    augment, label_weight = distill_augment(task, config), distill_options(task, config).label_weight
     device = resolve_device(config["device"])
     auto, budget = config["distill-steps"] == AUTO, float(config["distill-budget"])
     if auto and budget <= 0:
@@ -191,7 +191,7 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
                                       data.batches, data.selection, data.evaluation,
                                       steps=steps, lr=config["distill-lr"],
                                       temperature=config["distill-temperature"],
-                                      label_weight=config["distill-label-weight"], augment=augment,
+                                      label_weight=label_weight, augment=augment,
                                       teacher=config["distill-teacher"],
                                       seed=config["seed"], in_place=in_place, budget=seconds)
         result.state = adapter.to_standard(result.state)
@@ -212,7 +212,7 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
                                               config["seed"]))
                 cost = probe_step(model, teachers, first, data.selection, data.evaluation, task.loss_fn,
                                   temperature=config["distill-temperature"],
-                                  label_weight=config["distill-label-weight"], teacher=config["distill-teacher"])
+                                  label_weight=label_weight, teacher=config["distill-teacher"])
                 steps = sized["steps"] = cost.steps(budget - (time.perf_counter() - started), EVAL_EVERY)
             cached = cache_teacher_outputs(model, teachers, data.batches, steps, augment=augment,
                                            seed=config["seed"])
@@ -224,13 +224,19 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
     return distill
 
 
+def distill_options(task, config: dict):
+    """The run config's :class:`~fedbasin.options.DistillOptions` with ``auto`` resolved for what the
+    model is (:func:`~fedbasin.options.resolve_distill`: image classifier or language model)."""
+    return resolve_distill(from_run_config(config)[2], model_kind(task.data, None if task.data != "text" else 1 << 20))
+
+
 def distill_augment(task, config: dict):
     """The run config's ``distill-augment`` as an ``augment`` for :func:`ensemble_distill`: None, or
     random crops (zero padding of H // 8 pixels) with (``crop-flip``) or without left-right flips,
-    followed (``…mixup``) or not by mixup; ``auto``: :func:`~fedbasin.options.resolve_augment` (mixup
-    for images distilled without labels, else none). Refused for data that are not images."""
-    distill = from_run_config(config)[2]
-    choice = resolve_augment(distill, model_kind(task.data, None))
+    followed (``…mixup``) or not by mixup (:func:`~fedbasin.server.distill.random_mixup`, its labels
+    mixed too); ``auto``: mixup for image classifiers, none for language models. A named view is
+    refused for data that are not images."""
+    choice = distill_options(task, config).augment
     if choice == "none":
         return None
     shape = tuple(task.train.inputs.shape[1:])
