@@ -15,7 +15,8 @@ client after the other), then reports test accuracy of
   distillation on the proxy split (``aligned + distilled``), and, as a control, FedAvg distilled
   the same way (``FedAvg + distilled``) -- the ServerApp's ``make_refiner`` / ``make_distiller``,
 * the server alone (``proxy_only``, with distillation): a fresh model trained by the same recipe on the
-  proxy labels only (label weight 1): what the federation adds over the server's own data,
+  proxy labels only (label weight 1): what the federation adds over the server's own data, and
+  the same fresh model distilled like the merges (``fresh_distilled``): what a merge's start adds,
 * the logit ensemble (mean of the K models' logits; K times the inference cost), and in the JSON
   (``ensemble_probabilities``) the ensemble of the mean of their probabilities,
 
@@ -253,10 +254,12 @@ def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int 
             row[f"{key}_summary"] = distilled.summary()
             arms["distilled" if key == "aligned_distilled" else "fedavg-distilled"] = f"{name} + distilled"
             merges[f"{name} + distilled"] = distilled.state
-        # the server alone: a fresh model trained on the proxy labels by the same recipe (weight 1 on the labels)
+        # the server alone: a fresh model trained on the proxy labels by the same recipe (weight 1 on the labels);
+        # and the same fresh model distilled as the merges are: what the merge's start adds to the distillation
+        fresh = model_from_config(task, config, seed=config["seed"] + 999).state_dict()
         alone = make_distiller(model_from_config(task, config, seed=0), task, {**config, "distill-label-weight": 1.0})
-        row["proxy_only"] = accuracy(alone(model_from_config(task, config, seed=config["seed"] + 999).state_dict(),
-                                           states).state)
+        row["proxy_only"] = accuracy(alone(fresh, states).state)
+        row["fresh_distilled"] = accuracy(distill(fresh, states).state)
     members = []
     for state in states:
         member = model_from_config(task, config, seed=0)
