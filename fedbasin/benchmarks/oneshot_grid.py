@@ -30,9 +30,9 @@ import math
 import os
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+from fedbasin.benchmarks.grid import run_in_workers, write_report
 from fedbasin.benchmarks.regime import mean_spread, parse_partition
 
 # a proxy of 300 labelled examples (of digits' 1,138 training images; at most 1,000 for any data),
@@ -173,29 +173,17 @@ def main(argv: list[str] | None = None) -> int:
                         "overrides": overrides, "clients": k, "cell": (args.data.split(":", 1)[0], k, partition)}
     except ValueError as error:
         p.error(str(error))
-    from tqdm import tqdm
-
     out = Path(args.out)
     started = time.perf_counter()
     rows = {name: row for name, job in jobs.items() if (row := finished(out, name, job["overrides"]))}
     todo = [name for name in jobs if name not in rows]
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool, tqdm(total=len(jobs), initial=len(rows),
-                                                                 desc="one-shot runs") as bar:
-        futures = [pool.submit(run_cell, name, jobs[name]["overrides"], jobs[name]["clients"], str(out))
-                   for name in todo]
-        for future in as_completed(futures):
-            row = future.result()
-            rows[row["name"]] = row
-            bar.update()
+    for row in run_in_workers(run_cell, [(name, jobs[name]["overrides"], jobs[name]["clients"], str(out))
+                                         for name in todo], args.jobs, len(rows), "one-shot runs"):
+        rows[row["name"]] = row
     lines = summarise(rows, jobs)
     table = markdown(lines)
     seconds = time.perf_counter() - started
-    from fedbasin.atomic import atomic_write
-    from fedbasin.server.outputs import write_json_atomic
-
-    write_json_atomic(out / "oneshot_grid.json", {"args": vars(args), "cells": lines, "rows": rows,
-                                                  "seconds": seconds})
-    atomic_write(out / "oneshot_grid.md", lambda tmp: Path(tmp).write_text(table + "\n"))
+    write_report(out, "oneshot_grid", {"args": vars(args), "cells": lines, "rows": rows, "seconds": seconds}, table)
     print(table)
     print(f"\n{len(todo)} runs in {seconds:.0f} s ({len(rows) - len(todo)} from earlier runs); "
           f"wrote {out / 'oneshot_grid.md'}, oneshot_grid.json")

@@ -27,8 +27,9 @@ import logging
 import os
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+
+from fedbasin.benchmarks.grid import run_in_workers, write_report
 
 ARMS = {"FedAvg": False, "AlignedFedAvg": True}  # arm -> run-config alignment
 DEFAULTS = dict(data="digits", epochs="1,5,20", partitions="iid,dirichlet:0.5,dirichlet:0.1",
@@ -200,27 +201,17 @@ def main(argv: list[str] | None = None) -> int:
                             jobs[cell_name(epochs, partition, init, seed, arm)] = overrides
     except ValueError as error:
         p.error(str(error))
-    from tqdm import tqdm
-
     out = Path(args.out)
     started = time.perf_counter()
     runs = {name: done for name in jobs if (done := finished(out, name, args.rounds))}
     todo = [name for name in jobs if name not in runs]
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool, tqdm(total=len(jobs), initial=len(runs),
-                                                                 desc="regime runs") as bar:
-        futures = [pool.submit(run_one, name, jobs[name], args.nodes, str(out)) for name in todo]
-        for future in as_completed(futures):
-            result = future.result()
-            runs[result["name"]] = result
-            bar.update()
+    for result in run_in_workers(run_one, [(name, jobs[name], args.nodes, str(out)) for name in todo], args.jobs,
+                                 len(runs), "regime runs"):
+        runs[result["name"]] = result
     rows = summarise(runs, grid, args.target)
     table = markdown(rows, args.target)
     seconds = time.perf_counter() - started
-    from fedbasin.atomic import atomic_write
-    from fedbasin.server.outputs import write_json_atomic
-
-    write_json_atomic(out / "regime.json", {"args": vars(args), "rows": rows, "runs": runs, "seconds": seconds})
-    atomic_write(out / "regime.md", lambda tmp: Path(tmp).write_text(table + "\n"))
+    write_report(out, "regime", {"args": vars(args), "rows": rows, "runs": runs, "seconds": seconds}, table)
     plot(rows, grid, out / "regime.png")
     print(table)
     print(f"\n{len(todo)} runs in {seconds:.0f} s ({len(runs) - len(todo)} from earlier runs); "
