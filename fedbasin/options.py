@@ -495,7 +495,7 @@ def resolve_match(match: MatchOptions, kind: str) -> MatchOptions:
     return dataclasses.replace(match, head_weight=HEAD_WEIGHT[kind] if match.head_weight == AUTO else match.head_weight)
 
 
-# distillation per kind, measured on the one-shot digits grid (docs/benchmarks.md, "One-shot at the ensemble"):
+# distillation per kind, measured on the one-shot digits grid (docs/results.md, "One-shot at the ensemble"):
 # mixup views with their mixed labels at weight 0.5 for image classifiers; language models as before (no views,
 # no labels: not measured otherwise)
 DISTILL_SETTINGS = {IMAGE: dict(augment="mixup", label_weight=0.5),
