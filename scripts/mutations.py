@@ -40,6 +40,7 @@ SUBSETS = {
     "auto_kind": ["tests/test_options.py"],
     "budget": ["tests/test_options.py"],
     "distill_budget": ["tests/test_distill_budget.py"],
+    "mixup_labels": ["tests/test_distill_levers.py"],
     "translator": ["tests/test_options.py", "tests/test_head_lr.py"],
     "phi": ["tests/test_families_cli.py", "tests/test_phi.py"],
     "shared_norm": ["tests/test_phi.py"],

@@ -163,6 +163,24 @@ def distill_budget_ignored() -> None:
     StepCost.steps = lambda self, seconds, eval_every=10: 10
 
 
+def mixup_labels_unmixed() -> None:
+    """Mixup views keep the first image's label (the labels are not mixed as the images are)."""
+    from fedbasin.server import distill
+
+    original = distill.random_mixup
+
+    @functools.wraps(original)
+    def mutant(base=None):
+        mix = original(base)
+
+        def augment(x, generator, y=None):
+            return mix(x, generator)
+
+        return augment
+
+    replace_everywhere(original, mutant)
+
+
 def translator_drops_head_lr() -> None:
     """The options translator forgets the per-head learning rate (the maps all train at ``lr``)."""
     from fedbasin import options
@@ -247,6 +265,7 @@ MUTATIONS = {
     "auto_kind": auto_ignores_kind,
     "budget": budget_ignored,
     "distill_budget": distill_budget_ignored,
+    "mixup_labels": mixup_labels_unmixed,
     "translator": translator_drops_head_lr,
     "phi": phi_unregistered,
     "shared_norm": shared_norm_feeds_attention_only,
