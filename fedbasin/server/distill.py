@@ -272,7 +272,8 @@ def random_mixup(base: Callable[[torch.Tensor, torch.Generator], torch.Tensor] |
             x = base(x, generator)
         weight = torch.rand(x.shape[0], generator=generator).to(x.dtype)
         partner = torch.randperm(x.shape[0], generator=generator)
-        mixed = weight.view(-1, *([1] * (x.ndim - 1))) * x + (1 - weight.view(-1, *([1] * (x.ndim - 1)))) * x[partner]
+        per_input = weight.view(-1, *([1] * (x.ndim - 1)))  # λ_i broadcast over each input's dimensions
+        mixed = per_input * x + (1 - per_input) * x[partner]
         if y is None:
             return mixed
         other = y[partner]

@@ -171,7 +171,7 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
         raise ValueError(f"run-config distill-steps={config['distill-steps']} needs proxy data: "
                          f"{task.name} has no proxy split (set proxy-size >= 10)")
     adapter = adapter or model_adapter(task, model)[1]
-    augment, label_weight = distill_augment(task, config), distill_options(task, config).label_weight
+    augment, label_weight = distill_augment(task, config, model), distill_options(task, config, model).label_weight
     device = resolve_device(config["device"])
     auto, budget = config["distill-steps"] == AUTO, float(config["distill-budget"])
     if auto and budget <= 0:
@@ -224,19 +224,22 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
     return distill
 
 
-def distill_options(task, config: dict):
+def distill_options(task, config: dict, model=None):
     """The run config's :class:`~fedbasin.options.DistillOptions` with ``auto`` resolved for what the
-    model is (:func:`~fedbasin.options.resolve_distill`: image classifier or language model)."""
-    return resolve_distill(from_run_config(config)[2], model_kind(task.data, None if task.data != "text" else 1 << 20))
+    model is (:func:`kind_of`; :func:`~fedbasin.options.resolve_distill`). Without ``model`` (checking a
+    run config before any model exists) the kind is read from the data alone: an image classifier, or
+    a language model of unknown vocabulary."""
+    kind = kind_of(task, model) if model is not None else model_kind(task.data, None)
+    return resolve_distill(from_run_config(config)[2], kind)
 
 
-def distill_augment(task, config: dict):
+def distill_augment(task, config: dict, model=None):
     """The run config's ``distill-augment`` as an ``augment`` for :func:`ensemble_distill`: None, or
     random crops (zero padding of H // 8 pixels) with (``crop-flip``) or without left-right flips,
     followed (``…mixup``) or not by mixup (:func:`~fedbasin.server.distill.random_mixup`, its labels
     mixed too); ``auto``: mixup for image classifiers, none for language models. A named view is
-    refused for data that are not images."""
-    choice = distill_options(task, config).augment
+    refused for data that are not images. ``model``: as for :func:`distill_options`."""
+    choice = distill_options(task, config, model).augment
     if choice == "none":
         return None
     shape = tuple(task.train.inputs.shape[1:])
