@@ -153,9 +153,11 @@ class DistillOptions:
     """Ensemble distillation of the clients' outputs into the merge (Flower, on the proxy split)."""
 
     PREFIX = "distill-"
-    # the default: 0, no distillation; AUTO here distils, sized by ``budget``, whenever the server holds a proxy split
-    steps: int | str = option(0, ">0: distil the clients' ensemble into the merge on the proxy split for this many "
-                              "steps; auto: as many as distill-budget allows (no proxy split: no distillation)",
+    # the default distils, sized by ``budget``, whenever the server holds a proxy split (measured: docs/options.md,
+    # "Distillation by a time budget"); 0 turns it off
+    steps: int | str = option(AUTO, ">0: distil the clients' ensemble into the merge on the proxy split for this "
+                              "many steps; auto: as many as distill-budget allows (no proxy split: no "
+                              "distillation); 0: no distillation",
                               low=0, auto=True, surfaces=(RUN,))
     budget: float = option(120.0, "with distill-steps auto: seconds one distillation may take per round (caching "
                            "the clients' outputs, the steps and keep-best checks); the steps follow from timing "

@@ -127,12 +127,14 @@ def test_budget_arguments_are_checked():
 
 
 def test_the_run_config_takes_auto_and_a_budget_and_refuses_bad_values_in_one_line_each():
-    """``distill-steps`` takes an integer >= 0 or auto, ``distill-budget`` seconds >= 0; the default stays no
-    distillation; auto without a proxy split distils nothing and is no error, nor is a budget of 0."""
+    """``distill-steps`` takes an integer >= 0 or auto, ``distill-budget`` seconds >= 0; the default distils
+    whenever the server holds a proxy split, 0 turns it off; auto without a proxy split distils nothing and is
+    no error, nor is a budget of 0."""
     proxy, none = SimpleNamespace(proxy=object()), SimpleNamespace(proxy=None)
     default = resolve_run_config({})
-    assert (default["distill-steps"], default["distill-budget"]) == (0, 120.0)
-    assert not server_app.distils(default, proxy) and not server_app.distils(default, none)
+    assert (default["distill-steps"], default["distill-budget"]) == ("auto", 120.0)
+    assert server_app.distils(default, proxy) and not server_app.distils(default, none)
+    assert not server_app.distils(resolve_run_config({"distill-steps": 0}), proxy)
     auto = resolve_run_config({"distill-steps": "auto"})  # proxy-size 0: accepted, nothing to distil on
     assert auto["distill-steps"] == "auto" and not server_app.distils(auto, none)
     assert server_app.distils(auto, proxy)

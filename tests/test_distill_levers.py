@@ -124,7 +124,7 @@ def test_one_shot_reuses_cached_clients_only_when_every_client_setting_matches(t
     from fedbasin.benchmarks import oneshot
 
     base = {**oneshot.ONESHOT_DEFAULTS, "local-epochs": 2, "max-train-examples": 300, "align-iterations": 2,
-            "proxy-size": 60, "refine-steps": 0}
+            "proxy-size": 60, "refine-steps": 0, "distill-steps": 0}
     first = oneshot.one_shot(resolve_run_config(base), 2, progress=False, cache=tmp_path)
     assert not first["clients_from_cache"] and len(list(tmp_path.glob("clients-*.pt"))) == 1
     server_side = resolve_run_config({**base, "distill-steps": 5, "distill-label-weight": 0.5})

@@ -200,12 +200,27 @@ def test_a_budget_sizes_the_run_and_the_recorded_steps_repeat_it(monkeypatch):
         return learned_refine(spec, model, a, [b], cross_entropy, data.batches, data.selection, lr=1e-2,
                               batch_workers=1, **options)
 
-    sized = refine(steps=None, budget=2.0, evaluations=2)
-    steps = sized.steps
+    sized = refine(steps=None, budget=2.0, evaluations=2)  # a check (10 ms) is 0.5 % of the budget: more checks
+    steps, every = sized.steps, sized.eval_every
     assert steps > PROBE_STEPS + 1 and not sized.stopped_at_budget
-    assert [step for step, _ in sized.history] == [0, math.ceil(steps / 2), steps]
-    again = refine(steps=steps, eval_every=math.ceil(steps / 2))
+    assert every < math.ceil(steps / 2) and sized.summary()["eval_every"] == every
+    assert [step for step, _ in sized.history] == [0, *range(every, steps, every), steps]
+    again = refine(steps=steps, eval_every=every)
     assert again.history == sized.history and again.steps == steps
+    monkeypatch.setattr(refine_module, "CHECK_SHARE", 0.0)  # no share of the budget for more checks
+    calls[0] = 0
+    only_asked = refine(steps=None, budget=2.0, evaluations=2)
+    assert [step for step, _ in only_asked.history] == [0, math.ceil(only_asked.steps / 2), only_asked.steps]
+
+
+def test_a_budget_buys_keep_best_checks_while_they_are_cheap():
+    """At least the kind's checks; more while all of them cost at most 5 % of the budget, at most MAX_CHECKS."""
+    from fedbasin.alignment.refine import MAX_CHECKS, sized_checks
+
+    assert sized_checks(1, 120.0, 7.4) == 1  # the GPT-2 recipe pair: a check of the 410 selection blocks
+    assert sized_checks(1, 120.0, 1.0) == 6 and sized_checks(6, 120.0, 1.0) == 6
+    assert sized_checks(1, 120.0, 0.05) == MAX_CHECKS == sized_checks(1, 120.0, 0.0)
+    assert sized_checks(4, 10.0, 5.0) == 4
 
 
 def test_flower_refines_whenever_the_server_holds_a_proxy_split():

@@ -235,3 +235,23 @@ def test_cli_merge_universe_with_refinement(tmp_path, capsys):
                  "--refine-examples", "300"]) == 0
     info = json.loads(capsys.readouterr().out)["refinement"]
     assert info["selection_loss_best"] < info["selection_loss_start"] and "evaluation_loss" in info
+
+
+def test_a_run_that_blows_up_resumes_from_its_best_maps_at_half_the_learning_rate():
+    """At lr 0.3 the digits pair's refinement blows up (checks far above the start) and, left alone, never
+    beats its start in 120 steps; a check more than RELAPSE worse than the start sends training back to the
+    best maps with half the learning rate, and the run ends well below its start."""
+    from fedbasin.alignment import proxy_streams
+    from fedbasin.alignment.refine import RELAPSE
+    from fedbasin.training import cross_entropy
+
+    from .test_soft_labels import digits_pair
+
+    model, spec, task, a, b = digits_pair()
+    data = proxy_streams(task.proxy, 32, seed=0)
+    result = learned_refine(spec, model, a, [b], cross_entropy, data.batches, data.selection, steps=120,
+                            eval_every=10, lr=0.3, batch_workers=1)
+    checks = dict(result.history)
+    assert result.relapses and all(checks[s] > (1 + RELAPSE) * result.initial_loss for s in result.relapses)
+    assert result.summary()["relapses"] == result.relapses
+    assert result.best_step > max(result.relapses) and result.best_loss < 0.7 * result.initial_loss

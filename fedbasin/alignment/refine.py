@@ -41,6 +41,16 @@ from .workers import _Workers
 
 PROBE_STEPS = 5  # a budgeted run times these steps (after the first) to size itself
 SIZING_STEPS = 10**6  # its provisional length: the cosine schedule stays at the full rate until sized
+CHECK_SHARE, MAX_CHECKS = 0.05, 12  # a budgeted run adds keep-best checks while they cost at most this share
+RELAPSE = 0.1  # a check this share worse than the start: back to the best maps, at half the learning rate
+
+
+def sized_checks(evaluations: int, budget: float, check_seconds: float) -> int:
+    """Keep-best checks of a budgeted run: at least ``evaluations``, and more (up to :data:`MAX_CHECKS`)
+    while all of them together cost at most ``CHECK_SHARE · budget`` — on a small proxy a check is nearly
+    free, and a run of many passes over it can leave its best point long before its last step."""
+    affordable = int(CHECK_SHARE * budget / check_seconds) if check_seconds > 0 else MAX_CHECKS
+    return max(evaluations, min(MAX_CHECKS, affordable))
 
 
 @dataclass
@@ -73,6 +83,8 @@ class RefineResult:
     diverged_step: int = 0  # the step whose loss or maps became non-finite (training stopped there); 0: none
     steps: int = 0  # the training steps the run was given (sized from the budget when steps=None)
     stopped_at_budget: int = 0  # a budgeted run whose later steps ran slower than timed stopped at this step
+    eval_every: int = 0  # a budgeted run's keep-best check interval (with ``steps``, it repeats the run)
+    relapses: list[int] = field(default_factory=list)  # checks that sent training back to the best maps
 
     @property
     def improved(self) -> bool:
@@ -85,6 +97,10 @@ class RefineResult:
         if self.start_mode:
             out["start"] = self.start_mode
         out["batch_workers"] = self.workers
+        if self.eval_every:
+            out["eval_every"] = self.eval_every
+        if self.relapses:
+            out["relapses"] = self.relapses
         return out
 
 
@@ -192,10 +208,14 @@ def learned_refine(
     token streams of :func:`fedbasin.data.unigram_blocks` (data-free alignment).
     ``steps=None``: as many steps as ``budget`` seconds allow (the whole call: start, labelling, steps and
     keep-best checks): after :data:`PROBE_STEPS` steps at the full learning rate the mean time of a step and
-    of one selection check size the run, ``eval_every`` becomes ``⌈steps / evaluations⌉`` and the schedule
-    spans the sized run (``RefineResult.steps`` records it: pass it as ``steps`` to repeat the run exactly).
+    of one selection check size the run, the checks become ``evaluations`` or more while they cost at most
+    5 % of the budget (:func:`sized_checks`), ``eval_every`` becomes ``⌈steps / checks⌉`` and the schedule
+    spans the sized run (``RefineResult.steps`` and ``eval_every`` record it: pass them to repeat the run exactly).
     Should later steps run slower than timed (a loaded machine), the run stops once the budget less one
     check is spent, with a last check (``RefineResult.stopped_at_budget``): the budget holds.
+    A check more than ``RELAPSE`` (10 %) worse than the start (training blew up: many passes over a small
+    proxy at a high learning rate) sends training back to the best maps so far with fresh Adam moments and
+    half the learning rate (``RefineResult.relapses``: the steps where it did).
     ``include_reference=False`` leaves the reference out of the mixture and the scored centroid
     (it is then only the alignment target, like the previous global model in a federated round).
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
@@ -351,8 +371,11 @@ def learned_refine(
         movers = [ref_state] * dual + base  # the models that carry a learned transform
         deltas = nn.ModuleList(_Delta(spec, b, permutations, init_scale=1.0, group=group) for b in movers).to(device)
         optimiser = torch.optim.Adam(_parameter_groups(deltas, lr, head_lr), lr=lr)
+        lr_scale = [1.0]  # halved at each relapse
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimiser, (lambda i: 1.0) if schedule == "constant" else (lambda i: 0.5 * (1 + math.cos(math.pi * i / max(steps, 1)))))
+            optimiser, (lambda i: lr_scale[0]) if schedule == "constant"
+            else (lambda i: lr_scale[0] * 0.5 * (1 + math.cos(math.pi * i / max(steps, 1)))))
+        best_maps = {k: v.detach().clone() for k, v in deltas.state_dict().items()}
         rng = np.random.default_rng(seed)  # private: the caller's torch RNG stream is left alone
 
         def split_members(states, reference_state=ref_state):
@@ -379,9 +402,11 @@ def learned_refine(
                 probe_started = time.perf_counter()  # the first step pays one-off costs: time the next ones
             if sized and step == PROBE_STEPS + 2:
                 per_step = (time.perf_counter() - probe_started) / PROBE_STEPS
+                evaluations = sized_checks(evaluations, budget, check_seconds[0])
                 left = budget - (time.perf_counter() - t0) - evaluations * check_seconds[0]
                 steps = max(step, step - 1 + int(max(left, 0.0) / per_step))
                 eval_every, sized = max(1, -(-steps // evaluations)), False
+                result.eval_every = eval_every
                 bar.total = steps
                 bar.refresh()
             x, y = next(iterator)
@@ -418,6 +443,12 @@ def learned_refine(
                 result.history.append((step, value))
                 if value < best:
                     best, best_states, best_elements, result.best_step = value, hard, elements, step
+                    best_maps = {k: v.detach().clone() for k, v in deltas.state_dict().items()}
+                elif value > initial + RELAPSE * abs(initial) and step < steps:
+                    deltas.load_state_dict(best_maps)  # blew up: resume from the best maps, more gently
+                    optimiser.state.clear()
+                    lr_scale[0] *= 0.5
+                    result.relapses.append(step)
     bar.close()
     best_ref, result.canonical = split_members(best_states)
     result.states = [to_gauge(spec, s, ref_c.gains) for s in result.canonical]

@@ -69,10 +69,11 @@ def client_parts(task, clients: int, own_test: float, proxy_size: int, seed: int
 
 def cached(path: Path | None, compute, key: dict):
     """``compute()``'s result, kept in ``path`` (written atomically) with ``key`` and reused while the
-    stored key is the same (trained clients survive a later failure and a rerun)."""
+    stored key is the same (trained clients survive a later failure and a rerun; the key leaves out the
+    server's options, :func:`~fedbasin.benchmarks.oneshot.client_cache_key`)."""
     from fedbasin.atomic import atomic_write
 
-    key = json.loads(json.dumps({**key, "torch": str(torch.__version__)}, sort_keys=True, default=str))
+    key = json.loads(json.dumps(key, sort_keys=True, default=str))
     if path is not None:
         try:
             stored = torch.load(path, weights_only=True)
@@ -91,6 +92,7 @@ def federated_lm(config: dict, clients: int, own_test: float = 0.1, rounds: int 
     """One benchmark row for one run config (``hf-config`` names the family); see the module docstring.
     ``cache``: a file keeping the trained clients for a rerun with the same settings."""
     from fedbasin.alignment import average_states, merge, refined_merge
+    from fedbasin.benchmarks.oneshot import client_cache_key
     from fedbasin.config import eval_batch_size, model_adapter, model_from_config, task_from_config
     from fedbasin.data.task import Task
     from fedbasin.options import from_run_config, resolve_match
@@ -131,7 +133,7 @@ def federated_lm(config: dict, clients: int, own_test: float = 0.1, rounds: int 
         return states, seconds
 
     states, train_seconds = cached(cache, lambda: local_training(None, config["local-epochs"], 1000 * config["seed"]),
-                                   {"config": config, "clients": clients, "own_test": own_test})
+                                   {**client_cache_key(config, clients), "own_test": own_test})
     weights = [float(len(t)) for t in trains]
     row = {"family": config["hf-config"], "clients": clients, "blocks": [len(t) for t in trains],
            "union_test_blocks": len(task.test), "proxy_blocks": len(proxy) if proxy is not None else 0,

@@ -186,8 +186,13 @@ def check_further_from(names: tuple[str, ...], config: dict) -> tuple[str, ...]:
         if name not in FURTHER_FROM:
             raise ValueError(f"--further-from {name!r}: expected one of {', '.join(FURTHER_FROM)}")
         needs = FURTHER_FROM[name]
-        if needs and config[needs] != AUTO and config[needs] <= 0:
-            raise ValueError(f"--further-from {name}: that merge needs run-config {needs} > 0")
+        if needs is None:
+            continue
+        auto = config[needs] == AUTO  # sized by the budget: computed only with a proxy split and a budget > 0
+        if (auto and not (config["proxy-size"] > 0 and config[needs.replace("-steps", "-budget")] > 0)) or (
+                not auto and config[needs] <= 0):
+            raise ValueError(f"--further-from {name}: that merge needs run-config {needs} > 0, or auto with a "
+                             "budget and a proxy split (proxy-size >= 10)")
     return names
 
 
