@@ -60,6 +60,12 @@ def test_a_tiny_federation_of_gpt2_models_end_to_end(tmp_path, capsys):
     assert "| gpt2 |" in capsys.readouterr().out
 
 
+def test_the_shared_init_arm_trains_as_many_epochs_as_the_one_shot_arm():
+    """3 local epochs + 2 further rounds of 1 = 5 epochs over FedAvg's 3 rounds: 2, 2, 1."""
+    assert federated_lm.even_split(5, 3) == [2, 2, 1] and federated_lm.even_split(6, 3) == [2, 2, 2]
+    assert sum(federated_lm.even_split(7, 4)) == 7
+
+
 def test_bad_input_is_refused_in_one_line_before_any_training(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         federated_lm.main(["--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x.json")])

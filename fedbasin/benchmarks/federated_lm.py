@@ -16,7 +16,7 @@ split and on each client's own split:
   the proxy split, ``distill-steps``), the logit ensemble (K times the inference cost),
 * with ``--rounds R``: R more rounds of local training (``--round-epochs``) and plain averaging from
   the best one-shot merge, against R + 1 FedAvg rounds from one shared initialisation with the same
-  total local epochs.
+  total local epochs (:func:`even_split`).
 
 Models come from the run config's ``hf-config`` (a Hugging Face model type sized by ``model.*``),
 one row per ``--families`` entry::
@@ -65,6 +65,12 @@ def client_parts(task, clients: int, own_test: float, proxy_size: int, seed: int
         trains.append(segment.subset(order[per_client:].sort().values))
         tests.append(segment.subset(torch.arange(cut, len(segment))))
     return trains, tests, concat(proxies) if per_client else None
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """``total`` local epochs over ``parts`` rounds, as evenly as whole epochs allow (earlier rounds
+    take the remainder): the FedAvg arm trains exactly as many epochs as the one-shot arm."""
+    return [total // parts + (r < total % parts) for r in range(parts)]
 
 
 def cached(path: Path | None, compute, key: dict):
@@ -174,7 +180,7 @@ def federated_lm(config: dict, clients: int, own_test: float = 0.1, rounds: int 
         shared = {k: v.detach().clone() for k, v in adapter.to_standard(
             model_from_config(task, config, seed=100 * config["seed"]).state_dict()).items()}
         arms = {f"from {start}": ([merges[start]], [round_epochs] * rounds),
-                "FedAvg, shared init": ([shared], [total // (rounds + 1)] * (rounds + 1))}
+                "FedAvg, shared init": ([shared], even_split(total, rounds + 1))}
         row["further"] = {"epochs_total": total}
         for name, (history, schedule) in arms.items():
             for r, epochs in enumerate(schedule, start=1):
