@@ -184,6 +184,8 @@ def test_further_rounds_continue_only_the_named_merges_and_bad_names_are_refused
     for argv, message in (
         (["--further-rounds", "1", "--further-from", "distilled"], "--further-from distilled: that merge needs "
          "run-config distill-steps > 0"),
+        (["--further-rounds", "1", "--further-from", "learned"], "--further-from learned: that merge needs "
+         "run-config refine-steps > 0, or auto with a budget and a proxy split"),  # auto, but no proxy split
         (["--further-rounds", "1", "--further-from", "fedavg,best"], "--further-from 'best': expected one of fedavg"),
         (["--further-from", "fedavg"], "--further-from needs --further-rounds >= 1"),
     ):

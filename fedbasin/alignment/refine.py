@@ -375,7 +375,11 @@ def learned_refine(
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimiser, (lambda i: lr_scale[0]) if schedule == "constant"
             else (lambda i: lr_scale[0] * 0.5 * (1 + math.cos(math.pi * i / max(steps, 1)))))
-        best_maps = {k: v.detach().clone() for k, v in deltas.state_dict().items()}
+        def maps_now() -> dict:
+            """A copy of the learned maps' parameters (what a relapse returns to)."""
+            return {k: v.detach().clone() for k, v in deltas.state_dict().items()}
+
+        best_maps = maps_now()
         rng = np.random.default_rng(seed)  # private: the caller's torch RNG stream is left alone
 
         def split_members(states, reference_state=ref_state):
@@ -443,7 +447,7 @@ def learned_refine(
                 result.history.append((step, value))
                 if value < best:
                     best, best_states, best_elements, result.best_step = value, hard, elements, step
-                    best_maps = {k: v.detach().clone() for k, v in deltas.state_dict().items()}
+                    best_maps = maps_now()
                 elif value > initial + RELAPSE * abs(initial) and step < steps:
                     deltas.load_state_dict(best_maps)  # blew up: resume from the best maps, more gently
                     optimiser.state.clear()

@@ -44,7 +44,6 @@ import torch
 from fedbasin.alignment import average_states, fedbasin_adapter, merge, refined_merge
 from fedbasin.atomic import atomic_write
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
-from fedbasin.options import AUTO
 from fedbasin.server.distill import LogitEnsemble
 from fedbasin.server.outputs import write_json_atomic
 from fedbasin.server.server_app import (
@@ -80,6 +79,7 @@ FURTHER_FROM = {  # --further-from name (a one-shot merge to continue) -> run-co
     "distilled": "distill-steps",  # the aligned (or learned) merge after ensemble distillation
     "fedavg-distilled": "distill-steps",  # the plain average after ensemble distillation
 }
+COMPUTED_WHEN = {"refine-steps": refines, "distill-steps": distils}  # (config, task) -> whether that merge is made
 
 
 def train_clients(task, config: dict, num_clients: int, starts: list[dict] | None, epochs: int,
@@ -177,20 +177,17 @@ def further_rounds(task, config: dict, num_clients: int, starts: dict[str, dict]
     return out
 
 
-def check_further_from(names: tuple[str, ...], config: dict) -> tuple[str, ...]:
-    """``names`` (of :data:`FURTHER_FROM`), refused with one line when empty, unknown or naming a
-    merge that ``config`` does not compute."""
+def check_further_from(names: tuple[str, ...], config: dict, task=None) -> tuple[str, ...]:
+    """``names`` (of :data:`FURTHER_FROM`), refused with one line when empty, unknown or (given the
+    ``task``) naming a merge that ``config`` does not compute there — by the ServerApp's own rules,
+    :func:`~fedbasin.server.server_app.refines` and :func:`~fedbasin.server.server_app.distils`."""
     if not names:
         raise ValueError("--further-from is empty: name at least one of " + ", ".join(FURTHER_FROM))
     for name in names:
         if name not in FURTHER_FROM:
             raise ValueError(f"--further-from {name!r}: expected one of {', '.join(FURTHER_FROM)}")
         needs = FURTHER_FROM[name]
-        if needs is None:
-            continue
-        auto = config[needs] == AUTO  # sized by the budget: computed only with a proxy split and a budget > 0
-        if (auto and not (config["proxy-size"] > 0 and config[needs.replace("-steps", "-budget")] > 0)) or (
-                not auto and config[needs] <= 0):
+        if needs is not None and task is not None and not COMPUTED_WHEN[needs](config, task):
             raise ValueError(f"--further-from {name}: that merge needs run-config {needs} > 0, or auto with a "
                              "budget and a proxy split (proxy-size >= 10)")
     return names
@@ -203,9 +200,9 @@ def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int 
     see :func:`cached_clients`) and compare the merges (and, with ``rounds > 0``, continue from
     them, from every merge or only those named in ``further_from`` (:data:`FURTHER_FROM`), see
     :func:`further_rounds`)."""
-    if further_from is not None:
-        check_further_from(further_from, config)
     task = task_from_config(config)
+    if further_from is not None:
+        check_further_from(further_from, config, task)
     device = resolve_device(config["device"])
     states, weights, seconds, from_cache = cached_clients(cache, task, config, num_clients, device, progress)
     model = model_from_config(task, config, seed=0)
@@ -358,10 +355,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--further-from needs --further-rounds >= 1")
         for data in args.data or ["digits"]:  # loads (and caches) every data source up front
             config = resolve_run_config({**overrides, "data": data})
+            task = task_from_config(config)
             if config["distill-steps"] != 0:  # > 0 or auto
-                distill_augment(task_from_config(config), config)
-            else:
-                task_from_config(config)
+                distill_augment(task, config)
+            if further_from is not None:
+                check_further_from(further_from, config, task)
     except (ValueError, FileNotFoundError) as error:
         p.error(str(error))
     rows = []
