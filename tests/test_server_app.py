@@ -129,7 +129,7 @@ def test_every_bad_key_is_reported_with_what_is_allowed():
     ({"symmetry": "permutation"}, "mode", "permutation"),
     ({"refine-start": "best"}, "mode", "best"),
     ({"refine-start": "permutation"}, "mode", "permutation"),
-    ({}, "lambda_range", (0.4, 0.6)),
+    ({}, "lambda_range", (0.2, 0.8)),  # an image classifier's auto range
     ({"refine-lambda": "0.1,0.9"}, "lambda_range", (0.1, 0.9)),
     ({}, "schedule", "cosine"),  # an image classifier's auto schedule
     ({"refine-schedule": "constant"}, "schedule", "constant"),

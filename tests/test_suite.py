@@ -256,3 +256,71 @@ def test_end_to_end_on_a_tiny_digits_pair(tmp_path, capsys):
     assert row["commands"]["free"]["seconds"] > 0 and row["commands"]["free"]["peak_rss_mib"] > 50
     assert set(row["midpoint_accuracy"]) == {"vanilla", "free"}
     assert "| digits-s01 |" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- seeds, jobs
+
+
+def test_every_learned_run_is_repeated_per_refinement_seed(monkeypatch):
+    class Args:
+        skip_learned, variants, refine_seeds = False, {"l28": ["--refine-lambda", "0.2,0.8"]}, [1, 2]
+
+    assert suite.learned_runs(Args) == [
+        ("learned", []), ("learned@s1", ["--refine-seed", "1"]), ("learned@s2", ["--refine-seed", "2"]),
+        ("learned:l28", ["--refine-lambda", "0.2,0.8"]),
+        ("learned:l28@s1", ["--refine-lambda", "0.2,0.8", "--refine-seed", "1"]),
+        ("learned:l28@s2", ["--refine-lambda", "0.2,0.8", "--refine-seed", "2"])]
+    Args.skip_learned, Args.refine_seeds = True, []
+    assert suite.learned_runs(Args) == [("learned:l28", ["--refine-lambda", "0.2,0.8"])]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(suite.os, "cpu_count", lambda: 16)
+    suite.Slots.set(4)
+    try:
+        assert suite.child_env()["OMP_NUM_THREADS"] == "4"  # 16 cores shared by 4 children
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert suite.child_env()["OMP_NUM_THREADS"] == "1"  # a given value wins
+    finally:
+        suite.Slots.set(1)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert "OMP_NUM_THREADS" not in suite.child_env()
+    assert suite.main(["--members", "digits-s01", "--refine-seeds", "0"]) == 2
+    assert suite.main(["--members", "digits-s01", "--jobs", "0"]) == 2
+
+
+def test_the_variant_table_gives_each_setting_over_pairs_and_seeds():
+    rows = []
+    for member, barriers, mids in (("digits-s01", (0.01, 0.03, 0.0), (0.62, 0.55, 0.60)),
+                                   ("digits-s23", (0.05, 0.02, 0.01), (0.58, 0.61, 0.66))):
+        row = _row(member, "image", 1.0, 0.5)  # endpoint accuracies 0.5 / 0.6
+        for column, barrier, mid in zip(("learned", "learned@s1", "learned:w"), barriers, mids):
+            row["barrier"][column], row["midpoint_accuracy"][column] = barrier, mid
+            row["commands"][column] = {"seconds": 2.0, "peak_rss_mib": 300.0}
+        row["refinements"] = {"learned": {"steps": 10}, "learned@s1": {"steps": 11}, "learned:w": {"steps": 12}}
+        row["variants"] = {"w": {"options": ["--refine-lambda", "0,1"]}}
+        rows.append(row)
+    lines = suite.table(rows).splitlines()
+    assert "| digits-s23 | default@s1 | --refine-seed 1 | 0.0200 | 11 | 2.0 |" in lines
+    assert "| digits-s01 | w | --refine-lambda 0,1 | 0.0000 | 12 | 2.0 |" in lines
+    default = [0.01, 0.03, 0.05, 0.02]
+    assert (f"| default | 4 | {statistics.fmean(default):.4f} ± {statistics.stdev(default):.4f} (0.0500) | "
+            f"{statistics.fmean([0.02, -0.05, -0.02, 0.01]):+.4f} (-0.0500) | 2 of 4 |") in lines
+    assert "| w | 2 | 0.0050 ± 0.0071 (0.0100) | +0.0300 (+0.0000) | 2 of 2 |" in lines
+
+
+@pytest.mark.slow
+def test_variants_and_refinement_seeds_run_side_by_side_through_the_command_line(tmp_path, capsys):
+    """Two learned endpoints of a tiny pair (a variant of 3 steps, and again with refinement seed 1), with
+    --jobs 2: each is its own refinement (its seed recorded), barriers and midpoints measured for both."""
+    _vit(tmp_path / "pair" / "seed0", 0)
+    _vit(tmp_path / "pair" / "seed1", 1)
+    out = tmp_path / "rows.json"
+    assert suite.main(["--members", "digits-s01", "--pair-dir", f"digits-s01={tmp_path / 'pair'}", "--cache",
+                       str(tmp_path / "cache"), "--out", str(out), "--skip-learned", "--jobs", "2",
+                       "--variant", "q=--refine-steps 3 --refine-examples 200", "--refine-seeds", "1"]) == 0
+    row = json.loads(out.read_text())["rows"]["digits-s01"]
+    assert set(row["barrier"]) == {"vanilla", "free", "learned:q", "learned:q@s1"}
+    assert set(row["midpoint_accuracy"]) == set(row["barrier"])
+    assert [row["refinements"][c]["seed"] for c in ("learned:q", "learned:q@s1")] == [0, 1]
+    assert row["refinements"]["learned:q"]["steps"] == 3 and row["key"]["refine_seeds"] == [1]
+    assert row["curves"]["learned:q"] != row["curves"]["learned:q@s1"]
+    assert "| q | 2 |" in capsys.readouterr().out

@@ -17,6 +17,9 @@ fedbasin.cli`` in a child process), so the table reflects the current defaults:
 * learned: ``fedbasin align A B --out C --refine-data SPEC`` (no other option), then the barrier;
 * ``--variant NAME="OPTIONS"`` (repeatable): one more learned endpoint with those options added, an
   ablation or a candidate default measured side by side (rows ``learned:NAME``, a table of their own);
+* ``--refine-seeds S ...``: every learned endpoint (default and variants) again with ``--refine-seed S``
+  (rows ``learned@sS``, ``learned:NAME@sS``), so a default is chosen on the spread over refinement seeds
+  as well as over pairs (the variant table gives each one's mean ± spread over pairs and seeds);
 * image pairs: the accuracy of the midpoint ``(A + X)/2`` (X = B, C) by ``fedbasin eval``;
 * GPT-2 pairs with ``--glmc-path``: GLMC's weight matching (permutation, orthogonal) through
   ``glmc_compare --glmc-only`` (on its own slice: the first N blocks of ``gpt2_pair``'s test split);
@@ -25,7 +28,11 @@ fedbasin.cli`` in a child process), so the table reflects the current defaults:
   ``L(merge) − mean_i L(M_i)``.
 
 The align/merge commands are timed (wall clock of the child process, Python start-up included)
-and their peak resident memory is the child's own high-water mark (``VmHWM`` at its exit). Rows are written
+and their peak resident memory is the child's own high-water mark (``VmHWM`` at its exit). ``--jobs N``
+runs up to N child commands side by side (the members' measurements, and a member's learned endpoints
+and barriers), each with ``OMP_NUM_THREADS`` = cores / N unless it is set: on a many-core machine a
+refinement-seed study takes the time of one run per wave. (A budgeted refinement buys the steps its
+core gives it; each row records them.) Rows are written
 atomically to ``--out`` after each member and reused by a rerun while the fedbasin code is the
 same (git's tree hash of ``fedbasin/`` as it is on disk, :func:`code_version`) and the evaluation
 settings match; ``--rerun`` measures again (the trained models are always reused).
@@ -42,7 +49,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -249,11 +258,34 @@ def train_member(member: Member, args) -> list[Path]:
 # the command line, as a user runs it
 
 
+class Slots:
+    """How many child commands run at once (``--jobs``), and the threads each may use."""
+
+    jobs = 1
+    free = threading.BoundedSemaphore(1)
+
+    @classmethod
+    def set(cls, jobs: int) -> None:
+        cls.jobs, cls.free = jobs, threading.BoundedSemaphore(jobs)
+
+
 def child_env() -> dict:
-    """The environment of a child: ours, with this checkout first on the path."""
+    """The environment of a child: ours, with this checkout first on the path (and, with ``--jobs`` > 1,
+    ``OMP_NUM_THREADS`` = cores / jobs unless it is set)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    if Slots.jobs > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // Slots.jobs)))
     return env
+
+
+def side_by_side(calls: list) -> list:
+    """The results of the zero-argument ``calls``, in order; with ``--jobs`` > 1 they run in threads (their
+    child commands at most ``jobs`` at a time), else one after the other."""
+    if Slots.jobs == 1 or len(calls) < 2:
+        return [call() for call in calls]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
 
 
 @dataclass
@@ -284,15 +316,17 @@ def run_cli(arguments: list[str], log: Path | None = None) -> CliRun:
             open(log or os.devnull, "wb") as err:
         peak = Path(tmp) / "peak"
         command = [sys.executable, "-c", _MEASURED, *map(str, arguments)]
-        started = time.perf_counter()
-        child = subprocess.Popen(command, stdout=out, stderr=err, env={**child_env(), "FEDBASIN_SUITE_PEAK": str(peak)})
-        try:
-            returncode = child.wait()
-        except BaseException:
-            child.kill()
-            child.wait()
-            raise
-        seconds = time.perf_counter() - started
+        with Slots.free:
+            started = time.perf_counter()
+            child = subprocess.Popen(command, stdout=out, stderr=err,
+                                     env={**child_env(), "FEDBASIN_SUITE_PEAK": str(peak)})
+            try:
+                returncode = child.wait()
+            except BaseException:
+                child.kill()
+                child.wait()
+                raise
+            seconds = time.perf_counter() - started
         out.seek(0)
         text = out.read().decode()
         kib = peak.read_text().strip() if peak.is_file() else ""
@@ -352,38 +386,57 @@ def start_row(member: Member, paths: list[Path], args, work: Path, **fields) -> 
     return row, data, slice_
 
 
+def learned_runs(args) -> list[tuple[str, list[str]]]:
+    """``(column, align options)`` of every learned endpoint of a pair: the default (``learned``) unless
+    skipped, each variant (``learned:NAME``), and each again per ``--refine-seeds`` S (``…@sS``)."""
+    runs = ([] if args.skip_learned else [("learned", [])]) + [
+        (f"learned:{name}", options) for name, options in args.variants.items()]
+    return [(column + (f"@s{seed}" if seed else ""), [*options, *(["--refine-seed", str(seed)] if seed else [])])
+            for column, options in runs for seed in [0, *args.refine_seeds]]
+
+
 def pair_row(member: Member, paths: list[Path], args, work: Path) -> dict:
     a, b = paths
     row, data, slice_ = start_row(member, paths, args, work, barrier={}, curves={}, commands={},
                                   midpoint_accuracy={})
-    endpoints = {"vanilla": b}
     say(f"{member.name}: default data-free alignment (fedbasin align A B --out C)")
     run = run_cli(["align", a, b, "--out", work / "aligned-free"], work / "logs" / "align-free.log")
     row["commands"]["free"] = command_record(run)
-    endpoints["free"] = work / "aligned-free"
-    if not args.skip_learned:
-        say(f"{member.name}: default learned alignment (fedbasin align A B --out C --refine-data {data})")
-        run = run_cli(["align", a, b, "--out", work / "aligned-learned", "--refine-data", data],
-                      work / "logs" / "align-learned.log")
-        row["commands"]["learned"] = command_record(run)
-        row["refinement"] = run.summary.get("refinement")  # what the default refinement did (steps, keep-best)
-        endpoints["learned"] = work / "aligned-learned"
+    endpoints = {"vanilla": b, "free": work / "aligned-free"}
+
+    def align(column: str, options: list[str]) -> CliRun:
+        say(f"{member.name}: {column} (fedbasin align A B --out C --refine-data {data} {' '.join(options)})")
+        name = column.replace(":", "-")
+        return run_cli(["align", a, b, "--out", work / f"aligned-{name}", "--refine-data", data, *options],
+                       work / "logs" / f"align-{name}.log")
+
+    runs = learned_runs(args)
+    for (column, options), run in zip(runs, side_by_side([lambda c=c, o=o: align(c, o) for c, o in runs])):
+        row["commands"][column] = command_record(run)
+        row.setdefault("refinements", {})[column] = run.summary.get("refinement")
+        endpoints[column] = work / f"aligned-{column.replace(':', '-')}"
+    if "learned" in row["commands"]:
+        row["refinement"] = row["refinements"]["learned"]  # what the default refinement did (steps, keep-best)
     for name, options in args.variants.items():
-        say(f"{member.name}: variant {name} (fedbasin align A B --out C --refine-data {data} {' '.join(options)})")
-        run = run_cli(["align", a, b, "--out", work / f"aligned-{name}", "--refine-data", data, *options],
-                      work / "logs" / f"align-{name}.log")
-        row["commands"][f"learned:{name}"] = command_record(run)
-        row.setdefault("variants", {})[name] = {"options": options, "refinement": run.summary.get("refinement")}
-        endpoints[f"learned:{name}"] = work / f"aligned-{name}"
-    for name, endpoint in endpoints.items():
+        row.setdefault("variants", {})[name] = {"options": options,
+                                                "refinement": row["refinements"][f"learned:{name}"]}
+
+    def measure(name: str, endpoint: Path) -> tuple[dict, float | None]:
         say(f"{member.name}: barrier {name} ({POINTS} points, {row['eval_examples']} test examples)")
         curve = run_cli(["barrier", a, endpoint, *slice_, "--points", str(POINTS)],
-                        work / "logs" / f"barrier-{name}.log").summary
-        row["barrier"][name], row["curves"][name] = curve["barrier"], curve["losses"]
+                        work / "logs" / f"barrier-{name.replace(':', '-')}.log").summary
+        accuracy = None
         if member.group == "image":
-            mid = midpoint(a, endpoint, work / f"mid-{name}")
-            row["midpoint_accuracy"][name] = run_cli(["eval", mid, *slice_], work / "logs" / f"mid-{name}.log"
-                                                     ).summary["accuracy"]
+            mid = midpoint(a, endpoint, work / f"mid-{name.replace(':', '-')}")
+            accuracy = run_cli(["eval", mid, *slice_], work / "logs" / f"mid-{name.replace(':', '-')}.log"
+                               ).summary["accuracy"]
+        return curve, accuracy
+
+    measured = side_by_side([lambda n=n, e=e: measure(n, e) for n, e in endpoints.items()])
+    for name, (curve, accuracy) in zip(endpoints, measured):
+        row["barrier"][name], row["curves"][name] = curve["barrier"], curve["losses"]
+        if accuracy is not None:
+            row["midpoint_accuracy"][name] = accuracy
     if args.glmc_path and member.recipe == "gpt2":
         say(f"{member.name}: GLMC's weight matching (glmc_compare --glmc-only)")
         row["glmc"] = glmc_rows(a, b, args, eval_examples(member, args), work)
@@ -438,7 +491,8 @@ def row_key(member: Member, args, version: str) -> dict:
     return {"code": version, "data": data_spec(member, args), "eval_examples": eval_examples(member, args),
             "points": POINTS, "models": [str(p) for p in model_dirs(member, args)],
             "glmc": bool(args.glmc_path) and member.recipe == "gpt2",
-            **({"variants": args.variants} if args.variants and member.group != "universe" else {})}
+            **({"variants": args.variants} if args.variants and member.group != "universe" else {}),
+            **({"refine_seeds": args.refine_seeds} if args.refine_seeds and member.group != "universe" else {})}
 
 
 def reusable(row: dict | None, key: dict, skip_learned: bool) -> bool:
@@ -502,20 +556,50 @@ GROUP_CELLS = (("barrier/vanilla", 3), ("barrier/free", 3), ("barrier/learned", 
                ("peak_rss_mib/learned", 0))
 
 
+def learned_columns(row: dict) -> dict[str, tuple[str, list[str], dict]]:
+    """A row's learned endpoints: column → (its name in the variant table: ``default`` or the variant's,
+    with ``@sS`` for a further refinement seed; align options; what the refinement did)."""
+    out = {}
+    for column in row["barrier"]:
+        base, _, seed = column.partition("@")
+        if base != "learned" and not base.startswith("learned:"):
+            continue
+        name = base.partition(":")[2] or "default"
+        variant = row.get("variants", {}).get(name, {})
+        refinement = row.get("refinements", {}).get(column) or (
+            row.get("refinement") if column == "learned" else variant.get("refinement")) or {}
+        options = [*variant.get("options", []), *(["--refine-seed", seed[1:]] if seed else [])]
+        out[column] = (name + (f"@{seed}" if seed else ""), options, refinement)
+    return out
+
+
 def variant_table(rows: list[dict]) -> str:
-    """The ``--variant`` rows beside the default learned one: barrier, refinement steps, wall time."""
+    """The learned endpoints beside each other when there are variants or refinement seeds: one line per
+    member and run (barrier, refinement steps, wall time), then one per setting over all its runs (every
+    pair and seed): barrier mean ± spread (max) and, for image pairs, the midpoint's accuracy minus the
+    better model's."""
     lines = ["| member | learned | options | barrier | steps | align s |", "|" + "---|" * 6]
+    settings: dict[str, dict[str, list[float]]] = {}
     for r in rows:
-        runs = {"default": {"options": [], "refinement": r.get("refinement")}, **r.get("variants", {})}
-        for name, run in runs.items():
-            column = "learned" if name == "default" else f"learned:{name}"
-            if column not in r["barrier"]:
-                continue
-            steps = (run.get("refinement") or {}).get("steps")
-            lines.append(f"| {r['member']} | {name} | {' '.join(run['options']) or '(none)'} | "
+        for column, (name, options, refinement) in learned_columns(r).items():
+            steps, seconds = refinement.get("steps"), r.get("commands", {}).get(column, {}).get("seconds")
+            lines.append(f"| {r['member']} | {name} | {' '.join(options) or '(none)'} | "
                          f"{r['barrier'][column]:.4f} | {steps if steps is not None else '—'} | "
-                         f"{r['commands'][column]['seconds']:.1f} |")
-    return "\n".join(lines) if len(lines) > 2 else ""
+                         f"{_pair([seconds], 1)} |")
+            setting = settings.setdefault(name.partition("@")[0], {"barrier": [], "gain": []})
+            setting["barrier"].append(r["barrier"][column])
+            if column in r.get("midpoint_accuracy", {}):
+                setting["gain"].append(r["midpoint_accuracy"][column] - max(r["accuracy"]))
+    if not any(column != "learned" for r in rows for column in learned_columns(r)):
+        return ""  # the default alone, once per member: the member table says it all
+    lines += ["", "| learned | runs | barrier mean ± spread (max) | midpoint − better model: mean (min) | "
+              "merges ≥ better model |", "|" + "---|" * 5]
+    for name, values in settings.items():
+        barrier, gain = values["barrier"], values["gain"]
+        lines.append(f"| {name} | {len(barrier)} | {_ms_cell(mean_spread(barrier), 4)} ({max(barrier):.4f}) | " + (
+            f"{statistics.fmean(gain):+.4f} ({min(gain):+.4f}) | {sum(g >= 0 for g in gain)} of {len(gain)} |"
+            if gain else "— | — |"))
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -536,8 +620,8 @@ def table(rows: list[dict]) -> str:
     for group, s in summarize(rows).items():
         cells = [_ms_cell(s.get(key), digits) for key, digits in GROUP_CELLS]
         lines.append("| " + " | ".join([GROUPS[group], str(len(s["members"])), *cells]) + " |")
-    if any(r.get("variants") for r in rows):
-        lines += ["", variant_table(rows)]
+    if variants := variant_table(rows):
+        lines += ["", variants]
     return "\n".join(lines)
 
 
@@ -598,6 +682,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "cpu, the default, reproduces the documented pairs; a GPU trains a pair of the same recipe)")
     p.add_argument("--variant", action="append", default=[], metavar='NAME="OPTIONS"',
                    help="one more learned alignment per pair with these align options added (repeatable)")
+    p.add_argument("--refine-seeds", type=int, nargs="+", default=[], metavar="S",
+                   help="run every learned alignment of a pair again with --refine-seed S (rows learned@sS)")
+    p.add_argument("--jobs", type=int, default=1, help="child commands side by side (default 1; each gets "
+                   "OMP_NUM_THREADS = cores / jobs unless set)")
     p.add_argument("--skip-learned", action="store_true", help="leave out the learned alignment")
     p.add_argument("--rerun", action="store_true", help="measure again even where a row of this code is stored")
     return p
@@ -611,6 +699,9 @@ def main(argv: list[str] | None = None) -> int:
         args.pair_dirs = parse_pair_dirs(args.pair_dir + ([f"gpt2-s01={args.gpt2_pair}"] if args.gpt2_pair else []))
         args.eval_examples = parse_eval_examples(args.eval_examples)
         args.variants = parse_variants(args.variant)
+        if args.jobs < 1 or any(seed <= 0 for seed in args.refine_seeds):
+            raise ValueError("--jobs must be >= 1 and --refine-seeds > 0 (seed 0 is the plain rows)")
+        args.refine_seeds = list(dict.fromkeys(args.refine_seeds))
         check_inputs(members, args)
     except ValueError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
@@ -622,27 +713,49 @@ def main(argv: list[str] | None = None) -> int:
             "threads_env": os.environ.get("OMP_NUM_THREADS"), "points": POINTS}
     rows: dict = dict(stored)
     started = time.perf_counter()
+    Slots.set(args.jobs)
+    todo = []
     try:
-        for index, member in enumerate(members, 1):
+        for index, member in enumerate(members, 1):  # training (cached) one member after the other
             say(f"[{index}/{len(members)}] {member.name}")
             key = row_key(member, args, version)
             if not args.train_only and not args.rerun and reusable(stored.get(member.name), key, args.skip_learned):
                 say(f"{member.name}: row of this code reused from {out}")
                 continue
-            paths = train_member(member, args)
-            if args.train_only:
-                continue
-            t0 = time.perf_counter()
-            work = Path(args.cache) / "work" / member.name
-            build = universe_row if member.group == "universe" else pair_row
-            row = build(member, paths, args, work)
-            row.update(key=key, seconds=round(time.perf_counter() - t0, 1), date=time.strftime("%Y-%m-%d"))
-            rows[member.name] = row
-            save_rows(out, rows, meta)
-            say(f"{member.name}: done in {row['seconds']} s; " + ", ".join(
-                f"{k} {v:.3f}" for k, v in row["barrier"].items()))
+            todo.append((member, key, train_member(member, args)))
     except SuiteError as error:
         print(f"suite: {member.name}: {error}", file=sys.stderr)
+        return 1
+
+    def measure(member: Member, key: dict, paths: list[Path]) -> dict | SuiteError:
+        t0 = time.perf_counter()
+        build = universe_row if member.group == "universe" else pair_row
+        try:
+            row = build(member, paths, args, Path(args.cache) / "work" / member.name)
+        except SuiteError as error:
+            return error
+        row.update(key=key, seconds=round(time.perf_counter() - t0, 1), date=time.strftime("%Y-%m-%d"))
+        return row
+
+    def measured():  # (member, row or error), in order of completion; members side by side with --jobs
+        if args.jobs == 1:
+            yield from ((job[0], measure(*job)) for job in todo)
+            return
+        with ThreadPoolExecutor(len(todo)) as pool:
+            futures = {pool.submit(measure, *job): job[0] for job in todo}
+            yield from ((futures[f], f.result()) for f in as_completed(futures))
+
+    failed = None
+    for member, row in measured() if not args.train_only and todo else ():
+        if isinstance(row, SuiteError):
+            failed = failed or f"suite: {member.name}: {row}"
+            continue
+        rows[member.name] = row
+        save_rows(out, rows, meta)
+        say(f"{member.name}: done in {row['seconds']} s; " + ", ".join(
+            f"{k} {v:.3f}" for k, v in row["barrier"].items()))
+    if failed:
+        print(failed, file=sys.stderr)
         return 1
     if args.train_only:
         say("models ready: " + ", ".join(m.name for m in members))
