@@ -39,7 +39,8 @@ def test_a_tiny_grid_end_to_end_and_rerun_from_its_finished_runs(tmp_path, capsy
     assert set(report["rows"]) == {"digits-k2-iid-s0", "digits-k2-iid-s1"}
     for row in report["rows"].values():  # every merge was computed, on two independently trained clients
         assert len(row["client_accuracy"]) == 2 and not row["clients_from_cache"]
-        assert all(0 <= float(row[key]) <= 1 for key, _ in oneshot_grid.MERGES)
+        assert all(0 <= float(row[key]) <= 1 for key, _ in oneshot_grid.MERGES if not key.startswith("synthetic"))
+        assert "synthetic_distilled" not in row  # the data-free server only with --synthetic
         assert row["aligned_distilled_from"] == "aligned + learned"
     assert report["rows"]["digits-k2-iid-s0"]["client_accuracy"] != report["rows"]["digits-k2-iid-s1"]["client_accuracy"]
     (cell,) = report["cells"]
@@ -54,6 +55,15 @@ def test_a_tiny_grid_end_to_end_and_rerun_from_its_finished_runs(tmp_path, capsy
     assert oneshot_grid.main([*other, "--out", str(tmp_path)]) == 0
     rerun = json.loads((tmp_path / "oneshot_grid.json").read_text())["rows"]
     assert all(row["clients_from_cache"] for row in rerun.values())
+    # the server without data: synthesised inputs stand in for the proxy split, on the same clients
+    capsys.readouterr()
+    assert oneshot_grid.main([*other, "--out", str(tmp_path), "--synthetic", "20"]) == 0
+    assert "2 runs in" in capsys.readouterr().out  # rows without the data-free arm do not answer for it
+    for row in json.loads((tmp_path / "oneshot_grid.json").read_text())["rows"].values():
+        assert row["synthetic"] == 20 and row["synthetic_examples"] == 20 and row["clients_from_cache"]
+        assert all(0 <= row[key] <= 1 for key in ("synthetic_learned", "synthetic_distilled",
+                                                  "synthetic_fedavg_distilled", "synthetic_agreement"))
+    assert "data-free: + learned + distilled" in (tmp_path / "oneshot_grid.md").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [

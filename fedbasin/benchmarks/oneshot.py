@@ -19,6 +19,8 @@ client after the other), then reports test accuracy of
   the same fresh model distilled like the merges (``fresh_distilled``): what a merge's start adds,
 * the logit ensemble (mean of the K models' logits; K times the inference cost), and in the JSON
   (``ensemble_probabilities``) the ensemble of the mean of their probabilities,
+* with ``synthetic`` > 0 (the grid's ``--synthetic N``): the server without data, N inputs synthesised
+  from the clients' models standing in for the proxy split (:func:`data_free`, ``synthetic_*``),
 
 and the time of the alignment step against the round total (slowest client's training, as
 clients train in parallel, plus the merge). ``--further-rounds R`` then runs R FedAvg rounds
@@ -33,6 +35,7 @@ Writes markdown tables to stdout and JSON to ``--out``::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import pickle
@@ -44,7 +47,7 @@ import torch
 from fedbasin.alignment import average_states, fedbasin_adapter, merge, refined_merge
 from fedbasin.atomic import atomic_write
 from fedbasin.config import model_from_config, resolve_run_config, task_from_config
-from fedbasin.server.distill import LogitEnsemble
+from fedbasin.server.distill import LogitEnsemble, StateEnsemble
 from fedbasin.server.outputs import write_json_atomic
 from fedbasin.server.server_app import (
     distill_augment,
@@ -193,13 +196,44 @@ def check_further_from(names: tuple[str, ...], config: dict, task=None) -> tuple
     return names
 
 
+def data_free(task, config: dict, spec, states: list[dict], weights: list[int], reference: int, merges: dict,
+              accuracy, count: int) -> dict:
+    """The server without data: ``count`` inputs synthesised from the clients' models
+    (:func:`~fedbasin.server.synthesis.synthesize_inputs`, labelled by the classes drawn) stand in for
+    the proxy split, and the same refinement and distillation run on them — the aligned merge (+ learned)
+    + distilled, and FedAvg + distilled. Row keys ``synthetic_*``; ``synthetic_agreement``: how often
+    the ensemble gives a synthetic input its drawn class."""
+    from fedbasin.server.synthesis import synthesize_inputs
+
+    started = time.perf_counter()
+    model = model_from_config(task, config, seed=0)
+    shape = (model.config.channels, model.config.image_size, model.config.image_size)
+    proxy = synthesize_inputs(model, states, count, shape, model.config.num_classes, seed=config["seed"])
+    synthetic = dataclasses.replace(task, proxy=proxy)
+    with torch.no_grad():
+        agreement = float((StateEnsemble(model, states)(proxy.inputs).argmax(-1) == proxy.targets).float().mean())
+    row = {"synthetic_examples": count, "synthetic_agreement": agreement,
+           "synthetic_seconds_inputs": time.perf_counter() - started}
+    start = merges[next(name for name in merges if name.startswith("aligned ("))]
+    if refines(config, synthetic):
+        refine = make_refiner(spec, model_from_config(task, config, seed=0), synthetic, config)
+        start, _ = refined_merge(spec, states, weights, reference, refine)
+        row["synthetic_learned"] = accuracy(start)
+    if distils(config, synthetic):
+        distill = make_distiller(model_from_config(task, config, seed=0), synthetic, config)
+        row["synthetic_distilled"] = accuracy(distill(start, states).state)
+        row["synthetic_fedavg_distilled"] = accuracy(distill(merges["FedAvg"], states).state)
+    row["synthetic_seconds"] = time.perf_counter() - started
+    return row
+
+
 def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int = 0,
              further_epochs: int = 10, cache: str | Path | None = None,
-             further_from: tuple[str, ...] | None = None) -> dict:
+             further_from: tuple[str, ...] | None = None, synthetic: int = 0) -> dict:
     """Train ``num_clients`` independent clients on one run config (or take them from ``cache``,
     see :func:`cached_clients`) and compare the merges (and, with ``rounds > 0``, continue from
     them, from every merge or only those named in ``further_from`` (:data:`FURTHER_FROM`), see
-    :func:`further_rounds`)."""
+    :func:`further_rounds`; with ``synthetic`` > 0 also the data-free server, :func:`data_free`)."""
     task = task_from_config(config)
     if further_from is not None:
         check_further_from(further_from, config, task)
@@ -262,6 +296,8 @@ def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int 
         alone = make_distiller(model_from_config(task, config, seed=0), task, {**config, "distill-label-weight": 1.0})
         row["proxy_only"] = accuracy(alone(fresh, states).state)
         row["fresh_distilled"] = accuracy(distill(fresh, states).state)
+    if synthetic:
+        row.update(data_free(task, config, spec, states, weights, reference, merges, accuracy, synthetic))
     members = []
     for state in states:
         member = model_from_config(task, config, seed=0)

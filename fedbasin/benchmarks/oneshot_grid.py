@@ -49,6 +49,9 @@ MERGES = (  # row key of one_shot, column title
     ("proxy_only", "proxy only"),
     ("fresh_distilled", "fresh + distilled"),
     ("ensemble", "ensemble"),
+    ("synthetic_learned", "data-free: + learned"),  # --synthetic N: the server holds no data (oneshot.data_free)
+    ("synthetic_distilled", "data-free: + learned + distilled"),
+    ("synthetic_fedavg_distilled", "data-free: FedAvg + distilled"),
 )
 GAPS = (  # title, merge a, merge b, the goal for a − b (mean over a cell's seeds)
     ("distilled − ensemble", "aligned_distilled", "ensemble", -0.01),
@@ -56,6 +59,9 @@ GAPS = (  # title, merge a, merge b, the goal for a − b (mean over a cell's se
     ("distilled − best client", "aligned_distilled", "best_client", 0.0),
     ("distilled − proxy only", "aligned_distilled", "proxy_only", 0.0),
     ("distilled − fresh + distilled", "aligned_distilled", "fresh_distilled", 0.0),
+    ("data-free distilled − ensemble", "synthetic_distilled", "ensemble", -0.01),
+    ("data-free: aligned − FedAvg (distilled)", "synthetic_distilled", "synthetic_fedavg_distilled", 0.03),
+    ("data-free distilled − best client", "synthetic_distilled", "best_client", 0.0),
 )
 
 
@@ -63,7 +69,7 @@ def cell_name(data: str, clients: int, partition: str, seed: int) -> str:
     return f"{data.split(':', 1)[0]}-k{clients}-{partition.replace(':', '')}-s{seed}"
 
 
-def run_cell(name: str, overrides: dict, clients: int, out: str) -> dict:
+def run_cell(name: str, overrides: dict, clients: int, out: str, synthetic: int = 0) -> dict:
     """One one-shot run in a worker process; its row is written to ``out/runs/<name>.json``."""
     import torch
 
@@ -73,19 +79,20 @@ def run_cell(name: str, overrides: dict, clients: int, out: str) -> dict:
 
     torch.set_num_threads(1)
     started = time.perf_counter()
-    row = one_shot(resolve_run_config(overrides), clients, progress=False, cache=Path(out) / "clients")
-    row.update(name=name, overrides=overrides, seconds=time.perf_counter() - started)
+    row = one_shot(resolve_run_config(overrides), clients, progress=False, cache=Path(out) / "clients",
+                   synthetic=synthetic)
+    row.update(name=name, overrides=overrides, synthetic=synthetic, seconds=time.perf_counter() - started)
     write_json_atomic(Path(out) / "runs" / f"{name}.json", row)
     return row
 
 
-def finished(out: Path, name: str, overrides: dict) -> dict | None:
-    """The row of an earlier run of ``name`` with the same run-config overrides, else None."""
+def finished(out: Path, name: str, overrides: dict, synthetic: int = 0) -> dict | None:
+    """The row of an earlier run of ``name`` with the same run-config overrides (and data-free inputs), else None."""
     try:
         row = json.loads((out / "runs" / f"{name}.json").read_text())
     except (OSError, ValueError):
         return None
-    return row if row.get("overrides") == overrides else None
+    return row if row.get("overrides") == overrides and row.get("synthetic", 0) == synthetic else None
 
 
 def figure(row: dict, key: str) -> float:
@@ -142,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-config", default=GRID_RUN_CONFIG,
                    help=f"run-config overrides for every run (default {GRID_RUN_CONFIG!r}; the one-shot "
                    "defaults, local-epochs=30 init=client, apply first)")
+    p.add_argument("--synthetic", type=int, default=0, metavar="N",
+                   help="also the server without data: N inputs synthesised from the clients' models stand in "
+                   "for the proxy split (columns 'data-free: …'; default 0: not run)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (default 2)")
     p.add_argument("--out", default="runs/oneshot_grid", help="output directory (default runs/oneshot_grid)")
     args = p.parse_args(argv)
@@ -155,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(s) for s in args.seeds.split(",")]
         partitions = args.partitions.split(",")
         extra = {**ONESHOT_DEFAULTS, **parse_run_config(args.run_config), "data": args.data}
-        if min(clients) < 2 or args.jobs < 1:
-            raise ValueError("--clients must be >= 2 and --jobs >= 1")
+        if min(clients) < 2 or args.jobs < 1 or args.synthetic < 0:
+            raise ValueError("--clients must be >= 2, --jobs >= 1 and --synthetic >= 0")
         config = resolve_run_config(extra)
         task = task_from_config(config)
         if not (refines(config, task) and distils(config, task)):
@@ -175,10 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(error))
     out = Path(args.out)
     started = time.perf_counter()
-    rows = {name: row for name, job in jobs.items() if (row := finished(out, name, job["overrides"]))}
+    rows = {name: row for name, job in jobs.items() if (row := finished(out, name, job["overrides"], args.synthetic))}
     todo = [name for name in jobs if name not in rows]
-    for row in run_in_workers(run_cell, [(name, jobs[name]["overrides"], jobs[name]["clients"], str(out))
-                                         for name in todo], args.jobs, len(rows), "one-shot runs"):
+    for row in run_in_workers(run_cell, [(name, jobs[name]["overrides"], jobs[name]["clients"], str(out),
+                                          args.synthetic) for name in todo], args.jobs, len(rows), "one-shot runs"):
         rows[row["name"]] = row
     lines = summarise(rows, jobs)
     table = markdown(lines)
