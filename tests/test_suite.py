@@ -241,21 +241,28 @@ def test_midpoint_is_the_barriers_half_way_point(tmp_path):
 
 @pytest.mark.slow
 def test_end_to_end_on_a_tiny_digits_pair(tmp_path, capsys):
-    """One member through the real command line (data-free only): barriers and midpoint accuracies."""
+    """One member through the real command line, children side by side (--jobs 2): barriers and midpoint
+    accuracies of the data-free endpoint and of two learned ones (a variant of 3 steps, and again with
+    refinement seed 1: each its own refinement, its seed recorded)."""
     _vit(tmp_path / "pair" / "seed0", 0)
     _vit(tmp_path / "pair" / "seed1", 1)
     out = tmp_path / "rows.json"
     assert suite.main(["--members", "digits-s01", "--pair-dir", f"digits-s01={tmp_path / 'pair'}", "--cache",
-                       str(tmp_path / "cache"), "--out", str(out), "--skip-learned"]) == 0
+                       str(tmp_path / "cache"), "--out", str(out), "--skip-learned", "--jobs", "2",
+                       "--variant", "q=--refine-steps 3 --refine-examples 200", "--refine-seeds", "1"]) == 0
     row = json.loads(out.read_text())["rows"]["digits-s01"]
-    assert row["eval_examples"] == 359 and set(row["barrier"]) == {"vanilla", "free"}
+    assert row["eval_examples"] == 359 and set(row["barrier"]) == {"vanilla", "free", "learned:q", "learned:q@s1"}
+    assert [row["refinements"][c]["seed"] for c in ("learned:q", "learned:q@s1")] == [0, 1]
+    assert row["refinements"]["learned:q"]["steps"] == 3 and row["key"]["refine_seeds"] == [1]
+    assert row["curves"]["learned:q"] != row["curves"]["learned:q@s1"]
     assert len(row["curves"]["free"]) == suite.POINTS
     assert row["barrier"]["vanilla"] == pytest.approx(max(
         loss - (lam * row["loss"][0] + (1 - lam) * row["loss"][1])
         for lam, loss in zip(torch.linspace(0, 1, suite.POINTS).tolist(), row["curves"]["vanilla"])), abs=1e-5)
     assert row["commands"]["free"]["seconds"] > 0 and row["commands"]["free"]["peak_rss_mib"] > 50
-    assert set(row["midpoint_accuracy"]) == {"vanilla", "free"}
-    assert "| digits-s01 |" in capsys.readouterr().out
+    assert set(row["midpoint_accuracy"]) == set(row["barrier"])
+    out = capsys.readouterr().out
+    assert "| digits-s01 |" in out and "| q | 2 |" in out
 
 
 # ---------------------------------------------------------------------------------------------- seeds, jobs
@@ -305,22 +312,3 @@ def test_the_variant_table_gives_each_setting_over_pairs_and_seeds():
     assert (f"| default | 4 | {statistics.fmean(default):.4f} ± {statistics.stdev(default):.4f} (0.0500) | "
             f"{statistics.fmean([0.02, -0.05, -0.02, 0.01]):+.4f} (-0.0500) | 2 of 4 |") in lines
     assert "| w | 2 | 0.0050 ± 0.0071 (0.0100) | +0.0300 (+0.0000) | 2 of 2 |" in lines
-
-
-@pytest.mark.slow
-def test_variants_and_refinement_seeds_run_side_by_side_through_the_command_line(tmp_path, capsys):
-    """Two learned endpoints of a tiny pair (a variant of 3 steps, and again with refinement seed 1), with
-    --jobs 2: each is its own refinement (its seed recorded), barriers and midpoints measured for both."""
-    _vit(tmp_path / "pair" / "seed0", 0)
-    _vit(tmp_path / "pair" / "seed1", 1)
-    out = tmp_path / "rows.json"
-    assert suite.main(["--members", "digits-s01", "--pair-dir", f"digits-s01={tmp_path / 'pair'}", "--cache",
-                       str(tmp_path / "cache"), "--out", str(out), "--skip-learned", "--jobs", "2",
-                       "--variant", "q=--refine-steps 3 --refine-examples 200", "--refine-seeds", "1"]) == 0
-    row = json.loads(out.read_text())["rows"]["digits-s01"]
-    assert set(row["barrier"]) == {"vanilla", "free", "learned:q", "learned:q@s1"}
-    assert set(row["midpoint_accuracy"]) == set(row["barrier"])
-    assert [row["refinements"][c]["seed"] for c in ("learned:q", "learned:q@s1")] == [0, 1]
-    assert row["refinements"]["learned:q"]["steps"] == 3 and row["key"]["refine_seeds"] == [1]
-    assert row["curves"]["learned:q"] != row["curves"]["learned:q@s1"]
-    assert "| q | 2 |" in capsys.readouterr().out
