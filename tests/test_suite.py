@@ -262,7 +262,7 @@ def test_end_to_end_on_a_tiny_digits_pair(tmp_path, capsys):
     assert row["commands"]["free"]["seconds"] > 0 and row["commands"]["free"]["peak_rss_mib"] > 50
     assert set(row["midpoint_accuracy"]) == set(row["barrier"])
     out = capsys.readouterr().out
-    assert "| digits-s01 |" in out and "| q | 2 |" in out
+    assert "| digits-s01 |" in out and "| q (image) | 2 |" in out
 
 
 # ---------------------------------------------------------------------------------------------- seeds, jobs
@@ -280,7 +280,7 @@ def test_every_learned_run_is_repeated_per_refinement_seed(monkeypatch):
     Args.skip_learned, Args.refine_seeds = True, []
     assert suite.learned_runs(Args) == [("learned:l28", ["--refine-lambda", "0.2,0.8"])]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(suite.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(suite.Slots, "cores", staticmethod(lambda: 16))
     suite.Slots.set(4)
     try:
         assert suite.child_env()["OMP_NUM_THREADS"] == "4"  # 16 cores shared by 4 children
@@ -309,6 +309,17 @@ def test_the_variant_table_gives_each_setting_over_pairs_and_seeds():
     assert "| digits-s23 | default@s1 | --refine-seed 1 | 0.0200 | 11 | 2.0 |" in lines
     assert "| digits-s01 | w | --refine-lambda 0,1 | 0.0000 | 12 | 2.0 |" in lines
     default = [0.01, 0.03, 0.05, 0.02]
-    assert (f"| default | 4 | {statistics.fmean(default):.4f} ± {statistics.stdev(default):.4f} (0.0500) | "
+    assert (f"| default (image) | 4 | {statistics.fmean(default):.4f} ± {statistics.stdev(default):.4f} (0.0500) | "
             f"{statistics.fmean([0.02, -0.05, -0.02, 0.01]):+.4f} (-0.0500) | 2 of 4 |") in lines
-    assert "| w | 2 | 0.0050 ± 0.0071 (0.0100) | +0.0300 (+0.0000) | 2 of 2 |" in lines
+    assert "| w (image) | 2 | 0.0050 ± 0.0071 (0.0100) | +0.0300 (+0.0000) | 2 of 2 |" in lines
+    # a row stored before per-run refinements (its steps under "refinement"), and the universe member, whose
+    # "barrier" is a 3-model merge gap: kept out of the pairs' settings
+    old = _row("gpt2-s01", "text", 1.0, 0.06, 0.0155)
+    old["refinement"], old["barrier"]["learned@s1"] = {"steps": 1627}, 0.0175
+    old["commands"]["learned@s1"] = {"seconds": 3.0, "peak_rss_mib": 1.0}
+    universe = _row("digits-u012", "universe", 2.7, 1.5, 0.5)
+    universe["barrier"]["learned@s1"] = 0.9
+    lines = suite.table([old, universe]).splitlines()
+    assert "| gpt2-s01 | default | (none) | 0.0155 | 1627 | 10.0 |" in lines
+    assert "| default (GPT-style text) | 2 | 0.0165 ± 0.0014 (0.0175) | — | — |" in lines
+    assert not any(line.startswith("| digits-u012 | default") for line in lines)

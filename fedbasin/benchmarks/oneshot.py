@@ -206,12 +206,14 @@ def data_free(task, config: dict, spec, states: list[dict], weights: list[int], 
     from fedbasin.server.synthesis import synthesize_inputs
 
     started = time.perf_counter()
-    model = model_from_config(task, config, seed=0)
+    device = resolve_device(config["device"])
+    model = model_from_config(task, config, seed=0).to(device)
     shape = (model.config.channels, model.config.image_size, model.config.image_size)
     proxy = synthesize_inputs(model, states, count, shape, model.config.num_classes, seed=config["seed"])
     synthetic = dataclasses.replace(task, proxy=proxy)
+    ensemble = StateEnsemble(model, states)
     with torch.no_grad():
-        agreement = float((StateEnsemble(model, states)(proxy.inputs).argmax(-1) == proxy.targets).float().mean())
+        agreement = sum(int((ensemble(x).argmax(-1) == y).sum()) for x, y in proxy.batches(256, device)) / count
     row = {"synthetic_examples": count, "synthetic_agreement": agreement,
            "synthetic_seconds_inputs": time.perf_counter() - started}
     start = merges[next(name for name in merges if name.startswith("aligned ("))]

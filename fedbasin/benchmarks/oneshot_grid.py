@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                    "defaults, local-epochs=30 init=client, apply first)")
     p.add_argument("--synthetic", type=int, default=0, metavar="N",
                    help="also the server without data: N inputs synthesised from the clients' models stand in "
-                   "for the proxy split (columns 'data-free: …'; default 0: not run)")
+                   "for the proxy split (columns 'data-free: …'; default 0: not run; rows without it are run "
+                   "again whole, which with the grid's fixed step counts repeats their other columns)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (default 2)")
     p.add_argument("--out", default="runs/oneshot_grid", help="output directory (default runs/oneshot_grid)")
     args = p.parse_args(argv)

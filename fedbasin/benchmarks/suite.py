@@ -214,7 +214,8 @@ def cli_usage_error(argv: list[str]) -> str | None:
 
 
 def say(message: str) -> None:
-    print(f"[suite {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"[suite {time.strftime('%H:%M:%S')}] {message}\n")  # one write: threads do not interleave
+    sys.stderr.flush()
 
 
 def train_member(member: Member, args) -> list[Path]:
@@ -259,14 +260,20 @@ def train_member(member: Member, args) -> list[Path]:
 
 
 class Slots:
-    """How many child commands run at once (``--jobs``), and the threads each may use."""
+    """How many child commands run at once (``--jobs``), the threads each may use, and whether the run
+    is being stopped (an interrupt: no child starts after it)."""
 
     jobs = 1
     free = threading.BoundedSemaphore(1)
+    stopping = threading.Event()
 
     @classmethod
     def set(cls, jobs: int) -> None:
-        cls.jobs, cls.free = jobs, threading.BoundedSemaphore(jobs)
+        cls.jobs, cls.free, cls.stopping = jobs, threading.BoundedSemaphore(jobs), threading.Event()
+
+    @staticmethod
+    def cores() -> int:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def child_env() -> dict:
@@ -275,7 +282,7 @@ def child_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if Slots.jobs > 1:
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // Slots.jobs)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, Slots.cores() // Slots.jobs)))
     return env
 
 
@@ -317,6 +324,8 @@ def run_cli(arguments: list[str], log: Path | None = None) -> CliRun:
         peak = Path(tmp) / "peak"
         command = [sys.executable, "-c", _MEASURED, *map(str, arguments)]
         with Slots.free:
+            if Slots.stopping.is_set():
+                raise SuiteError(f"fedbasin {arguments[0]}: not started (the run is being stopped)")
             started = time.perf_counter()
             child = subprocess.Popen(command, stdout=out, stderr=err,
                                      env={**child_env(), "FEDBASIN_SUITE_PEAK": str(peak)})
@@ -492,7 +501,8 @@ def row_key(member: Member, args, version: str) -> dict:
             "points": POINTS, "models": [str(p) for p in model_dirs(member, args)],
             "glmc": bool(args.glmc_path) and member.recipe == "gpt2",
             **({"variants": args.variants} if args.variants and member.group != "universe" else {}),
-            **({"refine_seeds": args.refine_seeds} if args.refine_seeds and member.group != "universe" else {})}
+            **({"refine_seeds": args.refine_seeds} if args.refine_seeds and member.group != "universe" else {}),
+            **({"jobs": args.jobs} if args.jobs > 1 else {})}
 
 
 def reusable(row: dict | None, key: dict, skip_learned: bool) -> bool:
@@ -581,16 +591,18 @@ def variant_table(rows: list[dict]) -> str:
     lines = ["| member | learned | options | barrier | steps | align s |", "|" + "---|" * 6]
     settings: dict[str, dict[str, list[float]]] = {}
     for r in rows:
+        if r["group"] == "universe":  # its columns are merge gaps of three models, not pair barriers
+            continue
         for column, (name, options, refinement) in learned_columns(r).items():
             steps, seconds = refinement.get("steps"), r.get("commands", {}).get(column, {}).get("seconds")
             lines.append(f"| {r['member']} | {name} | {' '.join(options) or '(none)'} | "
                          f"{r['barrier'][column]:.4f} | {steps if steps is not None else '—'} | "
                          f"{_pair([seconds], 1)} |")
-            setting = settings.setdefault(name.partition("@")[0], {"barrier": [], "gain": []})
+            setting = settings.setdefault(f"{name.partition('@')[0]} ({GROUPS[r['group']]})", {"barrier": [], "gain": []})
             setting["barrier"].append(r["barrier"][column])
             if column in r.get("midpoint_accuracy", {}):
                 setting["gain"].append(r["midpoint_accuracy"][column] - max(r["accuracy"]))
-    if not any(column != "learned" for r in rows for column in learned_columns(r)):
+    if not any(column != "learned" for r in rows if r["group"] != "universe" for column in learned_columns(r)):
         return ""  # the default alone, once per member: the member table says it all
     lines += ["", "| learned | runs | barrier mean ± spread (max) | midpoint − better model: mean (min) | "
               "merges ≥ better model |", "|" + "---|" * 5]
@@ -734,7 +746,11 @@ def main(argv: list[str] | None = None) -> int:
             row = build(member, paths, args, Path(args.cache) / "work" / member.name)
         except SuiteError as error:
             return error
+        except Exception as error:  # noqa: BLE001 -- one member's surprise must not lose the others' rows
+            return SuiteError(f"{type(error).__name__}: {error}")
         row.update(key=key, seconds=round(time.perf_counter() - t0, 1), date=time.strftime("%Y-%m-%d"))
+        if args.jobs > 1:  # budgeted steps depend on the threads a child had
+            row.update(jobs=args.jobs, child_threads=child_env()["OMP_NUM_THREADS"])
         return row
 
     def measured():  # (member, row or error), in order of completion; members side by side with --jobs
@@ -743,7 +759,11 @@ def main(argv: list[str] | None = None) -> int:
             return
         with ThreadPoolExecutor(len(todo)) as pool:
             futures = {pool.submit(measure, *job): job[0] for job in todo}
-            yield from ((futures[f], f.result()) for f in as_completed(futures))
+            try:
+                yield from ((futures[f], f.result()) for f in as_completed(futures))
+            except BaseException:  # an interrupt: the children running got it too; start no more
+                Slots.stopping.set()
+                raise
 
     failed = None
     for member, row in measured() if not args.train_only and todo else ():

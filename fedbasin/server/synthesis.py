@@ -7,12 +7,14 @@ classifies each as a class drawn for it, under image priors:
 
     min_x  CE(f̄(x), y) + tv · TV(x) + l2 · mean(x²),     f̄ = mean logits of the K clients,
 
-with ``y`` balanced over the classes and ``x`` started from N(0, 1); with ``shift`` > 0 each step sees a
-randomly rolled view (larger images: the inputs then do not fit one pixel grid; on 8 × 8 digits a
-one-pixel roll already halves how often the ensemble agrees after 100 steps, so it is off by default). ``TV(x)`` is the mean absolute
-difference of neighbouring pixels. No example of any client leaves it; the clients' weights are what
-the server receives anyway. The result is a labelled :class:`~fedbasin.data.task.Split` (the classes
-drawn) that the ServerApp's refinement and distillation take as a proxy split.
+with ``y`` balanced over the classes and ``x`` started from N(0, 1); with ``shift`` > 0 the ensemble sees
+a randomly rolled view of ``x`` at each step (the priors see ``x`` itself: larger images then do not fit
+one pixel grid; on 8 × 8 digits a one-pixel roll already halves how often the ensemble agrees after 100
+steps, so it is off by default). ``TV(x)`` is the mean absolute difference of vertically
+neighbouring pixels plus that of horizontally neighbouring ones. No example of any client is needed;
+the clients' weights are what the server receives anyway. The result is a labelled
+:class:`~fedbasin.data.task.Split` (the classes drawn) that the ServerApp's ``make_refiner`` and
+``make_distiller`` take as a proxy split (the one-shot benchmark's data-free arm, ``--synthetic N``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from fedbasin.server.distill import StateEnsemble
 
 
 def total_variation(x: torch.Tensor) -> torch.Tensor:
-    """Mean absolute difference of vertically and horizontally neighbouring pixels of ``x`` (N, C, H, W)."""
+    """Mean absolute difference of vertically neighbouring pixels of ``x`` (N, C, H, W) plus that of
+    horizontally neighbouring ones."""
     return (x[..., 1:, :] - x[..., :-1, :]).abs().mean() + (x[..., :, 1:] - x[..., :, :-1]).abs().mean()
 
 
