@@ -55,3 +55,28 @@ def test_the_image_priors_smooth_and_shrink_the_inputs(clients):
     assert small.inputs.pow(2).mean() < 0.7 * free.inputs.pow(2).mean()
     with pytest.raises(ValueError, match="count"):
         synthesize_inputs(model, states, 0, (1, 8, 8), 10)
+
+
+def test_the_data_free_arm_refines_and_distils_on_the_synthesised_inputs_only(monkeypatch):
+    """one_shot(synthetic=N): the refiner and distiller of the data-free arm get a proxy of N synthesised
+    inputs (not the server's real proxy split), and the arm's figures are in the row."""
+    from fedbasin.benchmarks import oneshot
+    from fedbasin.config import resolve_run_config
+
+    seen = []
+    for name in ("make_refiner", "make_distiller"):
+        real = getattr(oneshot, name)
+
+        def spy(*args, real=real, name=name):
+            task = args[2] if name == "make_refiner" else args[1]
+            seen.append((name, len(task.proxy), task.proxy.transform is None))
+            return real(*args)
+
+        monkeypatch.setattr(oneshot, name, spy)
+    config = resolve_run_config({**oneshot.ONESHOT_DEFAULTS, "local-epochs": 2, "max-train-examples": 300,
+                                 "align-iterations": 2, "proxy-size": 60, "refine-steps": 3, "distill-steps": 4})
+    row = oneshot.one_shot(config, 2, progress=False, synthetic=30)
+    assert ("make_refiner", 30, True) in seen and ("make_distiller", 30, True) in seen
+    assert ("make_distiller", 60, True) in seen  # the real proxy split, for the arms with data
+    assert row["synthetic_examples"] == 30 and 0 <= row["synthetic_agreement"] <= 1
+    assert all(0 <= row[k] <= 1 for k in ("synthetic_learned", "synthetic_distilled", "synthetic_fedavg_distilled"))
