@@ -196,12 +196,12 @@ def check_further_from(names: tuple[str, ...], config: dict, task=None) -> tuple
     return names
 
 
-def data_free(task, config: dict, spec, states: list[dict], weights: list[int], reference: int, merges: dict,
-              accuracy, count: int) -> dict:
+def data_free(task, config: dict, spec, states: list[dict], weights: list[int], reference: int, aligned: dict,
+              fedavg: dict, accuracy, count: int) -> dict:
     """The server without data: ``count`` inputs synthesised from the clients' models
     (:func:`~fedbasin.server.synthesis.synthesize_inputs`, labelled by the classes drawn) stand in for
-    the proxy split, and the same refinement and distillation run on them — the aligned merge (+ learned)
-    + distilled, and FedAvg + distilled. Row keys ``synthetic_*``; ``synthetic_agreement``: how often
+    the proxy split, and the same refinement and distillation run on them — the ``aligned`` merge
+    (+ learned) + distilled, and ``fedavg`` + distilled. Row keys ``synthetic_*``; ``synthetic_agreement``: how often
     the ensemble gives a synthetic input its drawn class."""
     from fedbasin.server.synthesis import synthesize_inputs
 
@@ -216,7 +216,7 @@ def data_free(task, config: dict, spec, states: list[dict], weights: list[int], 
         agreement = sum(int((ensemble(x).argmax(-1) == y).sum()) for x, y in proxy.batches(256, device)) / count
     row = {"synthetic_examples": count, "synthetic_agreement": agreement,
            "synthetic_seconds_inputs": time.perf_counter() - started}
-    start = merges[next(name for name in merges if name.startswith("aligned ("))]
+    start = aligned
     if refines(config, synthetic):
         refine = make_refiner(spec, model_from_config(task, config, seed=0), synthetic, config)
         start, _ = refined_merge(spec, states, weights, reference, refine)
@@ -224,7 +224,7 @@ def data_free(task, config: dict, spec, states: list[dict], weights: list[int], 
     if distils(config, synthetic):
         distill = make_distiller(model_from_config(task, config, seed=0), synthetic, config)
         row["synthetic_distilled"] = accuracy(distill(start, states).state)
-        row["synthetic_fedavg_distilled"] = accuracy(distill(merges["FedAvg"], states).state)
+        row["synthetic_fedavg_distilled"] = accuracy(distill(fedavg, states).state)
     row["synthetic_seconds"] = time.perf_counter() - started
     return row
 
@@ -299,7 +299,8 @@ def one_shot(config: dict, num_clients: int, progress: bool = True, rounds: int 
         row["proxy_only"] = accuracy(alone(fresh, states).state)
         row["fresh_distilled"] = accuracy(distill(fresh, states).state)
     if synthetic:
-        row.update(data_free(task, config, spec, states, weights, reference, merges, accuracy, synthetic))
+        row.update(data_free(task, config, spec, states, weights, reference, merges[arms["aligned"]], fedavg,
+                             accuracy, synthetic))
     members = []
     for state in states:
         member = model_from_config(task, config, seed=0)

@@ -413,17 +413,19 @@ def pair_row(member: Member, paths: list[Path], args, work: Path) -> dict:
     row["commands"]["free"] = command_record(run)
     endpoints = {"vanilla": b, "free": work / "aligned-free"}
 
+    def file_name(column: str) -> str:  # "learned:l28@s1" -> "learned-l28@s1": one folder / log per column
+        return column.replace(":", "-")
+
     def align(column: str, options: list[str]) -> CliRun:
         say(f"{member.name}: {column} (fedbasin align A B --out C --refine-data {data} {' '.join(options)})")
-        name = column.replace(":", "-")
-        return run_cli(["align", a, b, "--out", work / f"aligned-{name}", "--refine-data", data, *options],
-                       work / "logs" / f"align-{name}.log")
+        return run_cli(["align", a, b, "--out", endpoints[column], "--refine-data", data, *options],
+                       work / "logs" / f"align-{file_name(column)}.log")
 
     runs = learned_runs(args)
+    endpoints.update((column, work / f"aligned-{file_name(column)}") for column, _ in runs)
     for (column, options), run in zip(runs, side_by_side([lambda c=c, o=o: align(c, o) for c, o in runs])):
         row["commands"][column] = command_record(run)
         row.setdefault("refinements", {})[column] = run.summary.get("refinement")
-        endpoints[column] = work / f"aligned-{column.replace(':', '-')}"
     if "learned" in row["commands"]:
         row["refinement"] = row["refinements"]["learned"]  # what the default refinement did (steps, keep-best)
     for name, options in args.variants.items():
@@ -433,12 +435,11 @@ def pair_row(member: Member, paths: list[Path], args, work: Path) -> dict:
     def measure(name: str, endpoint: Path) -> tuple[dict, float | None]:
         say(f"{member.name}: barrier {name} ({POINTS} points, {row['eval_examples']} test examples)")
         curve = run_cli(["barrier", a, endpoint, *slice_, "--points", str(POINTS)],
-                        work / "logs" / f"barrier-{name.replace(':', '-')}.log").summary
+                        work / "logs" / f"barrier-{file_name(name)}.log").summary
         accuracy = None
         if member.group == "image":
-            mid = midpoint(a, endpoint, work / f"mid-{name.replace(':', '-')}")
-            accuracy = run_cli(["eval", mid, *slice_], work / "logs" / f"mid-{name.replace(':', '-')}.log"
-                               ).summary["accuracy"]
+            mid = midpoint(a, endpoint, work / f"mid-{file_name(name)}")
+            accuracy = run_cli(["eval", mid, *slice_], work / "logs" / f"mid-{file_name(name)}.log").summary["accuracy"]
         return curve, accuracy
 
     measured = side_by_side([lambda n=n, e=e: measure(n, e) for n, e in endpoints.items()])
@@ -590,10 +591,12 @@ def variant_table(rows: list[dict]) -> str:
     better model's."""
     lines = ["| member | learned | options | barrier | steps | align s |", "|" + "---|" * 6]
     settings: dict[str, dict[str, list[float]]] = {}
+    beyond_default = False  # a variant or a further seed: else the member table says it all
     for r in rows:
         if r["group"] == "universe":  # its columns are merge gaps of three models, not pair barriers
             continue
         for column, (name, options, refinement) in learned_columns(r).items():
+            beyond_default = beyond_default or column != "learned"
             steps, seconds = refinement.get("steps"), r.get("commands", {}).get(column, {}).get("seconds")
             lines.append(f"| {r['member']} | {name} | {' '.join(options) or '(none)'} | "
                          f"{r['barrier'][column]:.4f} | {steps if steps is not None else '—'} | "
@@ -602,8 +605,8 @@ def variant_table(rows: list[dict]) -> str:
             setting["barrier"].append(r["barrier"][column])
             if column in r.get("midpoint_accuracy", {}):
                 setting["gain"].append(r["midpoint_accuracy"][column] - max(r["accuracy"]))
-    if not any(column != "learned" for r in rows if r["group"] != "universe" for column in learned_columns(r)):
-        return ""  # the default alone, once per member: the member table says it all
+    if not beyond_default:
+        return ""
     lines += ["", "| learned | runs | barrier mean ± spread (max) | midpoint − better model: mean (min) | "
               "merges ≥ better model |", "|" + "---|" * 5]
     for name, values in settings.items():

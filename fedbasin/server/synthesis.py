@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from fedbasin.data.task import Split
 from fedbasin.server.distill import StateEnsemble
@@ -53,8 +54,6 @@ def synthesize_inputs(model: nn.Module, states: list[dict], count: int, shape: t
     labels = labels[torch.randperm(count, generator=generator)]
     ensemble = StateEnsemble(model, states)
     inputs = []
-    from tqdm.auto import tqdm
-
     for start in tqdm(range(0, count, batch_size), desc="synthesising inputs", disable=not progress):
         y = labels[start:start + batch_size].to(device)
         x = torch.randn((len(y), *shape), generator=generator).to(device).requires_grad_(True)
