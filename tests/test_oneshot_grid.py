@@ -71,6 +71,9 @@ def test_a_tiny_grid_end_to_end_and_rerun_from_its_finished_runs(tmp_path, capsy
     (["--run-config", "proxy-size=0"], "the grid compares distilled merges"),
     (["--partitions", "dirichlet:-1"], "expected iid or dirichlet:ALPHA"),
     (["--run-config", "proxy-size=60 distill-steps=5 distill-teacher=median"], "distill-teacher='median'"),
+    (["--synthetic", "-1"], "--synthetic >= 0"),
+    (["--synthetic", "20", "--data", "text:../shared/data/tinyshakespeare/input.txt"],
+     "--synthetic 20: synthesised inputs are images"),
 ])
 def test_bad_input_is_refused_in_one_line_before_any_training(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

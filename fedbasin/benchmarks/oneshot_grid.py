@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--clients must be >= 2, --jobs >= 1 and --synthetic >= 0")
         config = resolve_run_config(extra)
         task = task_from_config(config)
+        if args.synthetic and task.data != "images":
+            raise ValueError(f"--synthetic {args.synthetic}: synthesised inputs are images; {args.data} holds {task.data}")
         if not (refines(config, task) and distils(config, task)):
             raise ValueError("the grid compares distilled merges: give a proxy-size >= 10 with refine-steps and "
                              "distill-steps > 0 (or auto)")
