@@ -392,3 +392,31 @@ def test_augment_auto_is_mixup_for_images_and_nothing_for_text(setting):
                                {**config, "distill-augment": augment, "distill-label-weight": 0.5})(
         start, teachers).state["head.weight"] for augment in ("none", "auto")]
     assert torch.isfinite(students[1]).all() and not torch.equal(students[0], students[1])
+
+
+def test_learning_rate_and_temperature_auto_follow_the_model_kind(setting):
+    """``distill-lr`` / ``distill-temperature`` = auto: an image classifier's student is bitwise the one
+    of the pinned image values (0.002, 3) and differs from the language-model values' (0.001, 1), which
+    are what a subword or character LM resolves to; a pinned value overrides auto for either kind."""
+    from fedbasin.server.server_app import distill_options
+
+    teachers, _ = setting
+    start = average_states(teachers, [1.0] * 3)
+    digits = load_task("digits", seed=0, proxy_size=50)
+    config = resolve_run_config({"proxy-size": 50, "distill-steps": 5})
+    assert (config["distill-lr"], config["distill-temperature"]) == ("auto", "auto")
+
+    def student(**pinned):
+        return make_distiller(build_model("vit", DIGITS_VIT), digits, {**config, **pinned})(start, teachers).state
+
+    auto, image, language = student(), student(**{"distill-lr": 0.002, "distill-temperature": 3.0}), student(
+        **{"distill-lr": 0.001, "distill-temperature": 1.0})
+    assert all(torch.equal(auto[k], image[k]) for k in auto)
+    assert not torch.equal(auto["head.weight"], language["head.weight"])
+    text = types.SimpleNamespace(data="text")
+    for vocabulary in (50257, 65):  # a subword and a character LM
+        lm = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=vocabulary))
+        options = distill_options(text, config, lm)
+        assert (options.lr, options.temperature, options.label_weight, options.augment) == (0.001, 1.0, 0.0, "none")
+        assert distill_options(text, {**config, "distill-temperature": 2.0}, lm).temperature == 2.0
+    assert distill_options(digits, config).temperature == 3.0

@@ -171,7 +171,7 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
         raise ValueError(f"run-config distill-steps={config['distill-steps']} needs proxy data: "
                          f"{task.name} has no proxy split (set proxy-size >= 10)")
     adapter = adapter or model_adapter(task, model)[1]
-    augment, label_weight = distill_augment(task, config, model), distill_options(task, config, model).label_weight
+    augment, options = distill_augment(task, config, model), distill_options(task, config, model)
     device = resolve_device(config["device"])
     auto, budget = config["distill-steps"] == AUTO, float(config["distill-budget"])
     if auto and budget <= 0:
@@ -189,9 +189,8 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
         with holding_weights(model, adapter.from_standard(merged), device) as student:
             result = ensemble_distill(model, student, teachers, task.loss_fn,
                                       data.batches, data.selection, data.evaluation,
-                                      steps=steps, lr=config["distill-lr"],
-                                      temperature=config["distill-temperature"],
-                                      label_weight=label_weight, augment=augment,
+                                      steps=steps, lr=options.lr, temperature=options.temperature,
+                                      label_weight=options.label_weight, augment=augment,
                                       teacher=config["distill-teacher"],
                                       seed=config["seed"], in_place=in_place, budget=seconds)
         result.state = adapter.to_standard(result.state)
@@ -211,8 +210,8 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
                 first = next(transfer_batches(server_proxy_streams(task, model, config).batches, 1, augment,
                                               config["seed"]))
                 cost = probe_step(model, teachers, first, data.selection, data.evaluation, task.loss_fn,
-                                  temperature=config["distill-temperature"],
-                                  label_weight=label_weight, teacher=config["distill-teacher"])
+                                  temperature=options.temperature, label_weight=options.label_weight,
+                                  teacher=config["distill-teacher"])
                 steps = sized["steps"] = cost.steps(budget - (time.perf_counter() - started), EVAL_EVERY)
             cached = cache_teacher_outputs(model, teachers, data.batches, steps, augment=augment,
                                            seed=config["seed"])
