@@ -205,3 +205,91 @@ def test_without_prepare_a_flower_distiller_sizes_itself(monkeypatch):
     # the checks (selection, evaluation), teachers and student 1 tick each, 16 ticks spent; 2 checks reserved
     assert result.steps == math.floor((0.5 - 16 * TICK - 2 * TICK) / (2 * TICK + TICK / 10)) > 0
     assert result.summary()["steps"] == result.steps
+
+
+def _token_stream(n: int = 6, batch_size: int = 2):
+    """An epoch-by-epoch stream of ``n`` distinct token blocks (and the tiny GPT-2 of these tests)."""
+    from fedbasin.alignment.proxy import TrainingStream
+    from fedbasin.data.task import Split
+
+    make, _, loss_fn = _tiny_gpt2()
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 40, (n, 8), generator=g)
+    return make, TrainingStream(Split(blocks, torch.roll(blocks, -1, 1)), batch_size, seed=0), loss_fn
+
+
+def test_the_ensemble_memo_runs_each_distinct_input_once_and_gives_the_ensemble():
+    """Four epochs of 6 distinct blocks: the teachers see each block once (6 rows, not 24) and every
+    step's target is the ensemble's output on that batch (float rounding apart); past its byte budget
+    the memo keeps what fits and evaluates the rest each time."""
+    from fedbasin.server.distill import EnsembleMemo, StateEnsemble
+
+    make, stream, _ = _token_stream()
+    model, teachers = make(0), [make(s).state_dict() for s in (1, 2)]
+    ensemble = StateEnsemble(model, teachers)
+    seen = []
+
+    def counted(x):
+        seen.append(len(x))
+        return ensemble(x)
+
+    row_bytes = 8 * 40 * 4
+    for budget, evaluated in ((2 << 20, 6), (2 * row_bytes, 2 + 4 * 4)):
+        memo, seen[:] = EnsembleMemo(counted, budget), []
+        with torch.no_grad():
+            for _ in range(12):  # 4 epochs of 3 batches
+                x, _ = next(stream)
+                torch.testing.assert_close(memo(x), ensemble(x), rtol=1e-5, atol=1e-6)
+        assert sum(seen) == evaluated and len(memo.rows) == min(6, budget // row_bytes)
+
+
+def test_memo_steps_count_the_first_epoch_only_when_every_output_fits():
+    from fedbasin.server.distill import memo_teacher_steps
+
+    _, stream, _ = _token_stream(n=7, batch_size=2)
+    assert memo_teacher_steps(stream, None, row_bytes=100, budget_bytes=700) == 4  # ⌈7 / 2⌉ batches
+    assert memo_teacher_steps(stream, None, row_bytes=100, budget_bytes=699) is None  # not all fit
+    assert memo_teacher_steps(stream, lambda x, g: x, row_bytes=1, budget_bytes=700) is None  # random views
+    assert memo_teacher_steps(iter([]), None, row_bytes=1) is None  # a stream of unknown size
+    cost = StepCost(teachers=1.0, student=0.5, check=1.0, reserve=2.0)
+    # 4 steps at 1.6 s (teachers, student, a tenth of a check), then 0.6 s each
+    assert cost.steps(2.0 + 4 * 1.6 + 0.6 * 10, eval_every=10, teacher_steps=4) == 14
+    assert cost.steps(2.0 + 4 * 1.6 + 0.6 * 10, eval_every=10) == 7
+    assert cost.steps(2.0 + 3.3, eval_every=10, teacher_steps=4) == 2  # inside the first epoch: every step pays
+
+
+def test_distillation_with_the_memo_trains_as_without_it_and_sizes_its_run_for_it(monkeypatch):
+    """The memo changes the teachers' cost, not the run: the student after 12 steps equals the one
+    distilled with the teachers run every step (float rounding apart), from 6 forward passes of the
+    teachers instead of 24; a run sized by its budget counts the teachers in the first epoch's 3 steps
+    only, so it takes more steps in the same budget."""
+    make, stream, loss_fn = _token_stream()
+    model, teachers, student = make(0), [make(s).state_dict() for s in (1, 2)], make(3).state_dict()
+    selection = [next(_token_stream(n=4)[1])]
+    calls = []
+    model.register_forward_hook(lambda module, args, out: calls.append(len(args[0])))
+
+    def run(**options):
+        calls.clear()
+        torch.manual_seed(0)  # dropout
+        _, fresh, _ = _token_stream()
+        return ensemble_distill(model, student, teachers, loss_fn, fresh, selection, eval_every=4, lr=1e-2, **options)
+
+    with_memo, evaluated = run(steps=12), sum(calls)
+    without, evaluated_without = run(steps=12, memo_bytes=0), sum(calls)
+    checks = 2 * (12 // 4 + 1)  # the student's selection checks (one batch of 2 blocks); then the teachers' rows
+    assert (evaluated - checks - 12 * 2, evaluated_without - checks - 12 * 2) == (2 * 6, 2 * 24)
+    assert with_memo.history[0] == without.history[0]
+    for (step, loss), (step_without, loss_without) in zip(with_memo.history, without.history):
+        assert step == step_without and loss == pytest.approx(loss_without, abs=1e-5)
+    for key, value in with_memo.state.items():
+        torch.testing.assert_close(value, without.state[key], rtol=1e-4, atol=1e-5)
+
+    fake_clock(monkeypatch, distill_module)
+    sized = run(steps=None, budget=1.45)
+    fake_clock(monkeypatch, distill_module)
+    unmemoised = run(steps=None, budget=1.45, memo_bytes=0)
+    per_step = 1 * TICK + TICK / 4  # the student, a quarter of a check: after 3 steps that also ran the teachers
+    left = 1.45 - 15 * TICK - TICK  # the probe's 15 ticks, one check reserved
+    assert unmemoised.steps == math.floor(left / (per_step + TICK))
+    assert sized.steps == 3 + math.floor((left - 3 * (per_step + TICK)) / per_step) > unmemoised.steps

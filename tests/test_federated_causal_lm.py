@@ -144,6 +144,42 @@ def check_saved_model(saved: Path, model_type: str, text_file: str, overrides: d
     return task
 
 
+def test_a_language_model_round_sizes_its_distillation_for_the_memo_instead_of_a_cache(text_file, monkeypatch):
+    """distill-steps = auto with GPT-2's 50,257-token outputs: caching them per step would pass half the
+    clients' weights, so ``prepare`` caches nothing and sizes the run for the memo (the teachers run in
+    the first epoch of the proxy's training part only: ⌈N / batch⌉ steps), more steps than with the
+    teachers in every step; ``distill`` asks for that many from the clients' weights."""
+    import math
+    from types import SimpleNamespace
+
+    from fedbasin.server import distill as distill_module
+    from fedbasin.server import server_app
+    from tests.test_distill_budget import TICK, fake_clock
+
+    config = run_config(text_file, **{"hf-config": "gpt2", "proxy-size": 40, "batch-size": 4,
+                                      "distill-steps": "auto", "distill-budget": 0.75})
+    task = task_from_config(config)
+    model = model_from_config(task, config, seed=0)
+    adapter = model_adapter(task, model)[1]
+    states = [adapter.to_standard(model_from_config(task, config, seed=s).state_dict()) for s in (1, 2)]
+    costs, given = [], []
+    probe = server_app.probe_step
+    monkeypatch.setattr(server_app, "probe_step", lambda *a, **k: costs.append(probe(*a, **k)) or costs[-1])
+    monkeypatch.setattr(server_app, "ensemble_distill",  # the run itself: test_distill_budget.py
+                        lambda model, student, teachers, *a, **k: given.append((teachers, k)) or SimpleNamespace(
+                            state=student))
+    fake_clock(monkeypatch, distill_module, server_app)
+    distill = server_app.make_distiller(model, task, config, adapter)
+    assert distill.prepare(states) is None
+    training = server_app.server_proxy_streams(task, model, config).batches
+    epoch = math.ceil(len(training.split) / 4)
+    expected = costs[0].steps(0.75 - 15 * TICK, server_app.EVAL_EVERY, epoch)
+    assert epoch == 6 and expected > costs[0].steps(0.75 - 15 * TICK, server_app.EVAL_EVERY) > 0
+    distill(states[0], states)
+    teachers, keywords = given[0]
+    assert keywords["steps"] == expected and all(isinstance(t, dict) for t in teachers)
+
+
 @pytest.mark.slow
 def test_server_distillation_of_a_causal_lm_lowers_its_proxy_loss_and_is_what_gets_saved(tmp_path, text_file):
     """2 rounds of a tiny GPT-2 with distill-steps > 0: after each aligned merge the server distils the

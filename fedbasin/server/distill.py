@@ -158,6 +158,48 @@ class TeacherOutputs(ScratchTensors):
     instead of a model in memory, so its weights can go before the run."""
 
 
+MEMO_BYTES = 2 << 30  # the ensemble's outputs a run without random views keeps per distinct input (EnsembleMemo)
+
+
+class EnsembleMemo:
+    """``ensemble(x)`` with its output for every distinct input row kept (on the CPU, looked up by
+    the row's bytes) up to ``budget_bytes``: when the transfer inputs repeat (a proxy of N examples
+    drawn epoch after epoch, no random views), a run of E epochs pays the teachers' N forward
+    passes once instead of E times. The ensemble is a deterministic function of each input (eval
+    mode), so only float rounding differs from evaluating it every step (rows of a batch evaluated
+    together with other rows); a run repeats bitwise. Rows past the budget are evaluated each time."""
+
+    def __init__(self, ensemble: Callable[[torch.Tensor], torch.Tensor], budget_bytes: int = MEMO_BYTES):
+        self.ensemble, self.left, self.rows = ensemble, budget_bytes, {}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        keys = [row.numpy().tobytes() for row in x.cpu()]
+        missing = [i for i, key in enumerate(keys) if key not in self.rows]
+        fresh = self.ensemble(x[missing]) if missing else None
+        for j, i in enumerate(missing):
+            row_bytes = fresh[j].numel() * fresh[j].element_size()
+            if keys[i] not in self.rows and row_bytes <= self.left:
+                self.rows[keys[i]] = fresh[j].to("cpu", copy=True)
+                self.left -= row_bytes
+        if len(missing) == len(keys):
+            return fresh
+        computed = dict(zip(missing, fresh)) if missing else {}
+        return torch.stack([computed[i] if i in computed else self.rows[key].to(x.device)
+                            for i, key in enumerate(keys)])
+
+
+def memo_teacher_steps(batches, augment, row_bytes: int, budget_bytes: int = MEMO_BYTES) -> int | None:
+    """The steps in which an :class:`EnsembleMemo` still runs the teachers when ``batches`` is an
+    epoch-by-epoch stream of a known split (``.split``, ``.batch_size``: a
+    :class:`~fedbasin.alignment.proxy.TrainingStream`) drawn without random views and every one of
+    its outputs (``row_bytes`` each) fits the memo: the first epoch's ⌈N / batch⌉. None otherwise
+    (the teachers run every step)."""
+    split, batch_size = getattr(batches, "split", None), getattr(batches, "batch_size", None)
+    if augment is not None or split is None or not batch_size or len(split) * row_bytes > budget_bytes:
+        return None
+    return -(-len(split) // batch_size)
+
+
 def transfer_batches(batches: Iterable[Batch], steps: int | None, augment=None, seed: int = 0):
     """The ``steps`` transfer batches of a distillation run (None: as many as are drawn): ``(x, y)``
     drawn in order from ``batches``, each ``x`` replaced by ``augment(x, generator)`` (an augment
@@ -187,16 +229,23 @@ def cache_teacher_outputs(model: nn.Module, teachers: list[dict], batches: Itera
         return None
     ensemble = StateEnsemble(model, teachers)
     device = next(iter(model.parameters())).device
-    if budget_bytes is None:
-        budget_bytes = sum(v.numel() * v.element_size() for t in teachers for v in t.values()) // 2
     outputs = [TeacherOutputs(scratch_dir) for _ in teachers]
     with torch.no_grad():
         for step, (x, _) in enumerate(transfer_batches(batches, steps, augment, seed)):
             for out, member in zip(ensemble.members(x.to(device)), outputs):  # members first: it runs to its end
-                if step == 0 and out.numel() * out.element_size() * steps * len(teachers) > budget_bytes:
+                if step == 0 and not teacher_outputs_fit(teachers, out.numel() * out.element_size(), steps,
+                                                         budget_bytes):
                     return None
                 member.append(out)
     return outputs
+
+
+def teacher_outputs_fit(teachers: list[dict], batch_bytes: int, steps: int, budget_bytes: int | None = None) -> bool:
+    """Whether :func:`cache_teacher_outputs` keeps ``steps`` batches of ``batch_bytes`` per teacher:
+    at most ``budget_bytes`` in all (default: half the teachers' weights)."""
+    if budget_bytes is None:
+        budget_bytes = sum(v.numel() * v.element_size() for t in teachers for v in t.values()) // 2
+    return batch_bytes * steps * len(teachers) <= budget_bytes
 
 
 def _logits_of(out) -> torch.Tensor:
@@ -331,13 +380,18 @@ class StepCost:
     student: float
     check: float
     reserve: float = 0.0
+    row_bytes: int = 0  # the ensemble's output per transfer example (what a memo of it keeps)
 
-    def steps(self, seconds: float, eval_every: int = EVAL_EVERY) -> int:
-        """The steps that fit in ``seconds``: each costs the teachers, the student and one
-        ``eval_every``-th of a check, after ``reserve``; 0 when not one fits."""
-        per_step = self.teachers + self.student + self.check / eval_every
+    def steps(self, seconds: float, eval_every: int = EVAL_EVERY, teacher_steps: int | None = None) -> int:
+        """The steps that fit in ``seconds``: each costs the student and one ``eval_every``-th of
+        a check, after ``reserve``, and the teachers in every step, or with ``teacher_steps``
+        (:func:`memo_teacher_steps`) in that many first steps only; 0 when not one fits."""
+        rest = self.student + self.check / eval_every
         left = seconds - self.reserve
-        return max(0, int(left / per_step)) if per_step > 0 else 0
+        first = self.teachers + rest
+        if teacher_steps is None or left < teacher_steps * first or rest <= 0:
+            return max(0, int(left / first)) if first > 0 else 0
+        return teacher_steps + int((left - teacher_steps * first) / rest)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -447,7 +501,8 @@ def probe_step(model: nn.Module, teachers: list[dict], batch: Batch, selection: 
         model.train(training)
     per_example = check / sum(len(b[1]) for b in selection)
     evaluating = 0.0 if evaluation is None else per_example * sum(len(b[1]) for b in evaluation)
-    return StepCost(teachers_seconds, student, check, reserve=2 * (check + evaluating))
+    return StepCost(teachers_seconds, student, check, reserve=2 * (check + evaluating),
+                    row_bytes=target[0].numel() * target[0].element_size())
 
 
 def ensemble_distill(
@@ -470,6 +525,7 @@ def ensemble_distill(
     in_place: bool = False,
     scratch_dir: str | None = None,
     budget: float | None = None,
+    memo_bytes: int = MEMO_BYTES,
 ) -> DistillResult:
     """Distil the mean-logit ensemble of ``teachers`` into ``student`` (see the module doc).
 
@@ -495,6 +551,11 @@ def ensemble_distill(
     cached for it) only bounds the call. A budgeted run whose steps run slower than timed stops
     once the budget less its last checks is spent, with a last check there (``stopped_at_budget``).
     Without a ``budget`` the run takes exactly ``steps``.
+
+    Teachers given as states, without ``augment``: their ensemble's output on each distinct
+    transfer input is kept (:class:`EnsembleMemo`, at most ``memo_bytes``; 0: none), so the
+    proxy's epochs after the first read it instead of running the teachers again, and a run sized
+    by its budget counts the teachers in the first epoch's steps only (:func:`memo_teacher_steps`).
     """
     if not teachers:
         raise ValueError("ensemble distillation needs at least one teacher")
@@ -522,6 +583,8 @@ def ensemble_distill(
     _check_combine(teacher)
     # the teachers are evaluated from their own tensors (no K module copies: server memory)
     ensemble = None if cached else StateEnsemble(model, teachers, combine=teacher)
+    if ensemble is not None and augment is None and memo_bytes > 0:
+        ensemble = EnsembleMemo(ensemble, memo_bytes)
     live, own_keys = trainable_state(model, student, in_place)
     training = model.training
 
@@ -550,9 +613,11 @@ def ensemble_distill(
     transfer = transfer_batches(batches, None if sized else steps, augment, seed)
     if sized:  # time one step's parts on the first transfer batch (changing nothing), then size the run
         first = next(transfer)
+        memo = (lambda row_bytes: memo_teacher_steps(batches, augment, row_bytes, memo_bytes)) \
+            if isinstance(ensemble, EnsembleMemo) else (lambda row_bytes: None)
         steps = _sized_steps(model, live, own_keys, ensemble, first, loss_fn, temperature, label_weight, device,
                              StepCost(0.0, 0.0, check_seconds, reserve=check_seconds + evaluation_seconds),
-                             eval_every, lambda: budget - (time.perf_counter() - started))
+                             eval_every, lambda: budget - (time.perf_counter() - started), memo)
         transfer = itertools.chain([first], itertools.islice(transfer, steps - 1)) if steps else iter(())
     result.steps = steps
     last_checks = check_seconds + evaluation_seconds  # a budgeted run keeps them for its end
@@ -640,14 +705,17 @@ def ensemble_distill(
 
 
 def _sized_steps(model, live, own_keys, ensemble, batch, loss_fn, temperature, label_weight, device,
-                 checks: StepCost, eval_every, seconds_left: Callable[[], float]) -> int:
+                 checks: StepCost, eval_every, seconds_left: Callable[[], float],
+                 teacher_steps: Callable[[int], int | None]) -> int:
     """:func:`ensemble_distill`'s steps with ``steps=None``: :func:`probe_step`'s timings with the
     run's own student (``live``), teachers and first batch, and its checks (``checks``: their
-    measured seconds), sized to the seconds left once they are timed (``seconds_left()``)."""
+    measured seconds), sized to the seconds left once they are timed (``seconds_left()``), the
+    teachers counted in the steps ``teacher_steps(output bytes per example)`` gives (None: all)."""
     x, y = batch[0].to(device), batch[1].to(device)
+    teachers = ensemble.ensemble if isinstance(ensemble, EnsembleMemo) else ensemble  # timed without the memo
     with torch.no_grad():
-        target = ensemble(x)  # (also the warm-up pass)
-        checks.teachers = _timed(lambda: ensemble(x), device, warm_up=False)
+        target = teachers(x)  # (also the warm-up pass)
+        checks.teachers = _timed(lambda: teachers(x), device, warm_up=False)
     trained = [live[k] for k in own_keys if live[k].requires_grad]
     checks.student = _student_seconds(model, live, trained, x, y, target, loss_fn, temperature, label_weight, device)
-    return checks.steps(seconds_left(), eval_every)
+    return checks.steps(seconds_left(), eval_every, teacher_steps(target[0].numel() * target[0].element_size()))

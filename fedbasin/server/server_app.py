@@ -54,9 +54,11 @@ from fedbasin.server.distill import (
     cache_teacher_outputs,
     ensemble_distill,
     mean_loss,
+    memo_teacher_steps,
     probe_step,
     random_crop_flip,
     random_mixup,
+    teacher_outputs_fit,
     transfer_batches,
 )
 from fedbasin.server.outputs import RunOutputs
@@ -212,7 +214,12 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
                 cost = probe_step(model, teachers, first, data.selection, data.evaluation, task.loss_fn,
                                   temperature=options.temperature, label_weight=options.label_weight,
                                   teacher=config["distill-teacher"])
-                steps = sized["steps"] = cost.steps(budget - (time.perf_counter() - started), EVAL_EVERY)
+                left = budget - (time.perf_counter() - started)
+                steps = sized["steps"] = cost.steps(left, EVAL_EVERY)
+                memo = cost.steps(left, EVAL_EVERY, memo_teacher_steps(data.batches, augment, cost.row_bytes))
+                if not teacher_outputs_fit(teachers, cost.row_bytes * len(first[1]), memo):
+                    sized["steps"], sized["spent"] = memo, time.perf_counter() - started
+                    return None  # too large to cache: ``distill`` runs the teachers, once per proxy example
             cached = cache_teacher_outputs(model, teachers, data.batches, steps, augment=augment,
                                            seed=config["seed"])
         if auto:
