@@ -9,8 +9,9 @@ benchmarks that need hundreds of runs (``fedbasin.benchmarks.regime``) can affor
 
 It is the same computation as ``fedbasin simulate``: the aggregate is a function of the set of
 replies (``AlignedFedAvg`` orders them by content) and clients seed from the run seed, their
-partition id and the round, so a seeded run gives ``fedbasin simulate``'s per-round figures bit
-for bit (``tests/test_simulation.py`` checks it). What it does not exercise: message
+partition id and the round, and each client trains on one thread as a simulated one does (one CPU
+each: floats summed in the same order), so a seeded run gives ``fedbasin simulate``'s per-round
+figures bit for bit (``tests/test_simulation.py`` checks it). What it does not exercise: message
 serialisation, timeouts, node failures, parallel clients (``round_seconds`` here is the sum of
 the clients' times, not the slowest's).
 """
@@ -21,9 +22,12 @@ import contextlib
 import random
 from collections.abc import Iterable
 
+import torch
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
+
+from fedbasin.alignment.matching import one_thread
 
 RUN_ID = 1
 
@@ -67,7 +71,8 @@ class InProcessGrid(Grid):
         ids = []
         for number, message in enumerate(messages):
             message_id = message.metadata.message_id or f"{message.metadata.dst_node_id}-{number}-{id(message)}"
-            self._replies[message_id] = self.client_app(message, self.contexts[message.metadata.dst_node_id])
+            with one_thread(torch.device("cpu")):  # as a simulated client (client-resources-num-cpus=1)
+                self._replies[message_id] = self.client_app(message, self.contexts[message.metadata.dst_node_id])
             ids.append(message_id)
         return ids
 
