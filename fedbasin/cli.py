@@ -164,9 +164,11 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("learned refinement (on when --refine-data is given; 'auto': the measured best for "
                              "the model's kind, sized by --refine-budget)")
-    g.add_argument("--refine-data", metavar="SPEC", help="proxy data: " + DATA_HELP + " | unigram:FILE (data-free: "
-                   "synthetic token blocks drawn by the token counts of FILE's training split, no text, labelled by "
-                   "the models' own mean predictions for training, keep-best and the report)")
+    g.add_argument("--refine-data", metavar="SPEC", help="proxy data: " + DATA_HELP + " | unigram (data-free: "
+                   "synthetic token blocks drawn by the token frequencies judged from the models' weights - the "
+                   "rows judged trained, Zipf by the head's learned order - labelled by the models' own mean "
+                   "predictions for training, keep-best and the report) | unigram:FILE (the same, drawn by the token "
+                   "counts of FILE's training split)")
     g.add_argument("--tokenizer", metavar="DIR", help="Hugging Face tokenizer directory for text data (default: "
                    "the one saved in the reference checkpoint's directory, if any)")
     add_arguments(g, RefineOptions)
@@ -472,9 +474,9 @@ def cmd_align(args) -> int:
                "symmetry": match.symmetry, "matching": dataclasses.asdict(match)}
     try:
         if args.refine_data:
-            refine, info = _refiner(args, ref, "align", match)
-            reference = _standard(ref, device)
-            result = refine(reference, [_standard(cand, device)])
+            reference, candidate = _standard(ref, device), _standard(cand, device)
+            refine, info = _refiner(args, ref, "align", match, [reference, candidate])
+            result = refine(reference, [candidate])
             aligned = result.states[0]
             if info["dual"]:  # g_ref⁻¹·g_cand·B: the same path from the unmoved reference (the maps act linearly)
                 from fedbasin.alignment import apply_group, canonicalize, inverse, to_gauge
@@ -560,12 +562,12 @@ def _refined_merge(args, checkpoints, states, match) -> tuple[dict, dict]:
     summary)."""
     from fedbasin.alignment import refined_merge
 
-    refine, info = _refiner(args, checkpoints[0], "merge", match)
+    refine, info = _refiner(args, checkpoints[0], "merge", match, states)
     merged, result = refined_merge(checkpoints[0].spec, states, args.weights or [1.0] * len(states), 0, refine)
     return merged, {**info, **result.summary()}
 
 
-def _refiner(args, ref, command: str, match):
+def _refiner(args, ref, command: str, match, states: list[dict]):
     """``refine(reference, candidates, **kw)`` on the proxy split of ``--refine-data``: the schema's options
     (``auto`` resolved for the model's kind, :func:`fedbasin.options.resolve_refine`) through the one
     translator :func:`fedbasin.options.refine_call` with ``match`` (resolved for ``ref``) for its start, and a
@@ -601,18 +603,22 @@ def _refiner(args, ref, command: str, match):
         if "dual" not in resolved.chosen:
             raise UsageError("--refine-dual moves the reference along the path: its --weights entry must be > 0")
         options = resolved.options = dataclasses.replace(options, dual=False)  # auto yields to --weights
-    if unigram:  # the text's training split gives the counts; the proxy is drawn from them
+    train = None
+    if args.refine_data == "unigram":  # the frequencies judged from the models' weights
+        proxy = _weights_unigram(ref, states, options)
+    elif unigram:  # the text's training split gives the counts; the proxy is drawn from them
         text_file = args.refine_data.partition(":")[2]
         if not text_file:
-            raise UsageError("--refine-data unigram:FILE needs the text file whose token counts it draws from")
+            raise UsageError("--refine-data unigram:FILE needs the text file whose token counts it draws from "
+                             "(or unigram alone: frequencies judged from the models' weights)")
         task = _task_for(ref, "text:" + text_file, args.tokenizer, args.reference, command, "--refine-data",
                          shown=args.refine_data)
-        proxy = unigram_blocks(task.train.token_ids(), int(ref.config.vocab_size), options.examples,
-                               task.train.inputs.shape[1], seed=options.seed)
+        proxy, train = unigram_blocks(task.train.token_ids(), int(ref.config.vocab_size), options.examples,
+                                      task.train.inputs.shape[1], seed=options.seed), task.train
     else:
         task = _task_for(ref, args.refine_data, args.tokenizer, args.reference, command, "--refine-data",
                          proxy_size=options.examples, proxy_at_most="examples" in resolved.chosen)
-        proxy = task.proxy
+        proxy, train = task.proxy, task.train
     if found := problems([options, match], CLI, data=args.refine_data):  # with the auto choices, on data it reads
         raise UsageError(found[0])
     module = build_torch_model(ref)
@@ -621,8 +627,8 @@ def _refiner(args, ref, command: str, match):
     # than with 32 blocks (a 206 MB output instead of 823 MB; docs/journal/merging-notes.md §13)
     data = proxy_streams(proxy, options.batch_size, seed=options.seed, selection_fraction=options.selection_fraction,
                          evaluation_fraction=options.evaluation_fraction,
-                         eval_batch_size=eval_batch_size(task, module, most=32))
-    vocabulary = vocabulary_ids(options.vocabulary, proxy, task.train)  # None for the full vocabulary
+                         eval_batch_size=eval_batch_size(proxy, module, most=32))
+    vocabulary = vocabulary_ids(options.vocabulary, proxy, train)  # None for the full vocabulary
     refine = functools.partial(
         learned_refine, ref.spec, module, loss_fn=cross_entropy, batches=data.batches,
         selection=data.selection, evaluation=data.evaluation, options=resolved, match=match,
@@ -636,9 +642,31 @@ def _refiner(args, ref, command: str, match):
             "soft_label_top_k": options.soft_label_top_k, "dual": options.dual,
             "vocabulary": options.vocabulary, "vocabulary_samples": options.vocabulary_samples,
             "vocabulary_batch_samples": options.vocabulary_batch_samples}
-    if task.tokenizer is not None:
+    if args.refine_data == "unigram":
+        info["frequencies"] = "weights"
+    elif task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
     return refine, info
+
+
+def _weights_unigram(ref, states: list[dict], options):
+    """``--refine-data unigram``: synthetic blocks of the context length drawn by token frequencies judged
+    from the models' weights alone, f_t ∝ w_t² with w the token-row weights of data-free matching
+    (P(row trained in every model) × Zipf rank^(−1/2) by the head's learned order: f ∝ 1/rank,
+    :func:`fedbasin.alignment.token_rows.infer_token_rows`)."""
+    from fedbasin.alignment.token_rows import infer_token_rows
+    from fedbasin.data import frequency_blocks
+
+    found = infer_token_rows(ref.spec, *states)
+    if found is None or found.trained == found.vocab:
+        raise UsageError(f"--refine-data unigram draws the tokens the models were trained on, judged from their "
+                         f"weights, but {ref.path} " + ("has no token rows" if found is None else
+                                                        "shows no untrained token rows to tell them from") +
+                         ": give unigram:FILE (token counts of a text) or text:FILE")
+    block = ref.context_length
+    if not block:
+        raise UsageError(f"--refine-data unigram: {ref.path} records no context length to draw blocks of")
+    return frequency_blocks(found.weights.square(), options.examples, block, seed=options.seed)
 
 
 class _Logits(nn.Module):
@@ -690,8 +718,11 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
 
 
 def _unigram_proxy(args) -> bool:
-    """Whether ``--refine-data`` is ``unigram:FILE`` (synthetic blocks the models' predictions label)."""
-    return (getattr(args, "refine_data", None) or "").startswith("unigram:")
+    """Whether ``--refine-data`` is ``unigram`` or ``unigram:FILE`` (synthetic blocks the models' predictions
+    label)."""
+    from fedbasin.options import is_unigram
+
+    return is_unigram(getattr(args, "refine_data", None))
 
 
 def _seen_tokens(args, checkpoint, command: str):

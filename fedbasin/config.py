@@ -176,7 +176,8 @@ def model_adapter(task: Task, model: nn.Module) -> tuple[str, Adapter]:
 
 def eval_batch_size(task: Task, model: nn.Module, budget: int = 2**26, most: int = 512) -> int:
     """Evaluation batch size keeping one batch's logits under ``budget`` values (a 50k-token
-    vocabulary makes 512 blocks of 64 tokens 6.6 GB), at most ``most``."""
+    vocabulary makes 512 blocks of 64 tokens 6.6 GB), at most ``most``; the examples' size is read
+    from ``task``'s test split (or from ``task`` itself when it is a split)."""
     vocab = getattr(model.config, "vocab_size", 1)
-    per_example = max(1, task.test.targets[0].numel() * vocab)
+    per_example = max(1, getattr(task, "test", task).targets[0].numel() * vocab)
     return max(1, min(most, budget // per_example))

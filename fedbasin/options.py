@@ -335,7 +335,7 @@ def _refine_rules(r: RefineOptions, m: MatchOptions | None, data: str | None) ->
                         ("refine-vocabulary-batch-samples", r.vocabulary_batch_samples)):
         if value not in (AUTO, 0) and r.vocabulary == "full":
             rules.append(((name, "refine-vocabulary"), "samples a restricted softmax: needs vocabulary proxy|seen"))
-    unigram = (data or "").startswith("unigram:")
+    unigram = is_unigram(data)
     soft = r.soft_labels not in (AUTO, 0) or unigram
     if r.vocabulary_batch_samples not in (AUTO, 0) and r.soft_labels not in (AUTO, 0):
         rules.append((("refine-vocabulary-batch-samples", "refine-soft-labels"),
@@ -343,8 +343,8 @@ def _refine_rules(r: RefineOptions, m: MatchOptions | None, data: str | None) ->
     if soft and restricted and r.soft_label_top_k == 0:
         rules.append((("refine-vocabulary", "refine-soft-label-top-k"),
                       "soft labels over every token cannot be combined with a restricted vocabulary: give K > 0"))
-    if restricted and data is not None and not data.startswith(("text:", "unigram:")):
-        rules.append((("refine-vocabulary",), f"needs text data (text:FILE or unigram:FILE), not {data}"))
+    if restricted and data is not None and not (data.startswith("text:") or unigram):
+        rules.append((("refine-vocabulary",), f"needs text data (text:FILE, unigram or unigram:FILE), not {data}"))
     if r.soft_label_top_k not in (AUTO, 0) and r.soft_labels == 0 and not unigram:
         rules.append((("refine-soft-label-top-k", "refine-soft-labels"),
                       "sparse soft labels have no effect without soft labels (> 0, or unigram: data)"))
@@ -452,6 +452,12 @@ def from_args(cls, args) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+def is_unigram(data: str | None) -> bool:
+    """Whether proxy data ``data`` is synthetic token blocks labelled by the models: ``unigram`` (token
+    frequencies judged from the models' weights) or ``unigram:FILE`` (the counts of FILE's training split)."""
+    return data == "unigram" or (data or "").startswith("unigram:")
+
+
 # "auto": what the model is, and the budget
 
 IMAGE, SUBWORD_LM, CHARACTER_LM = "image classifier", "causal LM (subword tokenizer)", "causal LM (characters)"

@@ -250,3 +250,40 @@ def test_cli_seen_tokens_auto_records_the_rows_judged_trained(tmp_path, capsys):
     assert "--token-weighting has no effect without --seen-tokens text:FILE" in cli_error(
         capsys, ["align", str(tmp_path / "ref"), str(tmp_path / "cand"), "--out", str(tmp_path / "x"),
                  "--seen-tokens", "auto", "--token-weighting", "count"])
+
+
+def test_cli_unigram_proxy_draws_the_rows_judged_trained_by_their_learned_frequency(tmp_path, capsys, monkeypatch):
+    """``--refine-data unigram`` (no data): the synthetic proxy is drawn from the rows judged trained in both
+    models (the planted 600), the most frequent by the head's learned order drawn most (Zipf, f ∝ 1/rank),
+    labelled by the models; models whose rows show no untrained cluster are refused in one line."""
+    import json
+
+    from fedbasin.checkpoint import save_checkpoint
+    from fedbasin.cli import main
+    from fedbasin.models import make_config
+
+    from .helpers import cli_error, spy_on_cli_refine
+
+    _, ref, cand, seen = _planted_pair()
+    config = make_config("gpt", CONFIG)
+    for name, state in (("ref", ref), ("cand", cand)):
+        save_checkpoint(tmp_path / name, "gpt", config, {k: v.float() for k, v in state.items()})
+    recorded = {}
+    spy_on_cli_refine(monkeypatch, recorded.update)
+    argv = ["align", str(tmp_path / "ref"), str(tmp_path / "cand"), "--out", str(tmp_path / "out"), "--refine-data",
+            "unigram", "--refine-steps", "2", "--refine-examples", "400", "--iterations", "2"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)["refinement"]
+    assert (summary["proxy"], summary["labels"], summary["frequencies"]) == ("unigram", "models", "weights")
+    assert recorded["model_labels"] is True
+    drawn = recorded["batches"].split
+    tokens = torch.cat([drawn.inputs.reshape(-1), drawn.targets.reshape(-1)])
+    assert drawn.inputs.shape[1] == CONFIG["block_size"]
+    assert set(tokens.tolist()) <= set(seen.tolist())  # only rows trained in both models
+    counts = torch.bincount(tokens, minlength=V)[seen]  # seen[0] the most frequent
+    top, rest = counts[:60].double().mean(), counts[300:].double().mean()
+    assert float(top / rest) > 10  # f ∝ 1/rank: ~34 between ranks 1-60 and 301-600 (√ of it, ~4.6, fails)
+    untrained = {k: v.float() for k, v in trained_like("gpt", CONFIG, seed=4).state_dict().items()}
+    save_checkpoint(tmp_path / "fresh", "gpt", config, untrained)
+    fresh = [a if a != str(tmp_path / "cand") else str(tmp_path / "fresh") for a in argv]
+    assert "shows no untrained token rows to tell them from: give unigram:FILE" in cli_error(capsys, fresh)

@@ -1,6 +1,14 @@
 """Datasets for federated runs: one entry point, :func:`load_task`, used by every driver."""
 
-from .sources import CharTokenizer, HFTokenizer, load_task, token_blocks, unigram_blocks
+from .sources import (
+    CharTokenizer,
+    HFTokenizer,
+    frequency_blocks,
+    load_task,
+    token_blocks,
+    unigram_blocks,
+)
 from .task import PARTITIONERS, Split, Task
 
-__all__ = ["PARTITIONERS", "CharTokenizer", "HFTokenizer", "Split", "Task", "load_task", "token_blocks", "unigram_blocks"]
+__all__ = ["PARTITIONERS", "CharTokenizer", "HFTokenizer", "Split", "Task", "frequency_blocks", "load_task",
+           "token_blocks", "unigram_blocks"]

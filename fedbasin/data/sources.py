@@ -126,14 +126,22 @@ def token_blocks(ids: torch.Tensor, block_size: int) -> Split:
 
 def unigram_blocks(token_ids: torch.Tensor, vocab_size: int, count: int, block_size: int, seed: int = 0) -> Split:
     """``count`` synthetic blocks of tokens drawn independently, token t with probability
-    n_t / Σ n (n_t its count in ``token_ids``): inputs ``s[:B]``, targets ``s[1:B+1]`` of each drawn
-    row ``s``. They carry the counts only, no text: inputs for data-free alignment, whose targets
-    are the models' own predictions (``learned_refine(model_labels=True)``)."""
+    n_t / Σ n (n_t its count in ``token_ids``): :func:`frequency_blocks` of the counts. They carry
+    the counts only, no text: inputs for data-free alignment, whose targets are the models' own
+    predictions (``learned_refine(model_labels=True)``)."""
     ids = torch.as_tensor(token_ids).reshape(-1).long()
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise ValueError(f"unigram blocks need token ids in [0, {vocab_size}), got {ids.numel()} ids")
-    counts = torch.bincount(ids, minlength=vocab_size).double()
-    drawn = torch.multinomial(counts / counts.sum(), count * (block_size + 1), replacement=True,
+    return frequency_blocks(torch.bincount(ids, minlength=vocab_size).double(), count, block_size, seed)
+
+
+def frequency_blocks(frequencies: torch.Tensor, count: int, block_size: int, seed: int = 0) -> Split:
+    """``count`` blocks of tokens drawn independently, token t with probability f_t / Σ f: inputs
+    ``s[:B]``, targets ``s[1:B+1]`` of each drawn row ``s`` (``frequencies`` (vocab,), ≥ 0, not all 0)."""
+    f = torch.as_tensor(frequencies, dtype=torch.float64)
+    if f.ndim != 1 or not bool(torch.isfinite(f).all()) or bool((f < 0).any()) or not bool(f.sum() > 0):
+        raise ValueError("token frequencies must be one finite value >= 0 per token, not all 0")
+    drawn = torch.multinomial(f / f.sum(), count * (block_size + 1), replacement=True,
                               generator=torch.Generator().manual_seed(seed)).reshape(count, block_size + 1)
     return Split(drawn[:, :-1].contiguous(), drawn[:, 1:].contiguous())
 
