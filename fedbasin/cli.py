@@ -162,8 +162,10 @@ def _matching_options(p: argparse.ArgumentParser, universe: bool = False) -> Non
 def _refine_options(p: argparse.ArgumentParser) -> None:
     from fedbasin.options import RefineOptions, add_arguments
 
-    g = p.add_argument_group("learned refinement (on when --refine-data is given; 'auto': the measured best for "
-                             "the model's kind, sized by --refine-budget)")
+    g = p.add_argument_group("learned refinement (on when --refine-data is given, and in align / merge of subword "
+                             "LMs whose weights show untrained token rows on the data-free --refine-data unigram; "
+                             "--refine-budget 0 turns that off; 'auto': the measured best for the model's kind, "
+                             "sized by --refine-budget)")
     g.add_argument("--refine-data", metavar="SPEC", help="proxy data: " + DATA_HELP + " | unigram (data-free: "
                    "synthetic token blocks drawn by the token frequencies judged from the models' weights - the "
                    "rows judged trained, Zipf by the head's learned order - labelled by the models' own mean "
@@ -225,8 +227,9 @@ def _refuse_ineffective_options(args) -> None:
         rules.append(((*MATCHING_OPTIONS, "universe_iterations"), "has no effect with --no-align"))
     if args.command == "barrier" and not args.align:
         rules.append((MATCHING_OPTIONS, "has no effect without --align"))
-    if "refine_data" not in given:
-        rules.append((REFINE_OPTIONS, "has no effect without --refine-data"))
+    if "refine_data" not in given:  # (align / merge: --refine-budget also sizes the data-free refinement)
+        rules.append((tuple(d for d in REFINE_OPTIONS if d != "refine_budget" or args.command not in ("align", "merge")),
+                      "has no effect without --refine-data"))
         if args.command != "barrier" and not (args.seen_tokens or "").startswith("text:"):
             rules.append((("tokenizer",), "has no effect without --seen-tokens text:FILE or --refine-data"))
     text_rows = (args.seen_tokens or "").startswith("text:") or (
@@ -473,8 +476,9 @@ def cmd_align(args) -> int:
     summary = {"command": "align", "reference": args.reference, "candidate": args.candidate, "out": args.out,
                "symmetry": match.symmetry, "matching": dataclasses.asdict(match)}
     try:
+        reference, candidate = _standard(ref, device), _standard(cand, device)
+        _default_data_free(args, ref, [reference, candidate], match, summary)
         if args.refine_data:
-            reference, candidate = _standard(ref, device), _standard(cand, device)
             refine, info = _refiner(args, ref, "align", match, [reference, candidate])
             result = refine(reference, [candidate])
             aligned = result.states[0]
@@ -485,7 +489,7 @@ def cmd_align(args) -> int:
                 aligned = to_gauge(ref.spec, back, canonicalize(ref.spec, reference).gains)
             summary["refinement"] = {**info, **result.summary()}
         else:
-            result = weight_match(ref.spec, _standard(ref, device), _standard(cand, device), match=match,
+            result = weight_match(ref.spec, reference, candidate, match=match,
                                   progress=True, token_rows=_seen_tokens(args, ref, "align"))
             aligned = result.state
             summary.update(iterations=result.iterations, start=result.start,
@@ -538,6 +542,8 @@ def cmd_merge(args) -> int:
     states = [_standard(c, device) for c in checkpoints]
     gains = _gains(checkpoints[0].spec, states[0])
     try:
+        if not args.no_align:
+            _default_data_free(args, checkpoints[0], states, match, summary)
         if args.refine_data:
             merged, info = _refined_merge(args, checkpoints, states, match)
             summary["refinement"] = info
@@ -647,6 +653,30 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
     elif task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
     return refine, info
+
+
+def _default_data_free(args, checkpoint, states: list[dict], match, summary: dict) -> None:
+    """Plain ``align`` / ``merge`` (no ``--refine-data``, the orthogonal symmetry) of causal LMs with a subword
+    vocabulary whose weights tell the trained token rows from the untrained ones: the best data-free alignment measured,
+    weight matching refined on ``--refine-data unigram`` (synthetic blocks the models label) within
+    ``--refine-budget`` seconds (default 120; 0: weight matching alone). Sets ``args.refine_data``;
+    ``summary["data_free"]`` says which was run. A ``--refine-budget`` that sizes nothing is refused."""
+    from fedbasin.alignment.token_rows import infer_token_rows
+    from fedbasin.options import SUBWORD_LM, RefineOptions
+
+    if args.refine_data:
+        return
+    budget = RefineOptions.budget if args.refine_budget is None else args.refine_budget
+    rows = infer_token_rows(checkpoint.spec, *states) if _kind(checkpoint) == SUBWORD_LM else None
+    untrained = rows is not None and rows.trained < rows.vocab and checkpoint.context_length
+    if untrained and budget > 0 and match.symmetry == "orthogonal":
+        args.refine_data, summary["data_free"] = "unigram", "weight matching refined on --refine-data unigram"
+    elif args.refine_budget:
+        raise UsageError(f"--refine-budget has no effect without --refine-data here: the data-free refinement runs for "
+                         "subword LMs whose weights show untrained token rows, with --symmetry orthogonal, and "
+                         f"{checkpoint.path} " + ("is matched by permutations" if untrained else "is not one"))
+    else:
+        summary["data_free"] = "weight matching"
 
 
 def _weights_unigram(ref, states: list[dict], options):

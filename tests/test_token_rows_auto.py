@@ -234,8 +234,9 @@ def test_cli_seen_tokens_auto_records_the_rows_judged_trained(tmp_path, capsys):
         save_checkpoint(tmp_path / name, "gpt", config, {k: v.float() for k, v in state.items()})
     a, b = (load_checkpoint(tmp_path / n) for n in ("ref", "cand"))
     assert main(["align", str(tmp_path / "ref"), str(tmp_path / "cand"), "--out", str(tmp_path / "out"),
-                 "--seen-tokens", "auto", "--iterations", "5", "--head-weight", "1"]) == 0
+                 "--seen-tokens", "auto", "--iterations", "5", "--head-weight", "1", "--refine-budget", "0"]) == 0
     summary = json.loads(capsys.readouterr().out)
+    assert summary["data_free"] == "weight matching"  # budget 0: no data-free refinement
     assert summary["token_rows"]["source"] == "weights" and summary["token_rows"]["of"] == V
     assert abs(summary["token_rows"]["trained"] - TRAINED) <= 12
     expected = weight_match(a.spec, a.adapter.to_standard(a.state), b.adapter.to_standard(b.state),
@@ -244,7 +245,7 @@ def test_cli_seen_tokens_auto_records_the_rows_judged_trained(tmp_path, capsys):
     written = written.adapter.to_standard(written.state)
     assert max(float((written[k] - expected[k]).abs().max()) for k in expected) < 1e-6
     assert main(["merge", str(tmp_path / "ref"), str(tmp_path / "cand"), "--out", str(tmp_path / "merged"),
-                 "--iterations", "5", "--head-weight", "1"]) == 0  # auto is the default
+                 "--iterations", "5", "--head-weight", "1", "--refine-budget", "0"]) == 0  # auto is the default
     merged = json.loads(capsys.readouterr().out)
     assert merged["token_rows"][0] is None and abs(merged["token_rows"][1]["trained"] - TRAINED) <= 12
     assert "--token-weighting has no effect without --seen-tokens text:FILE" in cli_error(
@@ -287,3 +288,15 @@ def test_cli_unigram_proxy_draws_the_rows_judged_trained_by_their_learned_freque
     save_checkpoint(tmp_path / "fresh", "gpt", config, untrained)
     fresh = [a if a != str(tmp_path / "cand") else str(tmp_path / "fresh") for a in argv]
     assert "shows no untrained token rows to tell them from: give unigram:FILE" in cli_error(capsys, fresh)
+    # plain align / merge of such models: this refinement by default, within --refine-budget
+    for command in ("align", "merge"):
+        recorded.clear()
+        plain = [command, str(tmp_path / "ref"), str(tmp_path / "cand"), "--out", str(tmp_path / f"plain-{command}"),
+                 "--refine-budget", "2"]
+        assert main(plain) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["data_free"] == "weight matching refined on --refine-data unigram"
+        assert summary["refinement"]["proxy"] == "unigram" and recorded["model_labels"] is True
+    not_refined = [a if a != str(tmp_path / "cand") else str(tmp_path / "fresh") for a in plain]
+    assert "--refine-budget has no effect without --refine-data here" in cli_error(capsys, not_refined)
+    assert main(not_refined[:-2]) == 0 and json.loads(capsys.readouterr().out)["data_free"] == "weight matching"
