@@ -499,6 +499,11 @@ KIND_SETTINGS: dict[str, dict[str, Any]] = {
 GPU_SETTINGS: dict[str, dict[str, Any]] = {SUBWORD_LM: dict(batch_size=64, dual=True)}
 
 
+# A synthetic (unigram) proxy of subword LMs: 512 blocks, not the 2,048 of real text. The models label them
+# all first; on the suite's gpt2-s23 (120 s, one core) 2,048 blocks left 131 steps (barrier 0.051), or under
+# more load none, 512 left 395 (0.049): docs/benchmarks.md, "Data-free by default".
+UNIGRAM_EXAMPLES = 512
+
 HEAD_WEIGHT = {IMAGE: 1.0, SUBWORD_LM: 2.0, CHARACTER_LM: 1.0}  # measured: docs/journal/merging-notes.md §2 (GPT-2 recipe pair)
 
 
@@ -546,6 +551,8 @@ def resolve_refine(options: RefineOptions, kind: str, *, unigram: bool = False, 
     # auto values that depend on values the user gave follow them, so the combination stays valid
     if unigram or given.get("vocabulary_batch_samples"):  # the models label / batch sampling trains on labels
         settings["soft_labels"] = 0.0
+    if unigram:  # the models label every synthetic block before the first step: fewer, reused, buy more steps
+        settings["examples"] = UNIGRAM_EXAMPLES
     vocabulary = given.get("vocabulary", settings["vocabulary"])
     soft = given.get("soft_labels", settings["soft_labels"]) or unigram
     if vocabulary == "full":
