@@ -89,8 +89,11 @@ def test_llama_recipe_trains_and_the_command_line_reads_it(tmp_path, excerpt, ca
     assert checkpoint.config.intermediate_size == 344 and not checkpoint.config.tie_word_embeddings
     assert cli.main(["eval", str(out / "seed0"), "--data", f"text:{excerpt}", "--max-examples", "4"]) == 0
     assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(record["test_loss"], rel=0.5)
-    assert cli.main(["align", str(out / "seed0"), str(out / "seed1"), "--out", str(tmp_path / "aligned")]) == 0
-    capsys.readouterr()
+    # plain align of a trained subword LM: weight matching refined on the weights' own synthetic tokens (a short
+    # budget here; 120 s by default)
+    assert cli.main(["align", str(out / "seed0"), str(out / "seed1"), "--out", str(tmp_path / "aligned"),
+                     "--refine-budget", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["data_free"] == "weight matching refined on --refine-data unigram"
     assert cli.main(["barrier", str(out / "seed0"), str(tmp_path / "aligned"), "--data", f"text:{excerpt}",
                      "--max-examples", "4", "--points", "3"]) == 0
     assert json.loads(capsys.readouterr().out)["barrier"] >= 0
