@@ -98,6 +98,31 @@ def test_planted_trained_rows_are_recovered_from_the_weights():
         assert float(other.weights[unseen].sum()) < 0.01 * float(other.weights[seen].sum())
 
 
+def test_the_same_weights_are_judged_once_and_again_after_an_in_place_change(monkeypatch):
+    """A plain ``align`` asks three times about the same tensors: each is judged once; a tensor changed in
+    place since (or another tensor with equal values) is judged anew, with the answer its values give."""
+    from fedbasin.alignment import token_rows
+
+    judged = []
+    compute = token_rows._tensor_evidence
+    monkeypatch.setattr(token_rows, "_tensor_evidence", lambda key, rows: judged.append(key) or compute(key, rows))
+    spec = spec_of("gpt", CONFIG)
+    seen = _seen()
+    ref, cand = _model(seen, 10), _model(seen, 11)
+    first = infer_token_rows(spec, ref, cand)
+    assert len(judged) == 4  # two token tensors per model
+    again = infer_token_rows(spec, ref, cand)
+    assert len(judged) == 4 and torch.equal(again.weights, first.weights)
+    untrained = _model(torch.arange(0), 12)["head.weight"]  # one push on every row: no trained head rows
+    ref["head.weight"].copy_(untrained)  # in place: the same tensor object, a new version
+    changed = infer_token_rows(spec, ref, cand)
+    assert len(judged) == 5
+    fresh = {**ref, "head.weight": ref["head.weight"].clone()}
+    token_rows._MEMO.clear()
+    assert torch.equal(infer_token_rows(spec, fresh, cand).weights, changed.weights)
+    assert not torch.equal(changed.weights, first.weights)
+
+
 def test_zipf_weights_rank_the_rows_by_their_logit_along_the_push_undone():
     spec = spec_of("gpt", CONFIG)
     seen = _seen()
