@@ -50,6 +50,7 @@ have found the training set: matching on all rows is the safe answer).
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -99,19 +100,22 @@ class TokenRows:
 # times about the same weights (whether to run the data-free default, its synthetic proxy, the matching's token rows),
 # ~0.6 s per 50,257-row tensor, two of them inside the refinement's budget
 _MEMO: dict[tuple, tuple[weakref.ref, TensorEvidence]] = {}
+_MEMO_LOCK = threading.Lock()
 
 
 def tensor_evidence(key: str, rows: torch.Tensor) -> TensorEvidence:
     """P(trained) for every row of one token-indexed tensor (steps 1–4 of the module docstring); the same
     tensor object at the same version (no in-place change since) and the same rule constants get the answer
     already computed."""
-    for tag in [tag for tag, (alive, _) in _MEMO.items() if alive() is None]:
-        del _MEMO[tag]
     tag = (key, id(rows), rows._version, rows.data_ptr(), WINDOW, TIGHT, MIN_SHARE, PROJECTION, PUSHED)
-    if (hit := _MEMO.get(tag)) is not None and hit[0]() is rows:
-        return hit[1]
+    with _MEMO_LOCK:
+        for dead in [old for old, (alive, _) in _MEMO.items() if alive() is None]:
+            del _MEMO[dead]
+        if (hit := _MEMO.get(tag)) is not None and hit[0]() is rows:
+            return hit[1]
     evidence = _tensor_evidence(key, rows)
-    _MEMO[tag] = (weakref.ref(rows), evidence)
+    with _MEMO_LOCK:
+        _MEMO[tag] = (weakref.ref(rows), evidence)
     return evidence
 
 
