@@ -502,6 +502,7 @@ GPU_SETTINGS: dict[str, dict[str, Any]] = {SUBWORD_LM: dict(batch_size=64, dual=
 # A synthetic (unigram) proxy of subword LMs: 512 blocks, not the 2,048 of real text. The models label them
 # all first; on the suite's gpt2-s23 (120 s, one core) 2,048 blocks left 131 steps (barrier 0.051), or under
 # more load none, 512 left 395 (0.049): docs/benchmarks.md, "Data-free by default".
+# On the Llama pair 256 / 512 / 1,024 blocks read 0.116 / 0.116 / 0.122 (journal/merging-notes.md §19).
 UNIGRAM_EXAMPLES = 512
 
 HEAD_WEIGHT = {IMAGE: 1.0, SUBWORD_LM: 2.0, CHARACTER_LM: 1.0}  # measured: docs/journal/merging-notes.md §2 (GPT-2 recipe pair)
