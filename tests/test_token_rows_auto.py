@@ -117,9 +117,9 @@ def test_the_same_weights_are_judged_once_and_again_after_an_in_place_change(mon
     ref["head.weight"].copy_(untrained)  # in place: the same tensor object, a new version
     changed = infer_token_rows(spec, ref, cand)
     assert len(judged) == 5
-    fresh = {**ref, "head.weight": ref["head.weight"].clone()}
-    token_rows._MEMO.clear()
+    fresh = {**ref, "head.weight": ref["head.weight"].clone()}  # equal values, another tensor
     assert torch.equal(infer_token_rows(spec, fresh, cand).weights, changed.weights)
+    assert len(judged) == 6  # the clone alone is judged anew
     assert not torch.equal(changed.weights, first.weights)
 
 

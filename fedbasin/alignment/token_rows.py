@@ -98,7 +98,7 @@ class TokenRows:
 
 # tensor → its evidence, for tensors still alive and unchanged: one plain ``fedbasin align`` of a subword LM asks three
 # times about the same weights (whether to run the data-free default, its synthetic proxy, the matching's token rows),
-# ~0.6 s per 50,257-row tensor, two of them inside the refinement's budget
+# two of them inside the refinement's budget
 _MEMO: dict[tuple, tuple[weakref.ref, TensorEvidence]] = {}
 _MEMO_LOCK = threading.Lock()
 
