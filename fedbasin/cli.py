@@ -176,6 +176,16 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
     add_arguments(g, RefineOptions)
 
 
+def _distill_options(p: argparse.ArgumentParser) -> None:
+    from fedbasin.options import DistillOptions, add_arguments
+
+    g = p.add_argument_group("ensemble distillation (on with --refine-data of real data: after the refinement the "
+                             "models' ensemble is distilled into the merge on the same proxy data, keep-best on its "
+                             "selection part; the models of weight 0 are no teachers; 'auto': by model kind, sized by "
+                             "--distill-budget; --distill-steps 0 turns it off)")
+    add_arguments(g, DistillOptions)
+
+
 def _schema_dests(cls, surface_skip=()) -> tuple[str, ...]:
     from fedbasin.options import CLI, schema_fields
 
@@ -183,14 +193,15 @@ def _schema_dests(cls, surface_skip=()) -> tuple[str, ...]:
 
 
 def _dest_groups():
-    from fedbasin.options import MatchOptions, RefineOptions
+    from fedbasin.options import DistillOptions, MatchOptions, RefineOptions
 
     matching = (*_schema_dests(MatchOptions, ("universe-iterations",)), "seen_tokens", "token_weighting")
     refine = _schema_dests(RefineOptions)
-    return matching, refine, ("seen_tokens", "token_weighting", "head_weight", "tokenizer", "refine_data", *refine)
+    return (matching, refine, _schema_dests(DistillOptions),
+            ("seen_tokens", "token_weighting", "head_weight", "tokenizer", "refine_data", *refine))
 
 
-MATCHING_OPTIONS, REFINE_OPTIONS, STREAM_UNSUPPORTED = _dest_groups()
+MATCHING_OPTIONS, REFINE_OPTIONS, DISTILL_OPTIONS, STREAM_UNSUPPORTED = _dest_groups()
 
 
 def _record_defaults(p: argparse.ArgumentParser) -> None:
@@ -198,7 +209,7 @@ def _record_defaults(p: argparse.ArgumentParser) -> None:
     from fedbasin.options import CLI, GROUPS, schema_fields
 
     schema = {name.replace("-", "_"): f.default for cls in GROUPS for name, f, _ in schema_fields(cls, CLI)}
-    dests = {*MATCHING_OPTIONS, *STREAM_UNSUPPORTED, "universe_iterations"}
+    dests = {*MATCHING_OPTIONS, *STREAM_UNSUPPORTED, *DISTILL_OPTIONS, "universe_iterations"}
     # a schema option not given is None; spelt out at its default it is not "given" either
     p.set_defaults(option_defaults={d: schema.get(d, p.get_default(d)) for d in dests})
 
@@ -230,8 +241,11 @@ def _refuse_ineffective_options(args) -> None:
     if "refine_data" not in given:  # (align / merge: --refine-budget also sizes the data-free refinement)
         rules.append((tuple(d for d in REFINE_OPTIONS if d != "refine_budget" or args.command not in ("align", "merge")),
                       "has no effect without --refine-data"))
+        rules.append((DISTILL_OPTIONS, "has no effect without --refine-data (the proxy data it distils on)"))
         if args.command != "barrier" and not (args.seen_tokens or "").startswith("text:"):
             rules.append((("tokenizer",), "has no effect without --seen-tokens text:FILE or --refine-data"))
+    elif args.refine_data.partition(":")[0] == "unigram":
+        rules.append((DISTILL_OPTIONS, "has no effect with --refine-data unigram: distillation needs real proxy data"))
     text_rows = (args.seen_tokens or "").startswith("text:") or (
         args.seen_tokens is None and (getattr(args, "refine_data", None) or "").startswith("text:"))
     if not text_rows:
@@ -314,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one weight per model, REFERENCE first, normalised to sum 1 (default: equal)")
     p.add_argument("--no-align", action="store_true", help="plain weighted averaging (no alignment)")
     _refine_options(p)
+    _distill_options(p)
     _matching_options(p, universe=True)
     _device_option(p)
     p.set_defaults(func=cmd_merge)
@@ -479,7 +494,7 @@ def cmd_align(args) -> int:
         reference, candidate = _standard(ref, device), _standard(cand, device)
         _default_data_free(args, ref, [reference, candidate], match, summary)
         if args.refine_data:
-            refine, info = _refiner(args, ref, "align", match, [reference, candidate])
+            refine, info, _ = _refiner(args, ref, "align", match, [reference, candidate])
             result = refine(reference, [candidate])
             aligned = result.states[0]
             if info["dual"]:  # g_ref⁻¹·g_cand·B: the same path from the unmoved reference (the maps act linearly)
@@ -564,20 +579,79 @@ def cmd_merge(args) -> int:
 
 
 def _refined_merge(args, checkpoints, states, match) -> tuple[dict, dict]:
-    """Weight (or universe) matching, then learned refinement on proxy data; returns (merged state,
-    summary)."""
+    """Weight (or universe) matching, then learned refinement on proxy data, then (by default, on real data)
+    the models' ensemble distilled into the merge; returns (merged state, summary)."""
     from fedbasin.alignment import refined_merge
 
-    refine, info = _refiner(args, checkpoints[0], "merge", match, states)
-    merged, result = refined_merge(checkpoints[0].spec, states, args.weights or [1.0] * len(states), 0, refine)
-    return merged, {**info, **result.summary()}
+    weights = args.weights or [1.0] * len(states)
+    refine, info, proxy = _refiner(args, checkpoints[0], "merge", match, states)
+    distill = _distiller(args, checkpoints[0], info["kind"], proxy)  # its options checked before any long work
+    merged, result = refined_merge(checkpoints[0].spec, states, weights, 0, refine)
+    summary = {**info, **result.summary()}
+    if distill is not None:
+        merged, summary["distillation"] = distill(merged, [s for s, w in zip(states, weights) if w > 0])
+    return merged, summary
+
+
+@dataclasses.dataclass
+class _Proxy:
+    """The proxy data of ``--refine-data`` as the refinement read it: ``split`` (None for a synthetic unigram
+    proxy, which the models label), the module that evaluates the spec's states, and the resolved options."""
+
+    split: object
+    module: torch.nn.Module
+    options: object
+
+
+def _distiller(args, ref, kind: str, proxy: _Proxy):
+    """``distill(merged, teachers) -> (state, summary)``: the teachers' ensemble (their mean logits, or
+    probabilities) distilled into ``merged`` on ``proxy``'s split, split as the refinement split it (its
+    selection part keeps the best student, θ₀ included), with the schema's :class:`~fedbasin.options.DistillOptions`
+    (``auto`` set for ``kind``, the steps sized by ``--distill-budget``); None when off (no real proxy data,
+    ``--distill-steps 0`` or a budget of 0)."""
+    from fedbasin.alignment import proxy_streams
+    from fedbasin.config import eval_batch_size
+    from fedbasin.options import AUTO, DistillOptions, from_args, resolve_distill
+    from fedbasin.server.distill import ensemble_distill, named_augment
+    from fedbasin.training import cross_entropy
+
+    try:
+        options = resolve_distill(from_args(DistillOptions, args), kind)
+    except ValueError as error:
+        raise UsageError(str(error).splitlines()[0]) from None
+    auto = options.steps == AUTO
+    if proxy.split is None or (options.budget <= 0 if auto else options.steps == 0):
+        return None
+    try:
+        augment = named_augment(options.augment, tuple(proxy.split.inputs.shape[1:]))
+    except ValueError as error:
+        raise UsageError(f"--{error}") from None
+    refine = proxy.options
+
+    def distill(merged: dict, teachers: list[dict]) -> tuple[dict, dict]:
+        data = proxy_streams(proxy.split, refine.batch_size, seed=refine.seed,
+                             selection_fraction=refine.selection_fraction,
+                             evaluation_fraction=refine.evaluation_fraction,
+                             eval_batch_size=eval_batch_size(proxy.split, proxy.module, most=32))
+        result = ensemble_distill(
+            proxy.module, ref.adapter.from_standard(merged), [ref.adapter.from_standard(t) for t in teachers],
+            cross_entropy, data.batches, data.selection, data.evaluation, steps=None if auto else options.steps,
+            budget=options.budget if auto else None, lr=options.lr, temperature=options.temperature,
+            label_weight=options.label_weight, augment=augment, seed=refine.seed, teacher=options.teacher,
+            progress=True)
+        return ref.adapter.to_standard(result.state), {
+            **result.summary(), "teachers": len(teachers), "budget_seconds": options.budget if auto else None,
+            "lr": options.lr, "temperature": options.temperature, "label_weight": options.label_weight,
+            "augment": options.augment, "teacher": options.teacher}
+
+    return distill
 
 
 def _refiner(args, ref, command: str, match, states: list[dict]):
     """``refine(reference, candidates, **kw)`` on the proxy split of ``--refine-data``: the schema's options
     (``auto`` resolved for the model's kind, :func:`fedbasin.options.resolve_refine`) through the one
-    translator :func:`fedbasin.options.refine_call` with ``match`` (resolved for ``ref``) for its start, and a
-    summary of what was used."""
+    translator :func:`fedbasin.options.refine_call` with ``match`` (resolved for ``ref``) for its start; a
+    summary of what was used; and the proxy data it reads (:class:`_Proxy`)."""
     from fedbasin.alignment import learned_refine, proxy_streams
     from fedbasin.alignment.vocabulary import vocabulary_ids
     from fedbasin.checkpoint import build_torch_model
@@ -652,7 +726,7 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
         info["frequencies"] = "weights"
     elif task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
-    return refine, info
+    return refine, info, _Proxy(None if unigram else proxy, module, options)
 
 
 def _default_data_free(args, checkpoint, states: list[dict], match, summary: dict) -> None:

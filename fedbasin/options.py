@@ -150,33 +150,33 @@ AUGMENTS = ("none", "crop", "crop-flip", "mixup", "crop-mixup", "crop-flip-mixup
 
 @dataclass
 class DistillOptions:
-    """Ensemble distillation of the clients' outputs into the merge (Flower, on the proxy split)."""
+    """Ensemble distillation of the models' outputs into the merge, on proxy data (Flower: the proxy split; merge: --refine-data).
+
+    In Flower each round's merge is distilled; ``fedbasin merge`` distils after the learned refinement."""
 
     PREFIX = "distill-"
-    # the default distils, sized by ``budget``, whenever the server holds a proxy split (measured: docs/options.md,
-    # "Distillation by a time budget"); 0 turns it off
-    steps: int | str = option(AUTO, ">0: distil the clients' ensemble into the merge on the proxy split for this "
-                              "many steps; auto: as many as distill-budget allows (no proxy split: no "
-                              "distillation); 0: no distillation",
-                              low=0, auto=True, surfaces=(RUN,))
-    budget: float = option(120.0, "with distill-steps auto: seconds one distillation may take per round (caching "
-                           "the clients' outputs, the steps and keep-best checks); the steps follow from timing "
-                           "one step before the first; 0: no distillation", low=0, surfaces=(RUN,),
-                           metavar="SECONDS")
+    # the default distils, sized by ``budget``, whenever there is real proxy data (measured: docs/options.md,
+    # "Distillation by a time budget"; for fedbasin merge, docs/benchmarks.md "The distilled merge"); 0 turns it off
+    steps: int | str = option(AUTO, ">0: distil the models' ensemble into the merge on the proxy data for this "
+                              "many steps; auto: as many as distill-budget allows (no proxy data, or the "
+                              "synthetic unigram proxy: no distillation); 0: no distillation",
+                              low=0, auto=True)
+    budget: float = option(120.0, "with distill-steps auto: seconds one distillation may take (per round in Flower; "
+                           "caching the models' outputs, the steps and keep-best checks); the steps follow from timing "
+                           "one step before the first; 0: no distillation", low=0, metavar="SECONDS")
     lr: float | str = option(AUTO, "Adam learning rate of the student; auto: 0.002 for image classifiers, 0.001 "
-                             "for language models", low=0, open_low=True, auto=True, surfaces=(RUN,))
+                             "for language models", low=0, open_low=True, auto=True)
     temperature: float | str = option(AUTO, "softmax temperature of teacher and student; auto: 3 for image "
-                                      "classifiers, 1 for language models", low=0, open_low=True, auto=True,
-                                      surfaces=(RUN,))
+                                      "classifiers, 1 for language models", low=0, open_low=True, auto=True)
     label_weight: float | str = option(AUTO, "w: (1 − w) KL to the ensemble + w cross-entropy on the proxy labels; "
                                        "auto: 0.5 for image classifiers, 0 for language models", low=0, high=1.0,
-                                       auto=True, surfaces=(RUN,))
+                                       auto=True)
     augment: str = option(AUTO, "random views of the transfer images (image data): crops, left-right flips, "
                           "mixup (convex mixes of two proxy images and of their labels); auto: mixup for image "
                           "classifiers, else none",
-                          choices=AUGMENTS, auto=True, surfaces=(RUN,))
-    teacher: str = option("logits", "the ensemble averages the clients' logits or probabilities",
-                          choices=("logits", "probabilities"), surfaces=(RUN,))
+                          choices=AUGMENTS, auto=True)
+    teacher: str = option("logits", "the ensemble averages the models' logits or probabilities",
+                          choices=("logits", "probabilities"))
 
 
 @dataclass

@@ -10,8 +10,8 @@
 #
 # CACHE holds the trained pairs (the suite's digits/, cifar10-w64/, cifar10-w96/; missing ones are trained);
 # MEMBERS, GPU_MEMBERS, VARIANTS (newline-separated NAME=OPTIONS), SEEDS (further refinement seeds), JOBS,
-# LIMIT (seconds per lane), GPU_THREADS (CPU threads of the GPU lane, default 4) and SUITE_ARGS (more suite
-# options, both lanes) change the defaults; GPU_MEMBERS="" skips the GPU lane. Pairs missing from CACHE are
+# LIMIT (seconds per lane), GPU_THREADS (CPU threads of the GPU lane, default 4), SUITE_ARGS (more suite
+# options, both lanes) and GPU_ARGS (the GPU lane's own, e.g. --jobs 2) change the defaults; VARIANTS="" runs none; GPU_MEMBERS="" skips the GPU lane. Pairs missing from CACHE are
 # trained by the CPU lane (train them first with the suite's --train-only when the GPU lane needs them too).
 # Measured 2026-11-27 on an H200 machine: the CPU lane 381 s; the device tests beside 12 CPU jobs ran past
 # their 120 s limit (alone: 24 s), hence the GPU lane's own thread count. Writes to $OUT: machine.txt, cpu.txt / cpu.json / cpu.log and gpu.txt / gpu.json /
@@ -26,7 +26,7 @@ cache=${CACHE:-runs/suite}
 cifar=${CIFAR:-../shared/data/cifar10}
 members=${MEMBERS:-digits-s01 digits-s23 cifar10-w64-s01 cifar10-w96-s01}
 gpu_members=${GPU_MEMBERS-digits-s23 cifar10-w96-s01}
-variants=${VARIANTS:-"l28=--refine-lambda 0.2,0.8"}
+variants=${VARIANTS-"l28=--refine-lambda 0.2,0.8"}
 limit=${LIMIT:-540}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"
   nproc
@@ -54,7 +54,7 @@ if [ -n "$gpu_members" ]; then
     [ "$left" -ge 1 ] || left=1
     # shellcheck disable=SC2086
     OMP_NUM_THREADS=${GPU_THREADS:-4} timeout "$left" $python -m fedbasin.benchmarks.suite --members $gpu_members \
-        --cache "$gpu_cache" --cifar "$cifar" --out "$out/gpu.json" ${SUITE_ARGS:-} >"$out/gpu.txt" 2>"$out/gpu.log"
+        --cache "$gpu_cache" --cifar "$cifar" --out "$out/gpu.json" ${SUITE_ARGS:-} ${GPU_ARGS:-} >"$out/gpu.txt" 2>"$out/gpu.log"
     echo "GPU lane: exit $? in $((SECONDS - t0)) s" | tee -a "$out/machine.txt"
 fi
 wait $cpu

@@ -90,11 +90,11 @@ def test_barrier(pair, text_file, capsys):
     assert aligned["losses"][-1] == pytest.approx(plain["losses"][-1])  # λ = 1: model A either way
 
 
-def _refine(capsys, command, m0, m1, out, text_file, steps) -> dict:
+def _refine(capsys, command, m0, m1, out, text_file, steps, extra=()) -> dict:
     """``fedbasin COMMAND m0 m1 --out OUT --refine-data text:FILE`` on 40 blocks; its refinement summary."""
     return _run(capsys, [command, m0, m1, "--out", out, "--refine-data", f"text:{text_file}", "--refine-steps", steps,
                          "--refine-examples", 40, "--refine-batch-size", 8, "--iterations", 2,
-                         "--refine-evaluation-fraction", 0.2])["refinement"]
+                         "--refine-evaluation-fraction", 0.2, *extra])["refinement"]
 
 
 def test_align_refines_on_text(pair, text_file, capsys, tmp_path):
@@ -109,11 +109,18 @@ def test_align_refines_on_text(pair, text_file, capsys, tmp_path):
     assert float((got - want).abs().max()) < 1e-4
 
 
-def test_merge_refines_on_text(pair, text_file, capsys, tmp_path):
+def test_merge_refines_and_distils_on_text(pair, text_file, capsys, tmp_path):
+    """Every causal-LM family: the refined merge, then the models' ensemble distilled into it with the language
+    models' settings (no views, no labels, temperature 1)."""
     _, m0, m1 = pair
     out = tmp_path / "merged"
-    summary = _refine(capsys, "merge", m0, m1, out, text_file, steps=2)
+    summary = _refine(capsys, "merge", m0, m1, out, text_file, steps=2, extra=["--distill-steps", 3])
     assert math.isfinite(summary["evaluation_loss"]) and (out / "model.safetensors").is_file()
+    distilled = summary["distillation"]
+    assert (distilled["steps"], distilled["teachers"], distilled["augment"]) == (3, 2, "none")
+    assert (distilled["temperature"], distilled["label_weight"]) == (1.0, 0.0)
+    assert math.isfinite(distilled["selection_loss_best"])
+    assert distilled["selection_loss_best"] <= distilled["selection_loss_start"]
 
 
 def test_images_are_refused_in_one_line_naming_the_family(pair, capsys):

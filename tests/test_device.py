@@ -111,6 +111,25 @@ def test_cli_align_merge_and_barrier_on_device(tmp_path, capsys, device_param):
     assert on_device["vanilla"]["losses"] == pytest.approx(on_cpu["vanilla"]["losses"], rel=1e-4)
 
 
+def test_cli_refined_and_distilled_merge_on_device(tmp_path, capsys, device_param):
+    """``merge --refine-data``: refinement, then distillation of the models' ensemble (mixup views) run on the
+    device and write a CPU checkpoint whose selection loss is no worse than the refined merge's."""
+    import json
+
+    from fedbasin.checkpoint import load_checkpoint, save_checkpoint
+    from fedbasin.cli import main
+    from tests.helpers import DIGITS_VIT, trained_digits_vit
+
+    for seed in (0, 1):
+        save_checkpoint(tmp_path / f"m{seed}", "vit", DIGITS_VIT, trained_digits_vit(seed))
+    assert main(["merge", str(tmp_path / "m0"), str(tmp_path / "m1"), "--out", str(tmp_path / "merged"),
+                 "--refine-data", "digits", "--refine-steps", "4", "--refine-examples", "300", "--distill-steps", "6",
+                 "--device", device_param]) == 0
+    distilled = json.loads(capsys.readouterr().out)["refinement"]["distillation"]
+    assert distilled["steps"] == 6 and distilled["selection_loss_best"] <= distilled["selection_loss_start"]
+    assert all(v.device.type == "cpu" for v in load_checkpoint(tmp_path / "merged").state.values())
+
+
 def test_training_and_evaluation_on_device(device_param):
     """``train`` and ``evaluate`` run on ``device``; the trained model's test metrics there equal
     the CPU's for the same weights."""

@@ -146,7 +146,7 @@ def test_cli_merge_with_refinement(tmp_path, capsys):
 
     save_trained_digits_vits(tmp_path, (1, 2))  # really trained: refinement has a barrier to lower
     assert main(["merge", str(tmp_path / "m1"), str(tmp_path / "m2"), "--out", str(tmp_path / "out"),
-                 "--refine-data", "digits", "--refine-steps", "6", "--refine-examples", "80"]) == 0
+                 "--refine-data", "digits", "--refine-steps", "6", "--refine-examples", "80", "--distill-steps", "0"]) == 0
     info = json.loads(capsys.readouterr().out)["refinement"]
     assert info["selection_loss_best"] < info["selection_loss_start"]
     assert (tmp_path / "out" / "model.safetensors").exists()
@@ -232,7 +232,7 @@ def test_cli_merge_universe_with_refinement(tmp_path, capsys):
     save_trained_digits_vits(tmp_path, (1, 2, 3))
     assert main(["merge", *(str(tmp_path / f"m{s}") for s in (1, 2, 3)), "--out", str(tmp_path / "out"),
                  "--universe-iterations", "3", "--refine-data", "digits", "--refine-steps", "8",
-                 "--refine-examples", "300"]) == 0
+                 "--refine-examples", "300", "--distill-steps", "0"]) == 0
     info = json.loads(capsys.readouterr().out)["refinement"]
     assert info["selection_loss_best"] < info["selection_loss_start"] and "evaluation_loss" in info
 

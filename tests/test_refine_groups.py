@@ -169,7 +169,7 @@ def test_cli_merge_with_the_invertible_group(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
     assert main(["merge", *models, "--out", str(tmp_path / "out"), "--refine-data", "digits", "--refine-steps", "6",
                  "--refine-examples", "80", "--refine-group", "invertible", "--refine-schedule", "cosine",
-                 "--refine-lambda", "0", "1"]) == 0
+                 "--refine-lambda", "0", "1", "--distill-steps", "0"]) == 0
     info = json.loads(capsys.readouterr().out)["refinement"]
     assert info["selection_loss_best"] < info["selection_loss_start"]
     assert (tmp_path / "out" / "model.safetensors").exists()

@@ -114,7 +114,7 @@ def test_cli_refine_workers(tmp_path, capsys):
         save_checkpoint(tmp_path / f"m{seed}", "vit", DIGITS_VIT, trained_digits_vit(seed))
     m0, m1, out = (str(tmp_path / n) for n in ("m0", "m1", "out"))
     assert main(["merge", m0, m1, "--out", out, "--refine-data", "digits", "--refine-steps", "4",
-                 "--refine-examples", "120", "--refine-workers", "3"]) == 0
+                 "--refine-examples", "120", "--refine-workers", "3", "--distill-steps", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["refinement"]["batch_workers"] == 3
     assert "-1" in cli_error(capsys, ["merge", m0, m1, "--out", out + "2", "--refine-data", "digits",
                                       "--refine-workers", "-1"])

@@ -144,11 +144,12 @@ def test_cli_soft_labels(tmp_path, capsys, monkeypatch):
         save_checkpoint(tmp_path / f"m{seed}", "vit", DIGITS_VIT, trained_digits_vit(seed))
     m0, m1, out = (str(tmp_path / n) for n in ("m0", "m1", "out"))
     assert main(["merge", m0, m1, "--out", out, "--refine-data", "digits", "--refine-steps", "6",
-                 "--refine-examples", "120", "--refine-soft-labels", "0.5"]) == 0
+                 "--refine-examples", "120", "--refine-soft-labels", "0.5", "--distill-steps", "0"]) == 0
     info = json.loads(capsys.readouterr().out)["refinement"]
     assert info["soft_labels"] == 0.5 and info["selection_loss_best"] <= info["selection_loss_start"]
     assert main(["merge", m0, m1, "--out", out + "k", "--refine-data", "digits", "--refine-steps", "6",
-                 "--refine-examples", "120", "--refine-soft-labels", "0.5", "--refine-soft-label-top-k", "3"]) == 0
+                 "--refine-examples", "120", "--refine-soft-labels", "0.5", "--refine-soft-label-top-k", "3",
+                 "--distill-steps", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["refinement"]["soft_label_top_k"] == 3
     assert seen == [(0.5, 0), (0.5, 3)]
     assert "must be at most 1.0, got 2" in cli_error(capsys, ["merge", m0, m1, "--out", out + "2",

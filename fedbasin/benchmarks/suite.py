@@ -21,10 +21,13 @@ fedbasin.cli`` in a child process), so the table reflects the current defaults:
   (rows ``learned@sS``, ``learned:NAME@sS``), so a default is chosen on the spread over refinement seeds
   as well as over pairs (the variant table gives each one's mean ± spread over pairs and seeds);
 * image pairs: the accuracy of the midpoint ``(A + X)/2`` (X = B, C) by ``fedbasin eval``;
+* ``--merge``: what a user writes with data, ``fedbasin merge A B --out M --refine-data SPEC`` (no other
+  option: the learned refinement, then the models' ensemble distilled into the merge), evaluated by
+  ``fedbasin eval`` (again per ``--refine-seeds`` S); a table of its accuracy and loss against the better model;
 * GPT-2 pairs with ``--glmc-path``: GLMC's weight matching (permutation, orthogonal) through
   ``glmc_compare --glmc-only`` (on its own slice: the first N blocks of ``gpt2_pair``'s test split);
 * the universe member (3 models): ``fedbasin merge M0 M1 M2 --out C`` (and ``--no-align``, and
-  ``--refine-data SPEC``), evaluated by ``fedbasin eval``; its "barrier" columns hold the merge gap
+  ``--refine-data SPEC``: refined and distilled), evaluated by ``fedbasin eval``; its "barrier" columns hold the merge gap
   ``L(merge) − mean_i L(M_i)``.
 
 The align/merge commands are timed (wall clock of the child process, Python start-up included)
@@ -423,7 +426,13 @@ def pair_row(member: Member, paths: list[Path], args, work: Path) -> dict:
 
     runs = learned_runs(args)
     endpoints.update((column, work / f"aligned-{file_name(column)}") for column, _ in runs)
-    for (column, options), run in zip(runs, side_by_side([lambda c=c, o=o: align(c, o) for c, o in runs])):
+    calls = [lambda c=c, o=o: align(c, o) for c, o in runs]
+    if args.merge:  # beside the learned alignments
+        calls.append(lambda: merge_runs(member, paths, args, work, data, slice_))
+    results = side_by_side(calls)
+    if args.merge:
+        row["merges"] = results.pop()
+    for (column, options), run in zip(runs, results):
         row["commands"][column] = command_record(run)
         row.setdefault("refinements", {})[column] = run.summary.get("refinement")
     if "learned" in row["commands"]:
@@ -451,6 +460,56 @@ def pair_row(member: Member, paths: list[Path], args, work: Path) -> dict:
         say(f"{member.name}: GLMC's weight matching (glmc_compare --glmc-only)")
         row["glmc"] = glmc_rows(a, b, args, eval_examples(member, args), work)
     return row
+
+
+def merge_runs(member: Member, paths: list[Path], args, work: Path, data: str, slice_: list[str]) -> dict:
+    """``fedbasin merge A B --out M --refine-data SPEC`` (and per ``--refine-seeds`` S with ``--refine-seed S``)
+    evaluated on the slice: column (``merge``, ``merge@sS``) → accuracy, loss, wall time, peak RSS, and what
+    the refinement and the distillation did (steps, keep-best)."""
+
+    def one(seed: int) -> tuple[str, dict]:
+        column = "merge" + (f"@s{seed}" if seed else "")
+        options = ["--refine-seed", str(seed)] if seed else []
+        say(f"{member.name}: {column} (fedbasin merge A B --out M --refine-data {data} {' '.join(options)})")
+        out = work / column
+        run = run_cli(["merge", *paths, "--out", out, "--refine-data", data, *options], work / "logs" / f"{column}.log")
+        ev = run_cli(["eval", out, *slice_], work / "logs" / f"eval-{column}.log").summary
+        refinement = dict(run.summary.get("refinement") or {})
+        return column, {"accuracy": ev["accuracy"], "loss": ev["loss"], **command_record(run),
+                        "distillation": refinement.pop("distillation", None), "refinement": refinement}
+
+    return dict(side_by_side([lambda s=s: one(s) for s in [0, *args.refine_seeds]]))
+
+
+def merge_table(rows: list[dict]) -> str:
+    """With ``--merge``: per pair and seed the written merge's accuracy and loss against the better model
+    (the higher accuracy, the lower loss) and the learned midpoint's; per group how many merges reach the
+    better model."""
+    lines = ["| member | merge | accuracy: better model / learned midpoint / merge | loss: better model / merge | "
+             "distillation steps (best) | merge s |", "|" + "---|" * 6]
+    groups: dict[str, list[tuple[float | None, float]]] = {}
+    for r in rows:
+        for column, m in r.get("merges", {}).items():
+            image = r["group"] == "image"
+            better_acc, better_loss = max(r["accuracy"]), min(r["loss"])
+            d = m.get("distillation") or {}
+            lines.append(f"| {r['member']} | {column} | "
+                         f"{_pair([better_acc, r.get('midpoint_accuracy', {}).get('learned'), m['accuracy']]) if image else '—'} | "
+                         f"{_pair([better_loss, m['loss']], 4)} | {d.get('steps', '—')} ({d.get('best_step', '—')}) | "
+                         f"{_pair([m.get('seconds')], 1)} |")
+            groups.setdefault(GROUPS[r["group"]], []).append(
+                (m["accuracy"] - better_acc if image else None, better_loss - m["loss"]))
+    if not groups:
+        return ""
+    lines += ["", "| group | merges | accuracy − better model: mean (min) | better model's loss − merge's: mean (min) | "
+              "merges ≥ better model |", "|" + "---|" * 5]
+    for group, gains in groups.items():
+        acc = [a for a, _ in gains if a is not None]
+        loss = [g for _, g in gains]
+        ahead = sum((a if a is not None else g) >= 0 for a, g in gains)
+        lines.append(f"| {group} | {len(gains)} | " + (f"{statistics.fmean(acc):+.4f} ({min(acc):+.4f})" if acc else "—")
+                     + f" | {statistics.fmean(loss):+.4f} ({min(loss):+.4f}) | {ahead} of {len(gains)} |")
+    return "\n".join(lines)
 
 
 def universe_row(member: Member, paths: list[Path], args, work: Path) -> dict:
@@ -503,7 +562,8 @@ def row_key(member: Member, args, version: str) -> dict:
             "glmc": bool(args.glmc_path) and member.recipe == "gpt2",
             **({"variants": args.variants} if args.variants and member.group != "universe" else {}),
             **({"refine_seeds": args.refine_seeds} if args.refine_seeds and member.group != "universe" else {}),
-            **({"jobs": args.jobs} if args.jobs > 1 else {})}
+            **({"jobs": args.jobs} if args.jobs > 1 else {}),
+            **({"merge": True} if args.merge and member.group != "universe" else {})}
 
 
 def reusable(row: dict | None, key: dict, skip_learned: bool) -> bool:
@@ -635,8 +695,9 @@ def table(rows: list[dict]) -> str:
     for group, s in summarize(rows).items():
         cells = [_ms_cell(s.get(key), digits) for key, digits in GROUP_CELLS]
         lines.append("| " + " | ".join([GROUPS[group], str(len(s["members"])), *cells]) + " |")
-    if variants := variant_table(rows):
-        lines += ["", variants]
+    for extra in (variant_table(rows), merge_table(rows)):
+        if extra:
+            lines += ["", extra]
     return "\n".join(lines)
 
 
@@ -702,6 +763,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1, help="child commands side by side (default 1; each gets "
                    "OMP_NUM_THREADS = cores / jobs unless set)")
     p.add_argument("--skip-learned", action="store_true", help="leave out the learned alignment")
+    p.add_argument("--merge", action="store_true", help="pairs: also the merge a user writes with data (fedbasin "
+                   "merge A B --out M --refine-data SPEC: refined, then distilled) and its accuracy / loss")
     p.add_argument("--rerun", action="store_true", help="measure again even where a row of this code is stored")
     return p
 

@@ -334,6 +334,21 @@ def random_mixup(base: Callable[[torch.Tensor, torch.Generator], torch.Tensor] |
     return augment
 
 
+def named_augment(choice: str, shape: tuple[int, ...]):
+    """The ``distill-augment`` named ``choice`` as an ``augment`` for :func:`ensemble_distill`, for examples of
+    ``shape``: None (``none``), random crops (zero padding of H // 8 pixels) with (``crop-flip``) or without
+    left-right flips, followed (``…mixup``) or not by :func:`random_mixup` (its labels mixed too). A view
+    needs images (C, H, W) at least 8 pixels wide: ``ValueError`` otherwise."""
+    if choice == "none":
+        return None
+    if len(shape) != 3 or shape[-1] < 8:
+        raise ValueError(f"distill-augment {choice!r} needs image data (C, H, W) at least 8 pixels wide; the "
+                         f"examples have shape {tuple(shape)}")
+    crop = choice.removesuffix("mixup").rstrip("-")
+    views = random_crop_flip(pad=shape[-2] // 8, flip=crop == "crop-flip") if crop else None
+    return random_mixup(views) if choice.endswith("mixup") else views
+
+
 ADAM_SLICE = 1 << 22  # elements per Adam update (a multiple of every SIMD width): 16 MiB of float32
 
 

@@ -55,9 +55,8 @@ from fedbasin.server.distill import (
     ensemble_distill,
     mean_loss,
     memo_teacher_steps,
+    named_augment,
     probe_step,
-    random_crop_flip,
-    random_mixup,
     teacher_outputs_fit,
     transfer_batches,
 )
@@ -240,21 +239,17 @@ def distill_options(task, config: dict, model=None):
 
 
 def distill_augment(task, config: dict, model=None):
-    """The run config's ``distill-augment`` as an ``augment`` for :func:`ensemble_distill`: None, or
-    random crops (zero padding of H // 8 pixels) with (``crop-flip``) or without left-right flips,
-    followed (``…mixup``) or not by mixup (:func:`~fedbasin.server.distill.random_mixup`, its labels
-    mixed too); ``auto``: mixup for image classifiers, none for language models. A named view is
-    refused for data that are not images. ``model``: as for :func:`distill_options`."""
+    """The run config's ``distill-augment`` as an ``augment`` for :func:`ensemble_distill`
+    (:func:`~fedbasin.server.distill.named_augment`); ``auto``: mixup for image classifiers, none for
+    language models. A named view is refused for data that are not images. ``model``: as for
+    :func:`distill_options`."""
     choice = distill_options(task, config, model).augment
-    if choice == "none":
-        return None
-    shape = tuple(task.train.inputs.shape[1:])
-    if len(shape) != 3 or shape[-1] < 8:
-        raise ValueError(f"run-config distill-augment={config['distill-augment']!r} needs image data "
-                         f"(C, H, W) at least 8 pixels wide; {task.name} examples have shape {shape}")
-    crop = choice.removesuffix("mixup").rstrip("-")
-    views = random_crop_flip(pad=shape[-2] // 8, flip=crop == "crop-flip") if crop else None
-    return random_mixup(views) if choice.endswith("mixup") else views
+    try:
+        return named_augment(choice, tuple(task.train.inputs.shape[1:]))
+    except ValueError:
+        raise ValueError(f"run-config distill-augment={config['distill-augment']!r} needs image data (C, H, W) at "
+                         f"least 8 pixels wide; {task.name} examples have shape "
+                         f"{tuple(task.train.inputs.shape[1:])}") from None
 
 
 def robust_options(config: dict) -> dict:

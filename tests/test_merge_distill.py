@@ -1,0 +1,105 @@
+"""``fedbasin merge --refine-data SPEC`` distils the models' ensemble into the refined merge by default (the
+schema's DistillOptions, ``auto`` by model kind, sized by ``--distill-budget``), writes the distilled state,
+and refuses distillation options that would do nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedbasin.checkpoint import load_checkpoint, save_checkpoint
+from fedbasin.cli import main
+from fedbasin.server import distill as distill_module
+from fedbasin.server.distill import named_augment
+from tests.helpers import DIGITS_VIT, cli_error, trained_digits_vit
+
+REFINE = ["--refine-data", "digits", "--refine-steps", "3", "--refine-examples", "200"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("pair")
+    for seed in (0, 1):
+        save_checkpoint(root / f"m{seed}", "vit", DIGITS_VIT, trained_digits_vit(seed))
+    return [str(root / "m0"), str(root / "m1")]
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[dict]:
+    """Every ``ensemble_distill`` call of the CLI, recorded (teachers counted) and run for 4 steps instead of
+    its budget, with its result."""
+    original, record = distill_module.ensemble_distill, []
+
+    def spy(model, student, teachers, *args, **kwargs):
+        call = {**kwargs, "teachers": len(teachers)}
+        kwargs.update(steps=4, budget=None)
+        call["result"] = original(model, student, teachers, *args, **kwargs)
+        record.append(call)
+        return call["result"]
+
+    monkeypatch.setattr(distill_module, "ensemble_distill", spy)
+    return record
+
+
+def _merge(capsys, models, out, *options) -> dict:
+    assert main(["merge", *models, "--out", str(out), *REFINE, *options]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _weights(path) -> dict:
+    return load_checkpoint(path).state
+
+
+def test_merge_with_data_distils_by_default_with_the_image_settings(models, calls, capsys, tmp_path):
+    """No distillation option: the budget (120 s) sizes the run, with the image classifiers' auto settings; the
+    written merge is the distilled student, not the refined merge it started from."""
+    summary = _merge(capsys, models, tmp_path / "distilled")
+    (call,) = calls
+    assert (call["steps"], call["budget"]) == (None, 120.0)
+    assert (call["lr"], call["temperature"], call["label_weight"], call["teacher"]) == (0.002, 3.0, 0.5, "logits")
+    assert getattr(call["augment"], "mixes_labels", False) and call["teachers"] == 2
+    record = summary["refinement"]["distillation"]
+    assert (record["augment"], record["teachers"], record["budget_seconds"]) == ("mixup", 2, 120.0)
+    written = _weights(tmp_path / "distilled")
+    kept = call["result"].state
+    assert call["result"].improved  # (4 steps on this pair lower the selection loss)
+    assert all(torch.equal(written[k], kept[k].to(written[k].dtype)) for k in written)
+
+    plain = _merge(capsys, models, tmp_path / "plain", "--distill-steps", "0")
+    assert "distillation" not in plain["refinement"] and len(calls) == 1
+    undistilled = _weights(tmp_path / "plain")
+    assert max((written[k] - undistilled[k]).abs().max().item() for k in written) > 0
+
+
+def test_given_steps_and_weights(models, calls, capsys, tmp_path):
+    """``--distill-steps N`` is a fixed run (no budget); a model of weight 0 is no teacher."""
+    summary = _merge(capsys, models, tmp_path / "o", "--distill-steps", "7", "--distill-lr", "0.01",
+                     "--weights", "1,0")
+    (call,) = calls
+    assert (call["steps"], call["budget"], call["lr"], call["teachers"]) == (7, None, 0.01, 1)
+    assert summary["refinement"]["distillation"]["budget_seconds"] is None
+
+
+@pytest.mark.parametrize("options, words", [
+    (["--distill-steps", "3"], "--distill-steps has no effect without --refine-data"),
+    (["--refine-data", "unigram", "--distill-lr", "0.1"], "--distill-lr has no effect with --refine-data unigram"),
+    (["--distill-augment", "sideways"], "--distill-augment"),
+])
+def test_ineffective_or_bad_options_are_refused_in_one_line(models, capsys, tmp_path, options, words):
+    line = cli_error(capsys, ["merge", *models, "--out", tmp_path / "o", *options])
+    assert words in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_align_has_no_distillation_options(models, capsys, tmp_path):
+    assert "--distill-steps" in cli_error(capsys, ["align", *models, "--out", tmp_path / "o", "--refine-data",
+                                                   "digits", "--distill-steps", "3"])
+
+
+def test_named_views_need_images():
+    assert named_augment("none", (128,)) is None
+    assert getattr(named_augment("crop-flip-mixup", (3, 32, 32)), "mixes_labels", False)
+    with pytest.raises(ValueError, match=r"distill-augment 'crop' needs image data .* shape \(128,\)"):
+        named_augment("crop", (128,))
