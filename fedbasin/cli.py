@@ -319,8 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("merge", formatter_class=HelpFormatter,
                        help="align every MODEL to REFERENCE and write the weighted average",
                        description="Align every MODEL to REFERENCE (weight matching, optionally universe "
-                       "matching or learned refinement on proxy data) and write the weighted average in "
-                       "REFERENCE's basis and format.")
+                       "matching) and write the weighted average in REFERENCE's basis and format. With "
+                       "--refine-data, the alignment is refined on that proxy data and the models' ensemble is "
+                       "then distilled into the average (each within its budget, 2 minutes by default).")
     p.add_argument("reference", metavar="REFERENCE", help=CHECKPOINT_HELP + "; the merge lives in its basis")
     p.add_argument("models", nargs="+", metavar="MODEL", help="checkpoints of the same architecture")
     p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint directory")
@@ -422,15 +423,31 @@ def check_file_output(out: str, option: str) -> None:
     _check_writable(path, option)
 
 
+# the files of a Hugging Face tokenizer saved beside a checkpoint (fast, slow BPE, SentencePiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model")
+
+
 def _save(out: str, reference, standard_state: dict) -> None:
+    """Write ``standard_state`` in the reference's format and family, with the tokenizer files saved beside the
+    reference (a merged or aligned language model reads the same tokens), in one atomic write."""
+    import shutil
+
+    from fedbasin.atomic import missing_ancestors
     from fedbasin.checkpoint import save_checkpoint
 
     state = {k: v.cpu() for k, v in reference.adapter.from_standard(standard_state).items()}
-    from fedbasin.atomic import missing_ancestors
+    tokenizer = [Path(reference.path) / name for name in TOKENIZER_FILES] if reference.path is not None else []
+
+    def copy_tokenizer(directory: Path) -> None:
+        for source in tokenizer:
+            if source.is_file():
+                shutil.copyfile(source, directory / source.name)
 
     created = missing_ancestors(Path(out))
     try:
-        save_checkpoint(out, reference.family, reference.config, state, kind=reference.kind)
+        save_checkpoint(out, reference.family, reference.config, state, kind=reference.kind,
+                        extra_files=copy_tokenizer)
     except OSError as exc:  # disk full, quota, permissions changed meanwhile: nothing is left
         for directory in created:
             try:
@@ -611,7 +628,7 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
     ``--distill-steps 0`` or a budget of 0)."""
     from fedbasin.alignment import proxy_streams
     from fedbasin.config import eval_batch_size
-    from fedbasin.options import AUTO, DistillOptions, from_args, resolve_distill
+    from fedbasin.options import AUTO, DistillOptions, distill_call, from_args, resolve_distill
     from fedbasin.server.distill import ensemble_distill, named_augment
     from fedbasin.training import cross_entropy
 
@@ -636,13 +653,11 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
         result = ensemble_distill(
             proxy.module, ref.adapter.from_standard(merged), [ref.adapter.from_standard(t) for t in teachers],
             cross_entropy, data.batches, data.selection, data.evaluation, steps=None if auto else options.steps,
-            budget=options.budget if auto else None, lr=options.lr, temperature=options.temperature,
-            label_weight=options.label_weight, augment=augment, seed=refine.seed, teacher=options.teacher,
-            progress=True)
+            budget=options.budget if auto else None, augment=augment, seed=refine.seed, progress=True,
+            **distill_call(options))
         return ref.adapter.to_standard(result.state), {
             **result.summary(), "teachers": len(teachers), "budget_seconds": options.budget if auto else None,
-            "lr": options.lr, "temperature": options.temperature, "label_weight": options.label_weight,
-            "augment": options.augment, "teacher": options.teacher}
+            "augment": options.augment, **distill_call(options)}
 
     return distill
 
@@ -785,9 +800,6 @@ class _Logits(nn.Module):
         return out if isinstance(out, torch.Tensor) else out.logits
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-
-
 def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command: str, option: str,
               proxy_size: int = 0, shown: str | None = None, proxy_at_most: bool = False):
     """Load ``source`` for ``checkpoint``, refusing data the model cannot read (one-line errors that
@@ -801,7 +813,7 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
     if tokenizer and not text:
         raise UsageError(f"--tokenizer applies to text data only, not {option} {source}")
     if text and tokenizer is None and checkpoint.path is not None:
-        if any((Path(checkpoint.path) / name).is_file() for name in TOKENIZER_FILES):
+        if any((Path(checkpoint.path) / name).is_file() for name in TOKENIZER_FILES[:3]):
             tokenizer = str(checkpoint.path)
     options = {"proxy_size": proxy_size, "proxy_at_most": proxy_at_most}
     if text:

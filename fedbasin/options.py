@@ -585,6 +585,16 @@ def robust_call(robust: RobustOptions) -> dict:
     return {f.name: getattr(robust, f.name) for f in fields(RobustOptions) if f.name != "proxy_screening"}
 
 
+def distill_call(distill: DistillOptions) -> dict:
+    """``ensemble_distill`` keyword arguments of resolved distillation options (:func:`resolve_distill`): the
+    student's learning rate, the temperature, the labels' weight and how the ensemble combines its teachers
+    (the steps, the budget and the ``augment`` views, which need the data's shape, are the caller's)."""
+    if AUTO in (distill.lr, distill.temperature, distill.label_weight):
+        raise ValueError("distillation options 'auto': resolve them for the model first (fedbasin.options.resolve_distill)")
+    return dict(lr=distill.lr, temperature=distill.temperature, label_weight=distill.label_weight,
+                teacher=distill.teacher)
+
+
 def match_call(match: MatchOptions) -> dict:
     """``weight_match`` / ``merge`` keyword arguments of ``match`` (``universe_iterations`` is the merge's own)."""
     if match.head_weight == AUTO:

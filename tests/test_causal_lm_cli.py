@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ pytest.importorskip("transformers")
 from fedbasin.alignment.families import family  # noqa: E402
 from fedbasin.alignment.hf import hf_config_class, hf_model_class  # noqa: E402
 from fedbasin.checkpoint import build_torch_model, load_checkpoint, save_checkpoint  # noqa: E402
-from fedbasin.cli import main  # noqa: E402
+from fedbasin.cli import TOKENIZER_FILES, main  # noqa: E402
 from tests.helpers import cli_error  # noqa: E402
 from tests.test_tokenizer_data import NEEDS_SHARED_TEXT, TOKENIZER, shakespeare_excerpt  # noqa: E402
 
@@ -121,6 +122,10 @@ def test_merge_refines_and_distils_on_text(pair, text_file, capsys, tmp_path):
     assert (distilled["temperature"], distilled["label_weight"]) == (1.0, 0.0)
     assert math.isfinite(distilled["selection_loss_best"])
     assert distilled["selection_loss_best"] <= distilled["selection_loss_start"]
+    # the merge carries the reference's tokenizer: it is evaluated on the same tokens without --tokenizer
+    tokenizer_files = {f.name for f in Path(m0).iterdir() if f.name in TOKENIZER_FILES}
+    assert tokenizer_files and tokenizer_files <= {f.name for f in out.iterdir()}
+    assert math.isfinite(_run(capsys, ["eval", out, "--data", f"text:{text_file}"])["loss"])
 
 
 def test_images_are_refused_in_one_line_naming_the_family(pair, capsys):

@@ -166,10 +166,10 @@ def server_round(device: str, refine_steps: int, distill_steps: int, **options):
     from fedbasin.config import resolve_run_config
     from fedbasin.data import load_task
     from fedbasin.models import build_model
-    from fedbasin.weights import release_weights
     from fedbasin.server.server_app import make_distiller, make_refiner
     from fedbasin.strategies import AlignedFedAvg
     from fedbasin.training import resolve_device
+    from fedbasin.weights import release_weights
     from tests.helpers import DIGITS_VIT, trained_digits_vit
     from tests.test_distill import one_shot_round
 

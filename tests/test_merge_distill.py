@@ -103,3 +103,16 @@ def test_named_views_need_images():
     assert getattr(named_augment("crop-flip-mixup", (3, 32, 32)), "mixes_labels", False)
     with pytest.raises(ValueError, match=r"distill-augment 'crop' needs image data .* shape \(128,\)"):
         named_augment("crop", (128,))
+
+
+def test_one_translation_of_the_distillation_options():
+    """``distill_call`` is what the CLI and the ServerApp pass to ``ensemble_distill``; ``auto`` must be resolved
+    for the model's kind first."""
+    from fedbasin.options import IMAGE, SUBWORD_LM, DistillOptions, distill_call, resolve_distill
+
+    with pytest.raises(ValueError, match="resolve them for the model first"):
+        distill_call(DistillOptions())
+    assert distill_call(resolve_distill(DistillOptions(), IMAGE)) == dict(lr=0.002, temperature=3.0, label_weight=0.5,
+                                                                          teacher="logits")
+    assert distill_call(resolve_distill(DistillOptions(teacher="probabilities"), SUBWORD_LM)) == dict(
+        lr=0.001, temperature=1.0, label_weight=0.0, teacher="probabilities")

@@ -323,3 +323,24 @@ def test_the_variant_table_gives_each_setting_over_pairs_and_seeds():
     assert "| gpt2-s01 | default | (none) | 0.0155 | 1627 | 10.0 |" in lines
     assert "| default (GPT-style text) | 2 | 0.0165 ± 0.0014 (0.0175) | — | — |" in lines
     assert not any(line.startswith("| digits-u012 | default") for line in lines)
+
+
+def test_the_merge_table_compares_the_written_merge_with_the_better_model():
+    """``--merge`` rows: per pair and seed the merge's accuracy and loss beside the better model's (accuracy for
+    image pairs, loss for text pairs), and per group how many merges reach it."""
+    image = _row("digits-s01", "image", 1.0, 0.5, 0.01)  # better model: accuracy 0.6, loss 1.0
+    image["midpoint_accuracy"]["learned"] = 0.58
+    image["merges"] = {"merge": {"accuracy": 0.63, "loss": 0.9, "seconds": 240.0, "distillation": {"steps": 900,
+                                                                                                  "best_step": 850}},
+                       "merge@s1": {"accuracy": 0.59, "loss": 0.95, "seconds": 241.0, "distillation": None}}
+    text = _row("llama-s01", "text", 1.0, 0.1, 0.04)
+    text["merges"] = {"merge": {"accuracy": 0.2, "loss": 1.05, "seconds": 250.0, "distillation": {"steps": 70,
+                                                                                                  "best_step": 70}}}
+    lines = suite.merge_table([image, text]).splitlines()
+    assert "| digits-s01 | merge | 0.600 / 0.580 / 0.630 | 1.0000 / 0.9000 | 900 (850) | 240.0 |" in lines
+    assert "| digits-s01 | merge@s1 | 0.600 / 0.580 / 0.590 | 1.0000 / 0.9500 | — (—) | 241.0 |" in lines
+    assert "| llama-s01 | merge | — | 1.0000 / 1.0500 | 70 (70) | 250.0 |" in lines
+    assert "| image | 2 | +0.0100 (-0.0100) | +0.0750 (+0.0500) | 1 of 2 |" in lines
+    assert "| GPT-style text | 1 | — | -0.0500 (-0.0500) | 0 of 1 |" in lines
+    assert suite.merge_table([_row("digits-s23", "image", 1.0, 0.5)]) == ""
+    assert "| digits-s01 | merge |" in suite.table([image])

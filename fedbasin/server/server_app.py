@@ -41,6 +41,7 @@ from fedbasin.config import (
 )
 from fedbasin.options import (
     AUTO,
+    distill_call,
     from_run_config,
     model_kind,
     resolve_distill,
@@ -190,9 +191,7 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
         with holding_weights(model, adapter.from_standard(merged), device) as student:
             result = ensemble_distill(model, student, teachers, task.loss_fn,
                                       data.batches, data.selection, data.evaluation,
-                                      steps=steps, lr=options.lr, temperature=options.temperature,
-                                      label_weight=options.label_weight, augment=augment,
-                                      teacher=config["distill-teacher"],
+                                      steps=steps, augment=augment, **distill_call(options),
                                       seed=config["seed"], in_place=in_place, budget=seconds)
         result.state = adapter.to_standard(result.state)
         return result
@@ -210,9 +209,10 @@ def make_distiller(model, task, config: dict, adapter=None, in_place: bool = Fal
             if auto:  # the first transfer batch, drawn from a stream of its own (data's is the cache's)
                 first = next(transfer_batches(server_proxy_streams(task, model, config).batches, 1, augment,
                                               config["seed"]))
+                call = distill_call(options)
                 cost = probe_step(model, teachers, first, data.selection, data.evaluation, task.loss_fn,
-                                  temperature=options.temperature, label_weight=options.label_weight,
-                                  teacher=config["distill-teacher"])
+                                  temperature=call["temperature"], label_weight=call["label_weight"],
+                                  teacher=call["teacher"])
                 left = budget - (time.perf_counter() - started)
                 steps = sized["steps"] = cost.steps(left, EVAL_EVERY)
                 memo = cost.steps(left, EVAL_EVERY, memo_teacher_steps(data.batches, augment, cost.row_bytes))
