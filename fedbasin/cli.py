@@ -631,6 +631,7 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
     from fedbasin.options import AUTO, DistillOptions, distill_call, from_args, resolve_distill
     from fedbasin.server.distill import ensemble_distill, named_augment
     from fedbasin.training import cross_entropy
+    from fedbasin.weights import holding_weights
 
     try:
         options = resolve_distill(from_args(DistillOptions, args), kind)
@@ -650,11 +651,14 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
                              selection_fraction=refine.selection_fraction,
                              evaluation_fraction=refine.evaluation_fraction,
                              eval_batch_size=eval_batch_size(proxy.split, proxy.module, most=32))
-        result = ensemble_distill(
-            proxy.module, ref.adapter.from_standard(merged), [ref.adapter.from_standard(t) for t in teachers],
-            cross_entropy, data.batches, data.selection, data.evaluation, steps=None if auto else options.steps,
-            budget=options.budget if auto else None, augment=augment, seed=refine.seed, progress=True,
-            **distill_call(options))
+        start = ref.adapter.from_standard(merged)
+        device = next(iter(start.values())).device  # --device: where the states are
+        with holding_weights(proxy.module, start, device) as student:  # the module runs there too
+            result = ensemble_distill(
+                proxy.module, student, [ref.adapter.from_standard(t) for t in teachers], cross_entropy,
+                data.batches, data.selection, data.evaluation, steps=None if auto else options.steps,
+                budget=options.budget if auto else None, augment=augment, seed=refine.seed, progress=True,
+                **distill_call(options))
         return ref.adapter.to_standard(result.state), {
             **result.summary(), "teachers": len(teachers), "budget_seconds": options.budget if auto else None,
             "augment": options.augment, **distill_call(options)}
