@@ -927,7 +927,7 @@ def cmd_barrier(args) -> int:
 
 
 _INPUT_OPTIONS = {"reference": "REFERENCE", "candidate": "CANDIDATE", "models": "MODEL", "a": "A", "b": "B",
-                  "checkpoint": "CHECKPOINT", "data": "--data", "refine_data": "--refine-data",
+                  "checkpoints": "CHECKPOINT", "data": "--data", "refine_data": "--refine-data",
                   "seen_tokens": "--seen-tokens", "tokenizer": "--tokenizer"}
 
 
@@ -940,7 +940,7 @@ def _input_paths(args) -> list[tuple[str, Path]]:
         for value in values if isinstance(values, list) else [values]:
             if not value:
                 continue
-            candidates = [value] if dest in ("reference", "candidate", "models", "a", "b", "checkpoint",
+            candidates = [value] if dest in ("reference", "candidate", "models", "a", "b", "checkpoints",
                                             "tokenizer") else [value, value.partition(":")[2]]
             for text in candidates:
                 if text and Path(text).exists():
@@ -1046,11 +1046,15 @@ def _add_train_parser(sub) -> None:
 
 def _add_eval_parser(sub) -> None:
     p = sub.add_parser(
-        "eval", formatter_class=HelpFormatter, help="test loss and accuracy of a checkpoint, as JSON",
+        "eval", formatter_class=HelpFormatter, help="test loss and accuracy of a checkpoint (or an ensemble), as JSON",
         description="Mean cross-entropy and argmax accuracy of CHECKPOINT on a split of the data (for text: "
-        "per next token, with the checkpoint's context length). Prints JSON.",
+        "per next token, with the checkpoint's context length). Given several checkpoints of one architecture, "
+        "of their ensemble: the mean of their logits (--ensemble logits) or of their probabilities. Prints JSON.",
     )
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
+    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT", help=CHECKPOINT_HELP + "; more than one: their "
+                   "ensemble (the first one's tokenizer and context length read the data)")
+    p.add_argument("--ensemble", choices=("logits", "probabilities"), default="logits",
+                   help="several checkpoints: average their logits, or their probabilities (log of the mean)")
     p.add_argument("--data", required=True, metavar="SPEC", help=DATA_HELP + "; --tokenizer for subword tokens")
     p.add_argument("--split", default="test", choices=["train", "test"], help="which split to score")
     p.add_argument("--max-examples", type=_nonnegative_int, default=0, metavar="N", help="score the first N examples only; 0: all")
@@ -1169,23 +1173,29 @@ def cmd_eval(args) -> int:
     import time
 
     from fedbasin.checkpoint import build_torch_model
+    from fedbasin.server.distill import LogitEnsemble
 
     device = _device(args)
-    ckpt = _load(args.checkpoint, "checkpoint")
+    checkpoints = [_load(path, "checkpoint") for path in args.checkpoints]
+    ckpt, first = checkpoints[0], args.checkpoints[0]
+    for path, other in zip(args.checkpoints[1:], checkpoints[1:]):
+        _same_architecture(ckpt, other, "checkpoint", path)
     fields = ckpt.data_values()
-    task = _task_for(ckpt, args.data, args.tokenizer, args.checkpoint, "eval", "--data")
+    task = _task_for(ckpt, args.data, args.tokenizer, first, "eval", "--data")
     for key, value in task.model_overrides.items():
         have = fields.get(key)
         if have is not None and (have < value if key == "vocab_size" else key != "block_size" and have != value):
-            raise InputError(f"{args.checkpoint} has {key}={have} but --data {args.data} needs "
+            raise InputError(f"{first} has {key}={have} but --data {args.data} needs "
                              f"{key}={value}")
     split = task.split(args.split)
     if args.max_examples and len(split) > args.max_examples:
         split = split.subset(torch.arange(args.max_examples))
     t0 = time.perf_counter()
-    metrics = task.evaluate(_Logits(build_torch_model(ckpt)), split, device=device,
-                            batch_size=args.batch_size)
-    return _emit({"command": "eval", "checkpoint": args.checkpoint, "kind": ckpt.kind, "family": ckpt.family,
+    models = [_Logits(build_torch_model(c)) for c in checkpoints]
+    model = models[0] if len(models) == 1 else LogitEnsemble(models, args.ensemble)
+    metrics = task.evaluate(model, split, device=device, batch_size=args.batch_size)
+    ensemble = {"checkpoints": args.checkpoints, "ensemble": args.ensemble} if len(models) > 1 else {}
+    return _emit({"command": "eval", "checkpoint": first, **ensemble, "kind": ckpt.kind, "family": ckpt.family,
                   "data": args.data, "split": args.split, "examples": len(split), **metrics,
                   "seconds": round(time.perf_counter() - t0, 3)})
 

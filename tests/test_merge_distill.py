@@ -116,3 +116,40 @@ def test_one_translation_of_the_distillation_options():
                                                                           teacher="logits")
     assert distill_call(resolve_distill(DistillOptions(teacher="probabilities"), SUBWORD_LM)) == dict(
         lr=0.001, temperature=1.0, label_weight=0.0, teacher="probabilities")
+
+
+def test_eval_scores_an_ensemble_of_checkpoints(models, capsys):
+    """``fedbasin eval A B``: the mean-logit (or mean-probability) ensemble's loss and accuracy, which the merge
+    is compared with; one checkpoint as before."""
+    from fedbasin.data import load_task
+    from fedbasin.models import build_model
+    from fedbasin.server.distill import LogitEnsemble
+
+    def run(*argv) -> dict:
+        assert main(["eval", *argv, "--data", "digits"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    single = run(models[0])
+    assert "checkpoints" not in single
+    members = []
+    for path in models:
+        model = build_model("vit", DIGITS_VIT)
+        model.load_state_dict(load_checkpoint(path).state)
+        members.append(model)
+    task = load_task("digits", seed=0)
+    for combine in ("logits", "probabilities"):
+        scored = run(*models, "--ensemble", combine)
+        expected = task.evaluate(LogitEnsemble(members, combine), task.split("test"))
+        assert scored["checkpoints"] == models and scored["ensemble"] == combine
+        assert scored["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+        assert scored["accuracy"] == pytest.approx(expected["accuracy"])
+    assert scored["loss"] != pytest.approx(single["loss"], rel=1e-3)
+
+
+def test_an_ensemble_of_different_architectures_is_refused(models, capsys, tmp_path):
+    other = dict(DIGITS_VIT, depth=DIGITS_VIT["depth"] + 1)
+    from fedbasin.models import build_model
+
+    save_checkpoint(tmp_path / "deeper", "vit", other, build_model("vit", other).state_dict())
+    line = cli_error(capsys, ["eval", models[0], tmp_path / "deeper", "--data", "digits"])
+    assert str(tmp_path / "deeper") in line
