@@ -244,7 +244,7 @@ def _refuse_ineffective_options(args) -> None:
         rules.append((DISTILL_OPTIONS, "has no effect without --refine-data (the proxy data it distils on)"))
         if args.command != "barrier" and not (args.seen_tokens or "").startswith("text:"):
             rules.append((("tokenizer",), "has no effect without --seen-tokens text:FILE or --refine-data"))
-    elif args.refine_data.partition(":")[0] == "unigram":
+    elif _unigram_proxy(args):
         rules.append((DISTILL_OPTIONS, "has no effect with --refine-data unigram: distillation needs real proxy data"))
     text_rows = (args.seen_tokens or "").startswith("text:") or (
         args.seen_tokens is None and (getattr(args, "refine_data", None) or "").startswith("text:"))
@@ -423,9 +423,10 @@ def check_file_output(out: str, option: str) -> None:
     _check_writable(path, option)
 
 
-# the files of a Hugging Face tokenizer saved beside a checkpoint (fast, slow BPE, SentencePiece)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json", "tokenizer.model")
+# the files of a Hugging Face tokenizer saved beside a checkpoint (fast, slow BPE, SentencePiece); any of the
+# first three in a checkpoint's directory makes text data read with that tokenizer
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+TOKENIZER_FILES = (*TOKENIZER_MARKERS, "merges.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.model")
 
 
 def _save(out: str, reference, standard_state: dict) -> None:
@@ -644,7 +645,7 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
         augment = named_augment(options.augment, tuple(proxy.split.inputs.shape[1:]))
     except ValueError as error:
         raise UsageError(f"--{error}") from None
-    refine = proxy.options
+    refine, call = proxy.options, distill_call(options)
 
     def distill(merged: dict, teachers: list[dict]) -> tuple[dict, dict]:
         data = proxy_streams(proxy.split, refine.batch_size, seed=refine.seed,
@@ -658,10 +659,10 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
                 proxy.module, student, [ref.adapter.from_standard(t) for t in teachers], cross_entropy,
                 data.batches, data.selection, data.evaluation, steps=None if auto else options.steps,
                 budget=options.budget if auto else None, augment=augment, seed=refine.seed, progress=True,
-                **distill_call(options))
+                **call)
         return ref.adapter.to_standard(result.state), {
             **result.summary(), "teachers": len(teachers), "budget_seconds": options.budget if auto else None,
-            "augment": options.augment, **distill_call(options)}
+            "augment": options.augment, **call}
 
     return distill
 
@@ -817,7 +818,7 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
     if tokenizer and not text:
         raise UsageError(f"--tokenizer applies to text data only, not {option} {source}")
     if text and tokenizer is None and checkpoint.path is not None:
-        if any((Path(checkpoint.path) / name).is_file() for name in TOKENIZER_FILES[:3]):
+        if any((Path(checkpoint.path) / name).is_file() for name in TOKENIZER_MARKERS):
             tokenizer = str(checkpoint.path)
     options = {"proxy_size": proxy_size, "proxy_at_most": proxy_at_most}
     if text:
@@ -1176,6 +1177,8 @@ def cmd_eval(args) -> int:
     from fedbasin.server.distill import LogitEnsemble
 
     device = _device(args)
+    if len(args.checkpoints) == 1 and args.ensemble != "logits":
+        raise UsageError(f"--ensemble {args.ensemble} has no effect with one CHECKPOINT (it combines several)")
     checkpoints = [_load(path, "checkpoint") for path in args.checkpoints]
     ckpt, first = checkpoints[0], args.checkpoints[0]
     for path, other in zip(args.checkpoints[1:], checkpoints[1:]):

@@ -153,3 +153,5 @@ def test_an_ensemble_of_different_architectures_is_refused(models, capsys, tmp_p
     save_checkpoint(tmp_path / "deeper", "vit", other, build_model("vit", other).state_dict())
     line = cli_error(capsys, ["eval", models[0], tmp_path / "deeper", "--data", "digits"])
     assert str(tmp_path / "deeper") in line
+    line = cli_error(capsys, ["eval", models[0], "--data", "digits", "--ensemble", "probabilities"])
+    assert line.endswith("--ensemble probabilities has no effect with one CHECKPOINT (it combines several)")
