@@ -608,7 +608,18 @@ def _refined_merge(args, checkpoints, states, match) -> tuple[dict, dict]:
     summary = {**info, **result.summary()}
     if distill is not None:
         merged, summary["distillation"] = distill(merged, [s for s, w in zip(states, weights) if w > 0])
+    elif not _merge_distills(args, info["kind"]) and proxy.split is not None:
+        summary["distillation"] = {"note": f"off by default for a {info['kind']} (measured: it kept its start); "
+                                           "a --distill-* option (e.g. --distill-budget 120) turns it on"}
     return merged, summary
+
+
+def _merge_distills(args, kind: str) -> bool:
+    """Whether the merge distils: by default for ``kind`` (:data:`fedbasin.options.MERGE_DISTILLS`), or
+    because a ``--distill-*`` option was given (every option given is honoured)."""
+    from fedbasin.options import MERGE_DISTILLS
+
+    return MERGE_DISTILLS[kind] or any(getattr(args, dest, None) is not None for dest in DISTILL_OPTIONS)
 
 
 @dataclasses.dataclass
@@ -640,6 +651,8 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
         raise UsageError(str(error).splitlines()[0]) from None
     auto = options.steps == AUTO
     if proxy.split is None or (options.budget <= 0 if auto else options.steps == 0):
+        return None
+    if not _merge_distills(args, kind):
         return None
     try:
         augment = named_augment(options.augment, tuple(proxy.split.inputs.shape[1:]))

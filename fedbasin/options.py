@@ -158,8 +158,9 @@ class DistillOptions:
     # the default distils, sized by ``budget``, whenever there is real proxy data (measured: docs/options.md,
     # "Distillation by a time budget"; for fedbasin merge, docs/benchmarks.md "The distilled merge"); 0 turns it off
     steps: int | str = option(AUTO, ">0: distil the models' ensemble into the merge on the proxy data for this "
-                              "many steps; auto: as many as distill-budget allows (no proxy data, or the "
-                              "synthetic unigram proxy: no distillation); 0: no distillation",
+                              "many steps; auto: as many as distill-budget allows (no proxy data, the "
+                              "synthetic unigram proxy, or fedbasin merge of subword LMs without a distill option given: "
+                              "no distillation); 0: no distillation",
                               low=0, auto=True)
     budget: float = option(120.0, "with distill-steps auto: seconds one distillation may take (per round in Flower; "
                            "caching the models' outputs, the steps and keep-best checks); the steps follow from timing "
@@ -522,6 +523,14 @@ def resolve_match(match: MatchOptions, kind: str) -> MatchOptions:
 LM_DISTILL = dict(augment="none", label_weight=0.0, temperature=1.0, lr=0.001)
 DISTILL_SETTINGS = {IMAGE: dict(augment="mixup", label_weight=0.5, temperature=3.0, lr=0.002),
                     SUBWORD_LM: LM_DISTILL, CHARACTER_LM: LM_DISTILL}
+
+
+# Whether ``fedbasin merge --refine-data`` distils when neither distill-steps nor distill-budget is given. Not for
+# subword LMs: on a 2-core CPU the 120 s buy 25-63 steps (three models over a 50,257-token softmax per step) and in
+# three runs on two pairs (llama-s01 at lr 0.001 and 0.0001, gpt2-s01) none lowered the selection loss, so the
+# merge came back unchanged, 2 minutes later (docs/journal/merging-notes.md §23). The Flower server distils every
+# kind: there the merge of several clients starts far from their ensemble (the federated LM benchmark).
+MERGE_DISTILLS = {IMAGE: True, SUBWORD_LM: False, CHARACTER_LM: True}
 
 
 def resolve_distill(distill: DistillOptions, kind: str) -> DistillOptions:

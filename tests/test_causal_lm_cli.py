@@ -128,6 +128,16 @@ def test_merge_refines_and_distils_on_text(pair, text_file, capsys, tmp_path):
     assert math.isfinite(_run(capsys, ["eval", out, "--data", f"text:{text_file}"])["loss"])
 
 
+def test_a_subword_lm_merge_distils_only_when_a_distill_option_is_given(text_file, capsys, tmp_path):
+    """``fedbasin merge --refine-data`` of subword LMs leaves distillation off by default (measured: on two pairs
+    it kept its start; ``MERGE_DISTILLS``) and says so; any ``--distill-*`` option turns it on."""
+    m0, m1 = _save(tmp_path / "m0", "llama", 1), _save(tmp_path / "m1", "llama", 2)
+    off = _refine(capsys, "merge", m0, m1, tmp_path / "off", text_file, steps=2)["distillation"]
+    assert set(off) == {"note"} and "off by default for a causal LM (subword tokenizer)" in off["note"]
+    on = _refine(capsys, "merge", m0, m1, tmp_path / "on", text_file, steps=2, extra=["--distill-budget", 2])
+    assert on["distillation"]["teachers"] == 2 and on["distillation"]["budget_seconds"] == 2.0
+
+
 def test_images_are_refused_in_one_line_naming_the_family(pair, capsys):
     model_type, m0, _ = pair
     message = cli_error(capsys, ["eval", m0, "--data", "digits"])

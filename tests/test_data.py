@@ -163,3 +163,19 @@ def test_train_and_evaluate_on_digits():
         "gpt", {"vocab_size": 5, "block_size": 4, "dim": 16, "depth": 1, "heads": 2, "mlp_dim": 16}
     )
     assert set(evaluate(gpt, tokens)) == {"loss", "accuracy"}
+
+
+def test_evaluate_bounds_each_forward_pass_by_its_logits():
+    """A large vocabulary is evaluated in passes of at most ``output_budget`` logit values (the first
+    example alone sizes them), with the figures of one whole pass."""
+    torch.manual_seed(0)
+    tokens = Split(torch.randint(0, 50, (23, 8)), torch.randint(0, 50, (23, 8)))
+    gpt = build_model("gpt", {"vocab_size": 50, "block_size": 8, "dim": 16, "depth": 1, "heads": 2, "mlp_dim": 16})
+    passes = []
+    gpt.register_forward_hook(lambda module, args, out: passes.append(out.numel()))
+    whole = evaluate(gpt, tokens, batch_size=10)
+    assert passes == [8 * 50, 9 * 8 * 50, 10 * 8 * 50, 3 * 8 * 50]  # 1 + 9, 10, 3: budget larger than a batch
+    passes.clear()
+    bounded = evaluate(gpt, tokens, batch_size=10, output_budget=3 * 8 * 50)
+    assert max(passes) == 3 * 8 * 50 and sum(passes) == 23 * 8 * 50
+    assert bounded == pytest.approx(whole, rel=1e-6)
