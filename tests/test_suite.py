@@ -325,22 +325,55 @@ def test_the_variant_table_gives_each_setting_over_pairs_and_seeds():
     assert not any(line.startswith("| digits-u012 | default") for line in lines)
 
 
+def test_merge_rows_measure_the_models_ensemble_on_the_same_slice(monkeypatch, tmp_path):
+    """``--merge``: a pair's row holds the written merge and the models' ensemble (``fedbasin eval A B``, on the
+    slice of every other figure); the commands are recorded instead of run."""
+    commands = []
+
+    def run_cli(arguments, log=None):
+        arguments = [str(a) for a in arguments]
+        commands.append(arguments)
+        name = arguments[0]
+        if name == "eval":
+            models = arguments[1:arguments.index("--data")]
+            summary = {"loss": 5.0 - 0.1 * len(models), "accuracy": 0.2 * len(models), "examples": 7}
+        elif name == "barrier":
+            summary = {"barrier": 0.1, "losses": [1.0] * suite.POINTS}
+        else:
+            summary = {"refinement": {"steps": 3, "distillation": {"steps": 2}} if name == "merge" else {"steps": 3}}
+        return suite.CliRun(summary, 1.0, 10.0)
+
+    monkeypatch.setattr(suite, "run_cli", run_cli)
+    args = suite.build_parser().parse_args(["--merge", "--skip-learned", "--eval-examples", "text=7"])
+    args.eval_examples, args.variants, args.pair_dirs = suite.parse_eval_examples(args.eval_examples), {}, {}
+    member = suite.MEMBERS["gpt2-s01"]
+    row = suite.pair_row(member, [tmp_path / "a", tmp_path / "b"], args, tmp_path / "work")
+    assert row["ensemble"] == {"accuracy": 0.4, "loss": 4.8}
+    assert [str(tmp_path / "a"), str(tmp_path / "b"), "--data", f"text:{args.text}", "--max-examples", "7"] == \
+        next(c for c in commands if c[0] == "eval" and len(c) == 7)[1:]
+    assert row["merges"]["merge"]["distillation"] == {"steps": 2} and row["merges"]["merge"]["loss"] == 4.9
+
+
 def test_the_merge_table_compares_the_written_merge_with_the_better_model():
-    """``--merge`` rows: per pair and seed the merge's accuracy and loss beside the better model's (accuracy for
-    image pairs, loss for text pairs), and per group how many merges reach it."""
+    """``--merge`` rows: per pair and seed the merge's accuracy and loss beside the better model's and the
+    ensemble's (accuracy for image pairs, loss for text pairs), and per group how many merges reach each."""
     image = _row("digits-s01", "image", 1.0, 0.5, 0.01)  # better model: accuracy 0.6, loss 1.0
     image["midpoint_accuracy"]["learned"] = 0.58
+    image["ensemble"] = {"accuracy": 0.62, "loss": 0.92}
     image["merges"] = {"merge": {"accuracy": 0.63, "loss": 0.9, "seconds": 240.0, "distillation": {"steps": 900,
                                                                                                   "best_step": 850}},
                        "merge@s1": {"accuracy": 0.59, "loss": 0.95, "seconds": 241.0, "distillation": None}}
     text = _row("llama-s01", "text", 1.0, 0.1, 0.04)
+    text["ensemble"] = {"accuracy": 0.21, "loss": 0.98}
     text["merges"] = {"merge": {"accuracy": 0.2, "loss": 1.05, "seconds": 250.0, "distillation": {"steps": 70,
                                                                                                   "best_step": 70}}}
     lines = suite.merge_table([image, text]).splitlines()
-    assert "| digits-s01 | merge | 0.600 / 0.580 / 0.630 | 1.0000 / 0.9000 | 900 (850) | 240.0 |" in lines
-    assert "| digits-s01 | merge@s1 | 0.600 / 0.580 / 0.590 | 1.0000 / 0.9500 | — (—) | 241.0 |" in lines
-    assert "| llama-s01 | merge | — | 1.0000 / 1.0500 | 70 (70) | 250.0 |" in lines
-    assert "| image | 2 | +0.0100 (-0.0100) | +0.0750 (+0.0500) | 1 of 2 |" in lines
-    assert "| GPT-style text | 1 | — | -0.0500 (-0.0500) | 0 of 1 |" in lines
+    assert "| digits-s01 | merge | 0.600 / 0.620 / 0.580 / 0.630 | 1.0000 / 0.9200 / 0.9000 | 900 (850) | 240.0 |" in lines
+    assert "| digits-s01 | merge@s1 | 0.600 / 0.620 / 0.580 / 0.590 | 1.0000 / 0.9200 / 0.9500 | — (—) | 241.0 |" in lines
+    assert "| llama-s01 | merge | — | 1.0000 / 0.9800 / 1.0500 | 70 (70) | 250.0 |" in lines
+    assert "| image | 2 | +0.0100 (-0.0100) | +0.0750 (+0.0500) | 1 of 2 | 1 of 2 |" in lines
+    assert "| GPT-style text | 1 | — | -0.0500 (-0.0500) | 0 of 1 | 0 of 1 |" in lines
+    del image["ensemble"]  # a row stored before the ensemble was measured
+    assert "| image | 2 | +0.0100 (-0.0100) | +0.0750 (+0.0500) | 1 of 2 | — |" in suite.merge_table([image]).splitlines()
     assert suite.merge_table([_row("digits-s23", "image", 1.0, 0.5)]) == ""
     assert "| digits-s01 | merge |" in suite.table([image])

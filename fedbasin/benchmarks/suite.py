@@ -427,7 +427,10 @@ def pair_row(member: Member, paths: list[Path], args, work: Path) -> dict:
     runs = learned_runs(args)
     endpoints.update((column, work / f"aligned-{file_name(column)}") for column, _ in runs)
     calls = [lambda c=c, o=o: align(c, o) for c, o in runs]
-    if args.merge:  # beside the learned alignments
+    if args.merge:  # beside the learned alignments; the models' ensemble is what a merge is compared with
+        say(f"{member.name}: the models' ensemble (fedbasin eval A B)")
+        ensemble = run_cli(["eval", *paths, *slice_], work / "logs" / "eval-ensemble.log").summary
+        row["ensemble"] = {"accuracy": ensemble["accuracy"], "loss": ensemble["loss"]}
         calls.append(lambda: merge_runs(member, paths, args, work, data, slice_))
     results = side_by_side(calls)
     if args.merge:
@@ -483,32 +486,38 @@ def merge_runs(member: Member, paths: list[Path], args, work: Path, data: str, s
 
 def merge_table(rows: list[dict]) -> str:
     """With ``--merge``: per pair and seed the written merge's accuracy and loss against the better model
-    (the higher accuracy, the lower loss) and the learned midpoint's; per group how many merges reach the
-    better model."""
-    lines = ["| member | merge | accuracy: better model / learned midpoint / merge | loss: better model / merge | "
-             "distillation steps (best) | merge s |", "|" + "---|" * 6]
-    groups: dict[str, list[tuple[float | None, float]]] = {}
+    (the higher accuracy, the lower loss), the models' ensemble and the learned midpoint; per group how many
+    merges reach the better model and the ensemble (accuracy for image pairs, loss for text pairs)."""
+    lines = ["| member | merge | accuracy: better model / ensemble / learned midpoint / merge | "
+             "loss: better model / ensemble / merge | distillation steps (best) | merge s |", "|" + "---|" * 6]
+    groups: dict[str, list[tuple[float | None, float, bool | None]]] = {}
     for r in rows:
+        ensemble = r.get("ensemble") or {}
         for column, m in r.get("merges", {}).items():
             image = r["group"] == "image"
             better_acc, better_loss = max(r["accuracy"]), min(r["loss"])
             d = m.get("distillation") or {}
-            lines.append(f"| {r['member']} | {column} | "
-                         f"{_pair([better_acc, r.get('midpoint_accuracy', {}).get('learned'), m['accuracy']]) if image else '—'} | "
-                         f"{_pair([better_loss, m['loss']], 4)} | {d.get('steps', '—')} ({d.get('best_step', '—')}) | "
-                         f"{_pair([m.get('seconds')], 1)} |")
+            accuracies = [better_acc, ensemble.get("accuracy"), r.get("midpoint_accuracy", {}).get("learned"),
+                          m["accuracy"]]
+            lines.append(f"| {r['member']} | {column} | {_pair(accuracies) if image else '—'} | "
+                         f"{_pair([better_loss, ensemble.get('loss'), m['loss']], 4)} | "
+                         f"{d.get('steps', '—')} ({d.get('best_step', '—')}) | {_pair([m.get('seconds')], 1)} |")
+            reaches = None if not ensemble else (m["accuracy"] >= ensemble["accuracy"] if image
+                                                 else m["loss"] <= ensemble["loss"])
             groups.setdefault(GROUPS[r["group"]], []).append(
-                (m["accuracy"] - better_acc if image else None, better_loss - m["loss"]))
+                (m["accuracy"] - better_acc if image else None, better_loss - m["loss"], reaches))
     if not groups:
         return ""
     lines += ["", "| group | merges | accuracy − better model: mean (min) | better model's loss − merge's: mean (min) | "
-              "merges ≥ better model |", "|" + "---|" * 5]
+              "merges ≥ better model | merges ≥ ensemble |", "|" + "---|" * 6]
     for group, gains in groups.items():
-        acc = [a for a, _ in gains if a is not None]
-        loss = [g for _, g in gains]
-        ahead = sum((a if a is not None else g) >= 0 for a, g in gains)
+        acc = [a for a, _, _ in gains if a is not None]
+        loss = [g for _, g, _ in gains]
+        ahead = sum((a if a is not None else g) >= 0 for a, g, _ in gains)
+        judged = [e for _, _, e in gains if e is not None]
         lines.append(f"| {group} | {len(gains)} | " + (f"{statistics.fmean(acc):+.4f} ({min(acc):+.4f})" if acc else "—")
-                     + f" | {statistics.fmean(loss):+.4f} ({min(loss):+.4f}) | {ahead} of {len(gains)} |")
+                     + f" | {statistics.fmean(loss):+.4f} ({min(loss):+.4f}) | {ahead} of {len(gains)} | "
+                     + (f"{sum(judged)} of {len(judged)} |" if judged else "— |"))
     return "\n".join(lines)
 
 
