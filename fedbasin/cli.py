@@ -603,12 +603,14 @@ def _refined_merge(args, checkpoints, states, match) -> tuple[dict, dict]:
 
     weights = args.weights or [1.0] * len(states)
     refine, info, proxy = _refiner(args, checkpoints[0], "merge", match, states)
-    distill = _distiller(args, checkpoints[0], info["kind"], proxy)  # its options checked before any long work
+    distills = _merge_distills(args, info["kind"])
+    # its options checked before any long work
+    distill = _distiller(args, checkpoints[0], info["kind"], proxy) if distills else None
     merged, result = refined_merge(checkpoints[0].spec, states, weights, 0, refine)
     summary = {**info, **result.summary()}
     if distill is not None:
         merged, summary["distillation"] = distill(merged, [s for s, w in zip(states, weights) if w > 0])
-    elif not _merge_distills(args, info["kind"]) and proxy.split is not None:
+    elif not distills and proxy.split is not None:
         summary["distillation"] = {"note": f"off by default for a {info['kind']} (measured: it kept its start); "
                                            "a --distill-* option (e.g. --distill-budget 120) turns it on"}
     return merged, summary
@@ -651,8 +653,6 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
         raise UsageError(str(error).splitlines()[0]) from None
     auto = options.steps == AUTO
     if proxy.split is None or (options.budget <= 0 if auto else options.steps == 0):
-        return None
-    if not _merge_distills(args, kind):
         return None
     try:
         augment = named_augment(options.augment, tuple(proxy.split.inputs.shape[1:]))

@@ -23,7 +23,7 @@ from fedbasin.models import FAMILIES, build_model, family_of
 from fedbasin.options import AUTO, RUN, convert, from_run_config, run_config_choices, run_config_fields
 from fedbasin.options import problems as option_problems
 from fedbasin.run_defaults import DEFAULT_RUN_CONFIG
-from fedbasin.training import device_name_problem
+from fedbasin.training import OUTPUT_BUDGET, device_name_problem
 
 # the run-level keys' checks; the schema's keys (fedbasin.options) carry their own
 RUN_CHOICES = {"partitioner": ("iid", "dirichlet"), "init": ("server", "client")}
@@ -174,7 +174,7 @@ def model_adapter(task: Task, model: nn.Module) -> tuple[str, Adapter]:
     return model.config.model_type, hf_adapter(model)
 
 
-def eval_batch_size(task: Task, model: nn.Module, budget: int = 2**26, most: int = 512) -> int:
+def eval_batch_size(task: Task, model: nn.Module, budget: int = OUTPUT_BUDGET, most: int = 512) -> int:
     """Evaluation batch size keeping one batch's logits under ``budget`` values (a 50k-token
     vocabulary makes 512 blocks of 64 tokens 6.6 GB), at most ``most``; the examples' size is read
     from ``task``'s test split (or from ``task`` itself when it is a split)."""

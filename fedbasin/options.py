@@ -525,7 +525,7 @@ DISTILL_SETTINGS = {IMAGE: dict(augment="mixup", label_weight=0.5, temperature=3
                     SUBWORD_LM: LM_DISTILL, CHARACTER_LM: LM_DISTILL}
 
 
-# Whether ``fedbasin merge --refine-data`` distils when neither distill-steps nor distill-budget is given. Not for
+# Whether ``fedbasin merge --refine-data`` distils when no distill option is given (any one turns it on). Not for
 # subword LMs: on a 2-core CPU the 120 s buy 25-63 steps (three models over a 50,257-token softmax per step) and in
 # three runs on two pairs (llama-s01 at lr 0.001 and 0.0001, gpt2-s01) none lowered the selection loss, so the
 # merge came back unchanged, 2 minutes later (docs/journal/merging-notes.md §23). The Flower server distils every
