@@ -137,7 +137,8 @@ class RefineOptions:
                                            "step's softmax, logits raised by log(m/K)", low=0, auto=True,
                                            metavar="K")
     vocabulary_batch_samples: int | str = option(AUTO, "with vocabulary proxy|seen: each step's softmax covers "
-                                                 "its own tokens and K others of the vocabulary", low=0, auto=True,
+                                                 "its own tokens (and those its sparse soft labels list) and K others "
+                                                 "of the vocabulary", low=0, auto=True,
                                                  metavar="K")
     seed: int = option(0, "seed of the refinement's randomness (proxy split, batch order, λ draws, sampled "
                        "tokens)", low=0, surfaces=(CLI,), metavar="S")
@@ -338,9 +339,6 @@ def _refine_rules(r: RefineOptions, m: MatchOptions | None, data: str | None) ->
             rules.append(((name, "refine-vocabulary"), "samples a restricted softmax: needs vocabulary proxy|seen"))
     unigram = is_unigram(data)
     soft = r.soft_labels not in (AUTO, 0) or unigram
-    if r.vocabulary_batch_samples not in (AUTO, 0) and r.soft_labels not in (AUTO, 0):
-        rules.append((("refine-vocabulary-batch-samples", "refine-soft-labels"),
-                      "batch sampling trains on the labels: it cannot be combined with soft labels"))
     if soft and restricted and r.soft_label_top_k == 0:
         rules.append((("refine-vocabulary", "refine-soft-label-top-k"),
                       "soft labels over every token cannot be combined with a restricted vocabulary: give K > 0"))
@@ -351,8 +349,6 @@ def _refine_rules(r: RefineOptions, m: MatchOptions | None, data: str | None) ->
                       "sparse soft labels have no effect without soft labels (> 0, or unigram: data)"))
     if unigram and r.soft_labels not in (AUTO, 0):
         rules.append((("refine-soft-labels",), f"{data} is labelled by the models' predictions alone"))
-    if unigram and r.vocabulary_batch_samples not in (AUTO, 0):
-        rules.append((("refine-vocabulary-batch-samples",), f"trains on the labels: {data} has none"))
     if m is not None and r.start == "activations" and m.symmetry == "permutation":
         rules.append((("refine-start", "symmetry"), "the activation start finds an orthogonal residual map: it needs "
                       "symmetry orthogonal"))
@@ -559,10 +555,8 @@ def resolve_refine(options: RefineOptions, kind: str, *, unigram: bool = False, 
     settings["workers"] = 1 if gpu else 2
     given = {f.name: getattr(options, f.name) for f in fields(RefineOptions) if getattr(options, f.name) != AUTO}
     # auto values that depend on values the user gave follow them, so the combination stays valid
-    if unigram or given.get("vocabulary_batch_samples"):  # the models label / batch sampling trains on labels
-        settings["soft_labels"] = 0.0
     if unigram:  # the models label every synthetic block before the first step: fewer, reused, buy more steps
-        settings["examples"] = UNIGRAM_EXAMPLES
+        settings.update(soft_labels=0.0, examples=UNIGRAM_EXAMPLES)
     vocabulary = given.get("vocabulary", settings["vocabulary"])
     soft = given.get("soft_labels", settings["soft_labels"]) or unigram
     if vocabulary == "full":

@@ -244,13 +244,43 @@ def test_vocabulary_is_refused_without_token_embedding():
         _TrainingVocabulary(spec, a, torch.arange(3))
 
 
-@pytest.mark.parametrize("options", [{}, {"vocabulary": torch.arange(12), "soft_labels": 0.5, "soft_label_top_k": 4}])
-def test_batch_samples_need_a_vocabulary_and_hard_labels(options):
+def test_batch_samples_need_a_vocabulary():
     spec = spec_of("gpt", GPT)
     a = trained_like("gpt", GPT, seed=1, dtype=torch.float32).state_dict()
-    with pytest.raises(ValueError, match="vocabulary_batch_samples needs a training vocabulary and hard labels"):
+    with pytest.raises(ValueError, match="vocabulary_batch_samples samples a training vocabulary"):
         learned_refine(spec, build_model("gpt", GPT), a, [a], _lm_loss, iter(()), [(None, None)],
-                       vocabulary_batch_samples=4, **options)
+                       vocabulary_batch_samples=4)
+
+
+def test_batch_sampled_vocabulary_keeps_the_tokens_sparse_soft_targets_list():
+    """Sparse (id, weight) soft targets: a step's exact rows are its inputs and every token its targets
+    list with weight > 0 (weight-0 entries and tokens outside the vocabulary add no row); the targets
+    renumbered onto the rows name the same tokens with the same weights; drawing every token gives the
+    fixed vocabulary's soft-label loss again."""
+    spec = spec_of("gpt", GPT)
+    state = trained_like("gpt", GPT, seed=1, dtype=torch.float32).state_dict()
+    kept = torch.tensor([0, 2, 3, 7, 11, 12, 19, 22])
+    x = torch.tensor([[3, 7, 3]])
+    # per position: (id, weight) pairs; 12 at weight 0 and 5 (outside the vocabulary) add no row
+    y = torch.tensor([[[[7, .5], [22, .3], [12, 0.]], [[3, .6], [5, .2], [0, .1]], [[19, .9], [22, .05], [12, 0.]]]])
+    vocab = _TrainingVocabulary(spec, state, kept, seed=0, batch_samples=2)
+    rows, correction, xs, ys = vocab.draw(x, y)
+    assert sorted(rows[:5].tolist()) == [0, 3, 7, 19, 22] and rows.numel() == 7
+    assert float(correction[:5].abs().max()) == 0.0 and torch.equal(rows[xs], x)
+    listed = ys[..., 1] > 0
+    assert int(listed.sum()) == 6 and torch.equal(rows[ys[..., 0].long()][listed], y[..., 0].long()[listed])
+    assert torch.equal(ys[..., 1], y[..., 1] * torch.isin(y[..., 0].long(), kept))
+    every, fixed = _TrainingVocabulary(spec, state, kept, batch_samples=100), _TrainingVocabulary(spec, state, kept)
+    blocks = kept[torch.randint(0, len(kept), (3, GPT["block_size"]), generator=torch.Generator().manual_seed(2))]
+    g = torch.Generator().manual_seed(3)
+    targets = torch.stack([kept[torch.randint(0, len(kept), (3, GPT["block_size"], 4), generator=g)].float(),
+                           torch.rand(3, GPT["block_size"], 4, generator=g) / 4], -1)
+    rows, _, xs, ts = every.draw(blocks, targets)
+    sampled = run("gpt", dict(GPT, vocab_size=len(kept)), every.restrict(state, rows), xs, torch.float32)
+    exact = run("gpt", dict(GPT, vocab_size=len(kept)), fixed.restrict(state, fixed.ids), fixed.renumber(blocks),
+                torch.float32)
+    assert float(cross_entropy(sampled, ts)) == pytest.approx(float(cross_entropy(exact, fixed.renumber(targets))),
+                                                              rel=1e-6)
 
 
 def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsys, monkeypatch):
@@ -294,6 +324,11 @@ def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsy
     full = [a for a in argv if a not in ("--refine-vocabulary", "proxy")]
     for option in ("--refine-vocabulary-samples", "--refine-vocabulary-batch-samples"):
         assert "needs vocabulary proxy|seen" in cli_error(capsys, full + [option, "3"])
-    assert "cannot be combined with soft labels" in cli_error(
-        capsys, argv + ["--refine-vocabulary-batch-samples", "3", "--refine-soft-labels", "0.5",
-                        "--refine-soft-label-top-k", "4"])
+    # with sparse soft labels: the rows the targets list join each step's own tokens
+    assert main(argv + ["--refine-vocabulary-batch-samples", "3", "--refine-soft-labels", "0.5",
+                        "--refine-soft-label-top-k", "4", "--out", str(tmp_path / "soft")]) == 0
+    summary = json.loads(capsys.readouterr().out)["refinement"]
+    assert summary["vocabulary_batch_samples"] == 3 and summary["soft_labels"] == 0.5 and seen[-1] == 3
+    assert summary["selection_loss_best"] <= summary["selection_loss_start"]
+    with torch.no_grad():
+        assert rel_err(build_torch_model(load_checkpoint(tmp_path / "soft"))(x).logits, want) < 1e-5

@@ -182,7 +182,8 @@ def learned_refine(
     vocabulary, their logits raised by ``log(m/k)`` (m outside tokens): a sampled estimate of the
     probability mass the restricted softmax would otherwise drop (:class:`_TrainingVocabulary`).
     ``vocabulary_batch_samples`` = k: each step the vocabulary itself is sampled the same way — the
-    step's own tokens exactly, and k of the vocabulary's other tokens with their logits raised by
+    step's own tokens exactly (inputs, targets, the tokens sparse soft targets list), and k of the
+    vocabulary's other tokens with their logits raised by
     ``log(m'/k)`` — so a step's softmax costs |batch tokens| + k (+ ``vocabulary_samples``) rows.
     ``soft_labels`` = w > 0: the maps train on ``(1 − w)·one-hot(y) + w·p̄(x)`` instead of the
     labels, p̄ the mixed models' mean predicted probabilities (their ensemble; each endpoint keeps
@@ -258,8 +259,8 @@ def learned_refine(
         if soft_labels:
             raise ValueError("model_labels already trains on the models' predictions alone: leave soft_labels at 0")
         soft_labels = 1.0
-    if vocabulary_batch_samples and (vocabulary is None or soft_labels):
-        raise ValueError("vocabulary_batch_samples needs a training vocabulary and hard labels (no soft_labels)")
+    if vocabulary_batch_samples and vocabulary is None:
+        raise ValueError("vocabulary_batch_samples samples a training vocabulary: give vocabulary")
     if soft_labels and not isinstance(batches, TrainingStream):
         raise ValueError("soft_labels needs the training stream of proxy_streams (a TrainingStream): its "
                          "examples are labelled once, before training")

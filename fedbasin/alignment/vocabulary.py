@@ -27,8 +27,8 @@ class _TrainingVocabulary:
     softmax's normaliser then contains ``(m/k)·Σ_sampled e^z``, an unbiased estimate of the
     outside tokens' share ``Σ_outside e^z`` (the uniform-proposal sampled softmax); k = m is the
     full softmax. With ``batch_samples`` = k' > 0 the vocabulary is sampled the same way each step: the
-    step's own tokens (inputs and targets) exactly, then k' of the vocabulary's other m' tokens with
-    ``log(m'/k')`` added. Inputs and targets must lie in the vocabulary (else ``ValueError``).
+    step's own tokens (inputs, targets, and the tokens sparse soft targets list with weight > 0) exactly,
+    then k' of the vocabulary's other m' tokens with ``log(m'/k')`` added. Inputs and targets must lie in the vocabulary (else ``ValueError``).
     """
 
     def __init__(self, spec: SymmetrySpec, state: dict, vocabulary, samples: int = 0, seed: int = 0,
@@ -69,13 +69,17 @@ class _TrainingVocabulary:
         """(token ids of this step's rows, the logit correction of each row, x and y renumbered to the rows)."""
         x, y = self.renumber(x), self.renumber(y)  # also refuses tokens outside the vocabulary
         if self.batch_samples:
+            sparse = y.is_floating_point()  # (id, weight) soft targets: the tokens they list with weight > 0
+            targets = y[..., 0][y[..., 1] > 0].long() if sparse else y
             used = torch.zeros(self.ids.numel(), dtype=torch.bool)
-            used[torch.cat([x.reshape(-1), y.reshape(-1)]).cpu()] = True
+            used[torch.cat([x.reshape(-1), targets.reshape(-1)]).cpu()] = True
             rest, correction = self._sample(self.ids[~used], self.batch_samples)
             rows, corrections = [self.ids[used], rest], [torch.zeros(int(used.sum())), correction]
-            local = torch.full((self.ids.numel(),), -1, dtype=torch.long)
-            local[used] = torch.arange(int(used.sum()))
-            x, y = local.to(x.device)[x], local.to(y.device)[y]
+            local = torch.full((self.ids.numel(),), -1, dtype=torch.long).to(x.device)
+            local[used.to(x.device)] = torch.arange(int(used.sum()), device=x.device)
+            x = local[x]
+            # a listed token of weight 0 may lie outside the rows: any row will do, its term is 0
+            y = torch.stack([local[y[..., 0].long()].clamp(min=0).to(y), y[..., 1]], -1) if sparse else local[y]
         else:
             rows, corrections = [self.ids], [torch.zeros(self.ids.numel())]
         if self.samples:
