@@ -561,6 +561,8 @@ def resolve_refine(options: RefineOptions, kind: str, *, unigram: bool = False, 
     soft = given.get("soft_labels", settings["soft_labels"]) or unigram
     if vocabulary == "full":
         settings.update(vocabulary_samples=0, vocabulary_batch_samples=0)
+    # batch-sampled rows work with sparse soft labels, but on the synthetic proxy (gpt2-s01) they bought 1.35× the
+    # steps and the same barrier (docs/journal/merging-notes.md §24): soft labels keep the whole vocabulary
     if soft:
         settings.update(vocabulary_batch_samples=0)
         if vocabulary != "full":

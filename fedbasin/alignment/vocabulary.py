@@ -28,7 +28,8 @@ class _TrainingVocabulary:
     outside tokens' share ``Σ_outside e^z`` (the uniform-proposal sampled softmax); k = m is the
     full softmax. With ``batch_samples`` = k' > 0 the vocabulary is sampled the same way each step: the
     step's own tokens (inputs, targets, and the tokens sparse soft targets list with weight > 0) exactly,
-    then k' of the vocabulary's other m' tokens with ``log(m'/k')`` added. Inputs and targets must lie in the vocabulary (else ``ValueError``).
+    then k' of the vocabulary's other m' tokens with ``log(m'/k')`` added. Inputs and targets must lie
+    in the vocabulary (else ``ValueError``).
     """
 
     def __init__(self, spec: SymmetrySpec, state: dict, vocabulary, samples: int = 0, seed: int = 0,
