@@ -76,11 +76,9 @@ class _TrainingVocabulary:
             used[torch.cat([x.reshape(-1), targets.reshape(-1)]).cpu()] = True
             rest, correction = self._sample(self.ids[~used], self.batch_samples)
             rows, corrections = [self.ids[used], rest], [torch.zeros(int(used.sum())), correction]
-            local = torch.full((self.ids.numel(),), -1, dtype=torch.long).to(x.device)
-            local[used.to(x.device)] = torch.arange(int(used.sum()), device=x.device)
-            x = local[x]
-            # a listed token of weight 0 may lie outside the rows: any row will do, its term is 0
-            y = torch.stack([local[y[..., 0].long()].clamp(min=0).to(y), y[..., 1]], -1) if sparse else local[y]
+            local = torch.full((self.ids.numel(),), -1, dtype=torch.long)
+            local[used] = torch.arange(int(used.sum()))
+            x, y = _mapped(local, x), _mapped(local, y)  # a listed token of weight 0 may lie outside the rows
         else:
             rows, corrections = [self.ids], [torch.zeros(self.ids.numel())]
         if self.samples:
@@ -95,13 +93,19 @@ class _TrainingVocabulary:
     def renumber(self, t: torch.Tensor) -> torch.Tensor:
         """Token ids → row numbers. Sparse (id, weight) targets (floats, see ``soft_label_top_k``) keep
         the weight of the vocabulary's tokens only; the weight of the others joins the unlisted bucket."""
-        if t.is_floating_point():
-            ids = self.lookup.to(t.device)[t[..., 0].long()]
-            return torch.stack([ids.clamp(min=0).to(t), t[..., 1] * (ids >= 0)], -1)
-        out = self.lookup.to(t.device)[t]
-        if bool((out < 0).any()):
+        out = _mapped(self.lookup, t)
+        if not t.is_floating_point() and bool((out < 0).any()):
             raise ValueError(f"a training batch holds token {int(t[out < 0][0])}, outside the refinement vocabulary")
         return out
+
+
+def _mapped(lookup: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Token ids → ``lookup[id]`` (−1: no row). Sparse (id, weight) targets keep the weight of the tokens
+    that have a row; the others weigh 0 (id 0 stands in for them)."""
+    if t.is_floating_point():
+        ids = lookup.to(t.device)[t[..., 0].long()]
+        return torch.stack([ids.clamp(min=0).to(t), t[..., 1] * (ids >= 0)], -1)
+    return lookup.to(t.device)[t]
 
 
 def vocabulary_ids(choice: str, proxy, train) -> torch.Tensor | None:
