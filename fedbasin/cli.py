@@ -170,7 +170,8 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
                    "synthetic token blocks drawn by the token frequencies judged from the models' weights - the "
                    "rows judged trained, Zipf by the head's learned order - labelled by the models' own mean "
                    "predictions for training, keep-best and the report) | unigram:FILE (the same, drawn by the token "
-                   "counts of FILE's training split)")
+                   "counts of FILE's training split) | bigram (as unigram, each next token drawn from the models' "
+                   "mean prediction after the previous one alone)")
     g.add_argument("--tokenizer", metavar="DIR", help="Hugging Face tokenizer directory for text data (default: "
                    "the one saved in the reference checkpoint's directory, if any)")
     add_arguments(g, RefineOptions)
@@ -692,6 +693,7 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
     from fedbasin.data import unigram_blocks
     from fedbasin.options import (
         CLI,
+        WEIGHTS_PROXIES,
         RefineOptions,
         from_args,
         problems,
@@ -717,8 +719,8 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
             raise UsageError("--refine-dual moves the reference along the path: its --weights entry must be > 0")
         options = resolved.options = dataclasses.replace(options, dual=False)  # auto yields to --weights
     train = None
-    if args.refine_data == "unigram":  # the frequencies judged from the models' weights
-        proxy = _weights_unigram(ref, states, options)
+    if args.refine_data in WEIGHTS_PROXIES:  # the frequencies judged from the models' weights
+        proxy = _weights_proxy(ref, states, options, chained=args.refine_data == "bigram")
     elif unigram:  # the text's training split gives the counts; the proxy is drawn from them
         text_file = args.refine_data.partition(":")[2]
         if not text_file:
@@ -749,13 +751,13 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
         to_module_state=ref.adapter.from_standard, progress=True, model_labels=unigram)
     info = {"kind": kind, "budget_seconds": options.budget, "seed": options.seed, "lr": options.lr,
             "head_lr": options.head_lr or options.lr, "auto": resolved.chosen,
-            "proxy_examples": len(proxy), "proxy": "unigram" if unigram else "data",
+            "proxy_examples": len(proxy), "proxy": args.refine_data.partition(":")[0] if unigram else "data",
             "labels": "models" if unigram else "data", "selection_fraction": options.selection_fraction,
             "evaluation_fraction": options.evaluation_fraction, "soft_labels": options.soft_labels,
             "soft_label_top_k": options.soft_label_top_k, "dual": options.dual,
             "vocabulary": options.vocabulary, "vocabulary_samples": options.vocabulary_samples,
             "vocabulary_batch_samples": options.vocabulary_batch_samples}
-    if args.refine_data == "unigram":
+    if args.refine_data in WEIGHTS_PROXIES:
         info["frequencies"] = "weights"
     elif task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
@@ -786,24 +788,57 @@ def _default_data_free(args, checkpoint, states: list[dict], match, summary: dic
         summary["data_free"] = "weight matching"
 
 
-def _weights_unigram(ref, states: list[dict], options):
+def _weights_proxy(ref, states: list[dict], options, chained: bool = False):
     """``--refine-data unigram``: synthetic blocks of the context length drawn by token frequencies judged
     from the models' weights alone, f_t ∝ w_t² with w the token-row weights of data-free matching
     (P(row trained in every model) × Zipf rank^(−1/2) by the head's learned order: f ∝ 1/rank,
-    :func:`fedbasin.alignment.token_rows.infer_token_rows`)."""
+    :func:`fedbasin.alignment.token_rows.infer_token_rows`). ``bigram`` (``chained``): the first token
+    drawn so, each next one from the models' mean prediction after the previous token alone, over the rows
+    judged trained (:func:`_one_token_transitions`)."""
     from fedbasin.alignment.token_rows import infer_token_rows
-    from fedbasin.data import frequency_blocks
+    from fedbasin.data import chain_blocks, frequency_blocks
 
     found = infer_token_rows(ref.spec, *states)
     if found is None or found.trained == found.vocab:
-        raise UsageError(f"--refine-data unigram draws the tokens the models were trained on, judged from their "
-                         f"weights, but {ref.path} " + ("has no token rows" if found is None else
-                                                        "shows no untrained token rows to tell them from") +
+        raise UsageError(f"--refine-data {'bigram' if chained else 'unigram'} draws the tokens the models were "
+                         f"trained on, judged from their weights, but {ref.path} " +
+                         ("has no token rows" if found is None else "shows no untrained token rows to tell them from") +
                          ": give unigram:FILE (token counts of a text) or text:FILE")
     block = ref.context_length
     if not block:
         raise UsageError(f"--refine-data unigram: {ref.path} records no context length to draw blocks of")
-    return frequency_blocks(found.weights.square(), options.examples, block, seed=options.seed)
+    frequencies = found.weights.square()
+    if not chained:
+        return frequency_blocks(frequencies, options.examples, block, seed=options.seed)
+    rows = torch.nonzero(found.probability > 0.5)[:, 0]
+    rows = rows[frequencies[rows].argsort(descending=True)[:CHAIN_ROWS]].sort().values
+    transitions = _one_token_transitions(ref, states, rows)
+    return chain_blocks(rows, frequencies[rows], transitions, options.examples, block, seed=options.seed)
+
+
+# the bigram proxy's transitions are an n × n float32 matrix over the rows judged trained: at most the 16,384 most
+# frequent (1 GiB)
+CHAIN_ROWS = 16384
+
+
+def _one_token_transitions(ref, states: list[dict], rows: torch.Tensor) -> torch.Tensor:
+    """P[i, k] = the mean over ``states`` of softmax(model(rows[i]))[rows[k]]: each model's next-token prediction
+    after the one token ``rows[i]``, over ``rows`` only (the models cut to those token rows)."""
+    from fedbasin.alignment.vocabulary import _TrainingVocabulary
+    from fedbasin.checkpoint import build_torch_model
+
+    module = build_torch_model(ref)
+    vocabulary = _TrainingVocabulary(ref.spec, states[0], rows)
+    x = torch.arange(len(rows), device=next(iter(states[0].values())).device)[:, None]  # row numbers
+    p = torch.zeros(len(rows), len(rows))
+    with torch.no_grad():
+        for state in states:
+            weights = ref.adapter.from_standard(vocabulary.restrict(state, vocabulary.ids))
+            for start in range(0, len(rows), 1024):
+                out = torch.func.functional_call(module, weights, (x[start:start + 1024],))
+                logits = (out if isinstance(out, torch.Tensor) else out.logits)[:, -1].float()
+                p[start:start + len(logits)] += (logits.softmax(-1) / len(states)).cpu()
+    return p
 
 
 class _Logits(nn.Module):

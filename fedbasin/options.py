@@ -449,10 +449,15 @@ def from_args(cls, args) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+# synthetic proxies drawn from the models' weights alone: independent tokens, or a chain of one-token predictions
+WEIGHTS_PROXIES = ("unigram", "bigram")
+
+
 def is_unigram(data: str | None) -> bool:
     """Whether proxy data ``data`` is synthetic token blocks labelled by the models: ``unigram`` (token
-    frequencies judged from the models' weights) or ``unigram:FILE`` (the counts of FILE's training split)."""
-    return data == "unigram" or (data or "").startswith("unigram:")
+    frequencies judged from the models' weights), ``bigram`` (a chain of the models' one-token predictions from
+    there) or ``unigram:FILE`` (the counts of FILE's training split)."""
+    return data in WEIGHTS_PROXIES or (data or "").startswith("unigram:")
 
 
 # "auto": what the model is, and the budget

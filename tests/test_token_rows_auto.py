@@ -325,3 +325,39 @@ def test_cli_unigram_proxy_draws_the_rows_judged_trained_by_their_learned_freque
     not_refined = [a if a != str(tmp_path / "cand") else str(tmp_path / "fresh") for a in plain]
     assert "--refine-budget has no effect without --refine-data here" in cli_error(capsys, not_refined)
     assert main(not_refined[:-2]) == 0 and json.loads(capsys.readouterr().out)["data_free"] == "weight matching"
+
+
+def test_cli_bigram_proxy_chains_the_models_one_token_predictions_over_the_rows_judged_trained(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    """``--refine-data bigram``: the first token as ``unigram`` draws it, each next one from the models' mean
+    prediction after the previous token alone, over the rows judged trained; the models label the blocks."""
+    import json
+
+    from fedbasin.alignment.token_rows import infer_token_rows
+    from fedbasin.checkpoint import load_checkpoint, save_checkpoint
+    from fedbasin.cli import _one_token_transitions, main
+    from fedbasin.data import chain_blocks
+    from fedbasin.models import make_config
+
+    from .helpers import spy_on_cli_refine
+
+    _, ref, cand, seen = _planted_pair()
+    config = make_config("gpt", CONFIG)
+    for name, state in (("ref", ref), ("cand", cand)):
+        save_checkpoint(tmp_path / name, "gpt", config, {k: v.float() for k, v in state.items()})
+    recorded = {}
+    spy_on_cli_refine(monkeypatch, recorded.update)
+    assert main(["align", str(tmp_path / "ref"), str(tmp_path / "cand"), "--out", str(tmp_path / "out"),
+                 "--refine-data", "bigram", "--refine-steps", "2", "--refine-examples", "60", "--iterations", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out)["refinement"]
+    assert (summary["proxy"], summary["labels"], summary["frequencies"]) == ("bigram", "models", "weights")
+    assert recorded["model_labels"] is True
+    a, b = (load_checkpoint(tmp_path / n) for n in ("ref", "cand"))
+    states = [m.adapter.to_standard(m.state) for m in (a, b)]
+    found = infer_token_rows(a.spec, *states)
+    rows = torch.nonzero(found.probability > 0.5)[:, 0]
+    assert set(rows.tolist()) <= set(seen.tolist())
+    chain = chain_blocks(rows, found.weights.square()[rows], _one_token_transitions(a, states, rows), 60,
+                         CONFIG["block_size"], seed=0)
+    drawn = recorded["batches"].split.inputs
+    assert {tuple(r) for r in drawn.tolist()} <= {tuple(r) for r in chain.inputs.tolist()}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedbasin.alignment import learned_refine, proxy_streams
-from fedbasin.data import unigram_blocks
+from fedbasin.data import chain_blocks, unigram_blocks
 from fedbasin.models import build_model
 from fedbasin.training import cross_entropy
 from tests.helpers import (
@@ -40,6 +40,55 @@ def test_unigram_blocks_follow_the_counts():
     for bad in (torch.tensor([], dtype=torch.long), torch.tensor([0, 8])):
         with pytest.raises(ValueError, match=r"token ids in \[0, 8\)"):
             unigram_blocks(bad, 8, 4, 16)
+
+
+def test_chain_blocks_walk_the_transitions_from_the_first_weights():
+    """A Markov chain over token ids: the first token by its weight, each next one by the previous one's row of
+    transition probabilities (a planted cycle is walked exactly; a random matrix is reproduced in frequency)."""
+    tokens = torch.tensor([7, 3, 9, 5])
+    cycle = torch.eye(4).roll(1, dims=1)  # row i puts all its mass on i + 1 (mod 4)
+    blocks = chain_blocks(tokens, torch.tensor([0.0, 1.0, 0.0, 0.0]), cycle, 6, 9, seed=0)
+    assert blocks.inputs.shape == blocks.targets.shape == (6, 9)
+    assert torch.equal(blocks.inputs[:, 1:], blocks.targets[:, :-1])
+    assert blocks.inputs[:, :5].tolist() == [[3, 9, 5, 7, 3]] * 6  # starts at token 3 (weight 1), then the cycle
+    p = torch.rand(4, 4, generator=torch.Generator().manual_seed(0))
+    p[2, 1] = 0.0  # never 9 → 3
+    walk = chain_blocks(tokens, torch.ones(4), p * 5, 500, 40, seed=1)  # rows need not be normalised
+    pairs = torch.stack([walk.inputs.reshape(-1), walk.targets.reshape(-1)], 1)
+    index = {int(t): i for i, t in enumerate(tokens)}
+    counts = torch.zeros(4, 4)
+    for a, b in pairs.tolist():
+        counts[index[a], index[b]] += 1
+    assert counts[2, 1] == 0
+    empirical = counts / counts.sum(1, keepdim=True)
+    assert float((empirical - p / p.sum(1, keepdim=True)).abs().max()) < 0.03  # ≥ 3,000 draws per row: σ < 0.01
+    again = chain_blocks(tokens, torch.ones(4), p, 500, 40, seed=1)
+    assert torch.equal(again.inputs, walk.inputs)
+    for first, transitions in ((torch.ones(3), p), (torch.ones(4), p[:3]), (torch.zeros(4), p),
+                               (torch.ones(4), p - 1), (torch.ones(4), torch.zeros(4, 4))):
+        with pytest.raises(ValueError, match="chain"):
+            chain_blocks(tokens, first, transitions, 2, 4)
+
+
+def test_one_token_transitions_are_the_models_mean_prediction_over_the_rows(tmp_path):
+    """The bigram proxy's P[i, k]: the mean over the models of softmax(model(rows[i]))[rows[k]], renormalised over
+    ``rows`` (computed on the models cut to those rows, equal to the full models' prediction restricted)."""
+    from fedbasin.checkpoint import load_checkpoint, save_checkpoint
+    from fedbasin.cli import _one_token_transitions
+    from fedbasin.models import make_config
+
+    a, b = _pair()
+    save_checkpoint(tmp_path / "a", "gpt", make_config("gpt", GPT), a)
+    ref = load_checkpoint(tmp_path / "a")
+    states = [ref.adapter.to_standard(s) for s in (a, b)]
+    rows = torch.tensor([1, 4, 5, 11, 20, 22])
+    found = _one_token_transitions(ref, states, rows)
+    model = build_model("gpt", GPT)
+    with torch.no_grad():
+        full = [torch.func.functional_call(model, s, (rows[:, None],))[:, -1] for s in (a, b)]
+    expected = sum(logits[:, rows].softmax(-1) for logits in full) / 2
+    assert float((found - expected).abs().max()) < 1e-6
+    assert float((found - _mean_prediction(a, b, rows[:, None])[:, -1][:, rows]).abs().max()) > 1e-3  # not renormalised
 
 
 def _pair():

@@ -2,6 +2,7 @@
 
 from .sources import (
     CharTokenizer,
+    chain_blocks,
     HFTokenizer,
     frequency_blocks,
     load_task,
@@ -10,5 +11,5 @@ from .sources import (
 )
 from .task import PARTITIONERS, Split, Task
 
-__all__ = ["PARTITIONERS", "CharTokenizer", "HFTokenizer", "Split", "Task", "frequency_blocks", "load_task",
+__all__ = ["PARTITIONERS", "CharTokenizer", "HFTokenizer", "Split", "Task", "chain_blocks", "frequency_blocks", "load_task",
            "token_blocks", "unigram_blocks"]

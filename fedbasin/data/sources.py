@@ -146,6 +146,34 @@ def frequency_blocks(frequencies: torch.Tensor, count: int, block_size: int, see
     return Split(drawn[:, :-1].contiguous(), drawn[:, 1:].contiguous())
 
 
+def chain_blocks(tokens: torch.Tensor, first: torch.Tensor, transitions: torch.Tensor, count: int, block_size: int,
+                 seed: int = 0) -> Split:
+    """``count`` blocks drawn as a Markov chain over ``tokens`` (n ids): s_0 = tokens[i] with probability
+    first_i / Σ first, then s_{j+1} = tokens[k] with probability transitions[i, k] (row i of s_j's index,
+    normalised). Inputs ``s[:B]``, targets ``s[1:B+1]`` of each drawn row ``s``."""
+    tokens = torch.as_tensor(tokens).reshape(-1).long()
+    n = tokens.numel()
+    f = torch.as_tensor(first, dtype=torch.float64)
+    p = torch.as_tensor(transitions)
+    if n == 0 or f.shape != (n,) or p.shape != (n, n):
+        raise ValueError(f"a chain over {n} tokens needs {n} first weights and {n}x{n} transitions, got "
+                         f"{tuple(f.shape)} and {tuple(p.shape)}")
+    if not (bool(torch.isfinite(p).all()) and bool((p >= 0).all()) and bool((p.sum(1) > 0).all())):
+        raise ValueError("chain transitions must be finite, >= 0, and every row must sum to > 0")
+    if not (bool(torch.isfinite(f).all()) and bool((f >= 0).all()) and bool(f.sum() > 0)):
+        raise ValueError("chain first weights must be finite, >= 0, not all 0")
+    generator = torch.Generator().manual_seed(seed)
+    state = torch.multinomial(f / f.sum(), count, replacement=True, generator=generator)  # indices into tokens
+    cdf = p.float().cumsum(1)  # each row's cumulative weights: a draw is a search of u ~ U(0, row total)
+    drawn = [state]
+    for _ in range(block_size):
+        rows = cdf[state]
+        state = torch.searchsorted(rows, torch.rand(count, 1, generator=generator) * rows[:, -1:])[:, 0].clamp(max=n - 1)
+        drawn.append(state)
+    chain = tokens[torch.stack(drawn, 1)]
+    return Split(chain[:, :-1].contiguous(), chain[:, 1:].contiguous())
+
+
 @functools.lru_cache(maxsize=4)
 def load_task(
     source: str = "digits",
