@@ -3,7 +3,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.mutants import MUTATIONS
+
+# Test modules that start Flower's processes (a SuperLink, SuperNodes, Ray's cluster): the suite runs on two
+# pytest-xdist workers (pyproject's addopts: ``-n 2 --dist loadgroup``), and these all run on one of them, one at
+# a time, so two Ray clusters or two federations never start side by side; the other worker takes the rest.
+FLOWER_PROCESS_MODULES = {"test_simulation", "test_processes", "test_deployment", "test_robust_simulation",
+                          "test_federated_causal_lm", "test_weights", "test_server_app"}
 
 
 def pytest_addoption(parser):
@@ -24,6 +32,12 @@ def pytest_configure(config):
     name = config.getoption("--mutate")
     if name:
         MUTATIONS[name]()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in FLOWER_PROCESS_MODULES:
+            item.add_marker(pytest.mark.xdist_group("flower"))
 
 
 def pytest_report_header(config):
