@@ -2,8 +2,8 @@
 
 from .sources import (
     CharTokenizer,
-    chain_blocks,
     HFTokenizer,
+    chain_blocks,
     frequency_blocks,
     load_task,
     token_blocks,
