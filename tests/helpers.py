@@ -194,3 +194,15 @@ def gqa_attention(generator: torch.Generator):
     state = {f"{n}.{p}": torch.randn(s if p == "weight" else s[:1], generator=generator, dtype=torch.float64)
              for n, s in shapes.items() for p in ("weight", "bias")}
     return a, spec, state
+
+
+def load_script(name: str):
+    """The module of ``scripts/NAME.py`` (scripts are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,31 +3,22 @@ path integral of ∇L · Δ; the shares add up to the barrier measured directly.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
 from fedbasin.cli import main  # noqa: E402
+from tests.helpers import load_script  # noqa: E402
 from tests.test_causal_lm_cli import _save  # noqa: E402
 from tests.test_tokenizer_data import NEEDS_SHARED_TEXT, shakespeare_excerpt  # noqa: E402
 
 pytestmark = NEEDS_SHARED_TEXT
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("barrier_attribution", ROOT / "scripts" / "barrier_attribution.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_group_shares_add_up_to_the_midpoint_barrier(tmp_path, capsys):
-    script = _script()
+    script = load_script("barrier_attribution")
     text = shakespeare_excerpt(tmp_path, 12_000)
     a, b = _save(tmp_path / "a", "llama", 1), _save(tmp_path / "b", "llama", 2)
     assert main(["align", str(a), str(b), "--out", str(tmp_path / "c"), "--refine-budget", "0"]) == 0

@@ -3,7 +3,6 @@ mutant, a crash does not; every mutant still fits the code it replaces."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,10 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _mutations_script():
-    spec = importlib.util.spec_from_file_location("mutations_script", ROOT / "scripts" / "mutations.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.helpers import load_script
+
+    return load_script("mutations")
 
 
 def test_a_crash_is_told_from_a_failed_assertion():

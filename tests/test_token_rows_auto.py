@@ -212,6 +212,18 @@ def _planted_pair():
     return spec, ref, to_gauge(spec, apply_group(spec, canon.state, g), canon.gains), seen
 
 
+def _saved_planted_pair(tmp_path):
+    """:func:`_planted_pair` saved as checkpoints ``ref`` and ``cand`` in ``tmp_path``: (the seen rows, the config)."""
+    from fedbasin.checkpoint import save_checkpoint
+    from fedbasin.models import make_config
+
+    _, ref, cand, seen = _planted_pair()
+    config = make_config("gpt", CONFIG)
+    for name, state in (("ref", ref), ("cand", cand)):
+        save_checkpoint(tmp_path / name, "gpt", config, {k: v.float() for k, v in state.items()})
+    return seen, config
+
+
 def _error(match, ref) -> float:
     """Largest distance of the aligned candidate from the reference outside the token rows."""
     state = match if isinstance(match, dict) else match.state
@@ -247,16 +259,12 @@ def test_bad_token_rows_string_is_refused():
 def test_cli_seen_tokens_auto_records_the_rows_judged_trained(tmp_path, capsys):
     import json
 
-    from fedbasin.checkpoint import load_checkpoint, save_checkpoint
+    from fedbasin.checkpoint import load_checkpoint
     from fedbasin.cli import main
-    from fedbasin.models import make_config
 
     from .helpers import cli_error
 
-    _, ref, cand, _ = _planted_pair()
-    config = make_config("gpt", CONFIG)
-    for name, state in (("ref", ref), ("cand", cand)):
-        save_checkpoint(tmp_path / name, "gpt", config, {k: v.float() for k, v in state.items()})
+    _saved_planted_pair(tmp_path)
     a, b = (load_checkpoint(tmp_path / n) for n in ("ref", "cand"))
     assert main(["align", str(tmp_path / "ref"), str(tmp_path / "cand"), "--out", str(tmp_path / "out"),
                  "--seen-tokens", "auto", "--iterations", "5", "--head-weight", "1", "--refine-budget", "0"]) == 0
@@ -286,14 +294,10 @@ def test_cli_unigram_proxy_draws_the_rows_judged_trained_by_their_learned_freque
 
     from fedbasin.checkpoint import save_checkpoint
     from fedbasin.cli import main
-    from fedbasin.models import make_config
 
     from .helpers import cli_error, spy_on_cli_refine
 
-    _, ref, cand, seen = _planted_pair()
-    config = make_config("gpt", CONFIG)
-    for name, state in (("ref", ref), ("cand", cand)):
-        save_checkpoint(tmp_path / name, "gpt", config, {k: v.float() for k, v in state.items()})
+    seen, config = _saved_planted_pair(tmp_path)
     recorded = {}
     spy_on_cli_refine(monkeypatch, recorded.update)
     argv = ["align", str(tmp_path / "ref"), str(tmp_path / "cand"), "--out", str(tmp_path / "out"), "--refine-data",
@@ -334,17 +338,13 @@ def test_cli_bigram_proxy_chains_the_models_one_token_predictions_over_the_rows_
     import json
 
     from fedbasin.alignment.token_rows import infer_token_rows
-    from fedbasin.checkpoint import load_checkpoint, save_checkpoint
+    from fedbasin.checkpoint import load_checkpoint
     from fedbasin.cli import _one_token_transitions, main
     from fedbasin.data import chain_blocks
-    from fedbasin.models import make_config
 
     from .helpers import spy_on_cli_refine
 
-    _, ref, cand, seen = _planted_pair()
-    config = make_config("gpt", CONFIG)
-    for name, state in (("ref", ref), ("cand", cand)):
-        save_checkpoint(tmp_path / name, "gpt", config, {k: v.float() for k, v in state.items()})
+    seen, config = _saved_planted_pair(tmp_path)
     recorded = {}
     spy_on_cli_refine(monkeypatch, recorded.update)
     assert main(["align", str(tmp_path / "ref"), str(tmp_path / "cand"), "--out", str(tmp_path / "out"),
