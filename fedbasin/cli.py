@@ -798,15 +798,16 @@ def _weights_proxy(ref, states: list[dict], options, chained: bool = False):
     from fedbasin.alignment.token_rows import infer_token_rows
     from fedbasin.data import chain_blocks, frequency_blocks
 
+    spec = "bigram" if chained else "unigram"
     found = infer_token_rows(ref.spec, *states)
     if found is None or found.trained == found.vocab:
-        raise UsageError(f"--refine-data {'bigram' if chained else 'unigram'} draws the tokens the models were "
-                         f"trained on, judged from their weights, but {ref.path} " +
+        raise UsageError(f"--refine-data {spec} draws the tokens the models were trained on, judged from their "
+                         f"weights, but {ref.path} " +
                          ("has no token rows" if found is None else "shows no untrained token rows to tell them from") +
                          ": give unigram:FILE (token counts of a text) or text:FILE")
     block = ref.context_length
     if not block:
-        raise UsageError(f"--refine-data unigram: {ref.path} records no context length to draw blocks of")
+        raise UsageError(f"--refine-data {spec}: {ref.path} records no context length to draw blocks of")
     frequencies = found.weights.square()
     if not chained:
         return frequency_blocks(frequencies, options.examples, block, seed=options.seed)
