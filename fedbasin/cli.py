@@ -719,8 +719,9 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
             raise UsageError("--refine-dual moves the reference along the path: its --weights entry must be > 0")
         options = resolved.options = dataclasses.replace(options, dual=False)  # auto yields to --weights
     train = None
+    module = build_torch_model(ref)
     if args.refine_data in WEIGHTS_PROXIES:  # the frequencies judged from the models' weights
-        proxy = _weights_proxy(ref, states, options, chained=args.refine_data == "bigram")
+        proxy = _weights_proxy(ref, states, options, module, chained=args.refine_data == "bigram")
     elif unigram:  # the text's training split gives the counts; the proxy is drawn from them
         text_file = args.refine_data.partition(":")[2]
         if not text_file:
@@ -736,7 +737,6 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
         proxy, train = task.proxy, task.train
     if found := problems([options, match], CLI, data=args.refine_data):  # with the auto choices, on data it reads
         raise UsageError(found[0])
-    module = build_torch_model(ref)
     # selection/report batches of at most 32 examples whose logits stay under 2^26 values: GPT-2's
     # 50,257 tokens give 10 blocks of 128, and its head's product then runs 2.7 times faster per value
     # than with 32 blocks (a 206 MB output instead of 823 MB; docs/journal/merging-notes.md §13)
@@ -788,13 +788,13 @@ def _default_data_free(args, checkpoint, states: list[dict], match, summary: dic
         summary["data_free"] = "weight matching"
 
 
-def _weights_proxy(ref, states: list[dict], options, chained: bool = False):
+def _weights_proxy(ref, states: list[dict], options, module: nn.Module, chained: bool = False):
     """``--refine-data unigram``: synthetic blocks of the context length drawn by token frequencies judged
     from the models' weights alone, f_t ∝ w_t² with w the token-row weights of data-free matching
     (P(row trained in every model) × Zipf rank^(−1/2) by the head's learned order: f ∝ 1/rank,
     :func:`fedbasin.alignment.token_rows.infer_token_rows`). ``bigram`` (``chained``): the first token
     drawn so, each next one from the models' mean prediction after the previous token alone, over the rows
-    judged trained (:func:`_one_token_transitions`)."""
+    judged trained (:func:`_one_token_transitions`, run by ``module``, the reference's architecture)."""
     from fedbasin.alignment.token_rows import infer_token_rows
     from fedbasin.data import chain_blocks, frequency_blocks
 
@@ -813,7 +813,7 @@ def _weights_proxy(ref, states: list[dict], options, chained: bool = False):
         return frequency_blocks(frequencies, options.examples, block, seed=options.seed)
     rows = torch.nonzero(found.probability > 0.5)[:, 0]
     rows = rows[frequencies[rows].argsort(descending=True)[:CHAIN_ROWS]].sort().values
-    transitions = _one_token_transitions(ref, states, rows)
+    transitions = _one_token_transitions(ref, module, states, rows)
     return chain_blocks(rows, frequencies[rows], transitions, options.examples, block, seed=options.seed)
 
 
@@ -822,13 +822,11 @@ def _weights_proxy(ref, states: list[dict], options, chained: bool = False):
 CHAIN_ROWS = 16384
 
 
-def _one_token_transitions(ref, states: list[dict], rows: torch.Tensor) -> torch.Tensor:
+def _one_token_transitions(ref, module: nn.Module, states: list[dict], rows: torch.Tensor) -> torch.Tensor:
     """P[i, k] = the mean over ``states`` of softmax(model(rows[i]))[rows[k]]: each model's next-token prediction
-    after the one token ``rows[i]``, over ``rows`` only (the models cut to those token rows)."""
+    after the one token ``rows[i]``, over ``rows`` only (``module`` run on the states cut to those token rows)."""
     from fedbasin.alignment.vocabulary import _TrainingVocabulary
-    from fedbasin.checkpoint import build_torch_model
 
-    module = build_torch_model(ref)
     vocabulary = _TrainingVocabulary(ref.spec, states[0], rows)
     x = torch.arange(len(rows), device=next(iter(states[0].values())).device)[:, None]  # row numbers
     p = torch.zeros(len(rows), len(rows))

@@ -338,7 +338,7 @@ def test_cli_bigram_proxy_chains_the_models_one_token_predictions_over_the_rows_
     import json
 
     from fedbasin.alignment.token_rows import infer_token_rows
-    from fedbasin.checkpoint import load_checkpoint
+    from fedbasin.checkpoint import build_torch_model, load_checkpoint
     from fedbasin.cli import _one_token_transitions, main
     from fedbasin.data import chain_blocks
 
@@ -357,7 +357,7 @@ def test_cli_bigram_proxy_chains_the_models_one_token_predictions_over_the_rows_
     found = infer_token_rows(a.spec, *states)
     rows = torch.nonzero(found.probability > 0.5)[:, 0]
     assert set(rows.tolist()) <= set(seen.tolist())
-    chain = chain_blocks(rows, found.weights.square()[rows], _one_token_transitions(a, states, rows), 60,
-                         CONFIG["block_size"], seed=0)
+    transitions = _one_token_transitions(a, build_torch_model(a), states, rows)
+    chain = chain_blocks(rows, found.weights.square()[rows], transitions, 60, CONFIG["block_size"], seed=0)
     drawn = recorded["batches"].split.inputs
     assert {tuple(r) for r in drawn.tolist()} <= {tuple(r) for r in chain.inputs.tolist()}

@@ -73,7 +73,7 @@ def test_chain_blocks_walk_the_transitions_from_the_first_weights():
 def test_one_token_transitions_are_the_models_mean_prediction_over_the_rows(tmp_path):
     """The bigram proxy's P[i, k]: the mean over the models of softmax(model(rows[i]))[rows[k]], renormalised over
     ``rows`` (computed on the models cut to those rows, equal to the full models' prediction restricted)."""
-    from fedbasin.checkpoint import load_checkpoint, save_checkpoint
+    from fedbasin.checkpoint import build_torch_model, load_checkpoint, save_checkpoint
     from fedbasin.cli import _one_token_transitions
     from fedbasin.models import make_config
 
@@ -82,7 +82,7 @@ def test_one_token_transitions_are_the_models_mean_prediction_over_the_rows(tmp_
     ref = load_checkpoint(tmp_path / "a")
     states = [ref.adapter.to_standard(s) for s in (a, b)]
     rows = torch.tensor([1, 4, 5, 11, 20, 22])
-    found = _one_token_transitions(ref, states, rows)
+    found = _one_token_transitions(ref, build_torch_model(ref), states, rows)
     model = build_model("gpt", GPT)
     with torch.no_grad():
         full = [torch.func.functional_call(model, s, (rows[:, None],))[:, -1] for s in (a, b)]

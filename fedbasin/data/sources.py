@@ -138,12 +138,18 @@ def unigram_blocks(token_ids: torch.Tensor, vocab_size: int, count: int, block_s
 def frequency_blocks(frequencies: torch.Tensor, count: int, block_size: int, seed: int = 0) -> Split:
     """``count`` blocks of tokens drawn independently, token t with probability f_t / Σ f: inputs
     ``s[:B]``, targets ``s[1:B+1]`` of each drawn row ``s`` (``frequencies`` (vocab,), ≥ 0, not all 0)."""
-    f = torch.as_tensor(frequencies, dtype=torch.float64)
-    if f.ndim != 1 or not bool(torch.isfinite(f).all()) or bool((f < 0).any()) or not bool(f.sum() > 0):
-        raise ValueError("token frequencies must be one finite value >= 0 per token, not all 0")
-    drawn = torch.multinomial(f / f.sum(), count * (block_size + 1), replacement=True,
+    p = _probabilities(frequencies, "token frequencies")
+    drawn = torch.multinomial(p, count * (block_size + 1), replacement=True,
                               generator=torch.Generator().manual_seed(seed)).reshape(count, block_size + 1)
     return Split(drawn[:, :-1].contiguous(), drawn[:, 1:].contiguous())
+
+
+def _probabilities(weights: torch.Tensor, what: str) -> torch.Tensor:
+    """``weights / Σ weights`` (float64), refused unless one finite value >= 0 per token, not all 0."""
+    w = torch.as_tensor(weights, dtype=torch.float64)
+    if w.ndim != 1 or not bool(torch.isfinite(w).all()) or bool((w < 0).any()) or not bool(w.sum() > 0):
+        raise ValueError(f"{what} must be one finite value >= 0 per token, not all 0")
+    return w / w.sum()
 
 
 def chain_blocks(tokens: torch.Tensor, first: torch.Tensor, transitions: torch.Tensor, count: int, block_size: int,
@@ -153,17 +159,15 @@ def chain_blocks(tokens: torch.Tensor, first: torch.Tensor, transitions: torch.T
     normalised). Inputs ``s[:B]``, targets ``s[1:B+1]`` of each drawn row ``s``."""
     tokens = torch.as_tensor(tokens).reshape(-1).long()
     n = tokens.numel()
-    f = torch.as_tensor(first, dtype=torch.float64)
-    p = torch.as_tensor(transitions)
+    f, p = torch.as_tensor(first), torch.as_tensor(transitions)
     if n == 0 or f.shape != (n,) or p.shape != (n, n):
         raise ValueError(f"a chain over {n} tokens needs {n} first weights and {n}x{n} transitions, got "
                          f"{tuple(f.shape)} and {tuple(p.shape)}")
     if not (bool(torch.isfinite(p).all()) and bool((p >= 0).all()) and bool((p.sum(1) > 0).all())):
         raise ValueError("chain transitions must be finite, >= 0, and every row must sum to > 0")
-    if not (bool(torch.isfinite(f).all()) and bool((f >= 0).all()) and bool(f.sum() > 0)):
-        raise ValueError("chain first weights must be finite, >= 0, not all 0")
+    first = _probabilities(f, "chain first weights")
     generator = torch.Generator().manual_seed(seed)
-    state = torch.multinomial(f / f.sum(), count, replacement=True, generator=generator)  # indices into tokens
+    state = torch.multinomial(first, count, replacement=True, generator=generator)  # indices into tokens
     cdf = p.float().cumsum(1)  # each row's cumulative weights: a draw is a search of u ~ U(0, row total)
     drawn = [state]
     for _ in range(block_size):
