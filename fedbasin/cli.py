@@ -163,7 +163,7 @@ def _refine_options(p: argparse.ArgumentParser) -> None:
     from fedbasin.options import RefineOptions, add_arguments
 
     g = p.add_argument_group("learned refinement (on when --refine-data is given, and in align / merge of subword "
-                             "LMs whose weights show untrained token rows on the data-free --refine-data unigram; "
+                             "LMs whose weights show untrained token rows on the data-free --refine-data bigram; "
                              "--refine-budget 0 turns that off; 'auto': the measured best for the model's kind, "
                              "sized by --refine-budget)")
     g.add_argument("--refine-data", metavar="SPEC", help="proxy data: " + DATA_HELP + " | unigram (data-free: "
@@ -604,25 +604,12 @@ def _refined_merge(args, checkpoints, states, match) -> tuple[dict, dict]:
 
     weights = args.weights or [1.0] * len(states)
     refine, info, proxy = _refiner(args, checkpoints[0], "merge", match, states)
-    distills = _merge_distills(args, info["kind"])
-    # its options checked before any long work
-    distill = _distiller(args, checkpoints[0], info["kind"], proxy) if distills else None
+    distill = _distiller(args, checkpoints[0], info["kind"], proxy)  # its options checked before any long work
     merged, result = refined_merge(checkpoints[0].spec, states, weights, 0, refine)
     summary = {**info, **result.summary()}
     if distill is not None:
         merged, summary["distillation"] = distill(merged, [s for s, w in zip(states, weights) if w > 0])
-    elif not distills and proxy.split is not None:
-        summary["distillation"] = {"note": f"off by default for a {info['kind']} (measured: it kept its start); "
-                                           "a --distill-* option (e.g. --distill-budget 120) turns it on"}
     return merged, summary
-
-
-def _merge_distills(args, kind: str) -> bool:
-    """Whether the merge distils: by default for ``kind`` (:data:`fedbasin.options.MERGE_DISTILLS`), or
-    because a ``--distill-*`` option was given (every option given is honoured)."""
-    from fedbasin.options import MERGE_DISTILLS
-
-    return MERGE_DISTILLS[kind] or any(getattr(args, dest, None) is not None for dest in DISTILL_OPTIONS)
 
 
 @dataclasses.dataclass
@@ -633,6 +620,7 @@ class _Proxy:
     split: object
     module: torch.nn.Module
     options: object
+    vocabulary: torch.Tensor | None = None  # the refinement's training vocabulary (token ids; None: every token)
 
 
 def _distiller(args, ref, kind: str, proxy: _Proxy):
@@ -642,14 +630,22 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
     (``auto`` set for ``kind``, the steps sized by ``--distill-budget``); None when off (no real proxy data,
     ``--distill-steps 0`` or a budget of 0)."""
     from fedbasin.alignment import proxy_streams
+    from fedbasin.alignment.vocabulary import TrainingVocabulary
     from fedbasin.config import eval_batch_size
-    from fedbasin.options import AUTO, DistillOptions, distill_call, from_args, resolve_distill
-    from fedbasin.server.distill import ensemble_distill, named_augment
+    from fedbasin.options import (
+        AUTO,
+        MERGE_DISTILL_CHECKS_AT_END,
+        DistillOptions,
+        distill_call,
+        from_args,
+        resolve_distill,
+    )
+    from fedbasin.server.distill import EVAL_EVERY, ensemble_distill, named_augment
     from fedbasin.training import cross_entropy
     from fedbasin.weights import holding_weights
 
     try:
-        options = resolve_distill(from_args(DistillOptions, args), kind)
+        options = resolve_distill(from_args(DistillOptions, args), kind, merge=True)
     except ValueError as error:
         raise UsageError(str(error).splitlines()[0]) from None
     auto = options.steps == AUTO
@@ -660,23 +656,29 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
     except ValueError as error:
         raise UsageError(f"--{error}") from None
     refine, call = proxy.options, distill_call(options)
+    eval_every = sys.maxsize if kind in MERGE_DISTILL_CHECKS_AT_END else EVAL_EVERY  # (the start and the last step)
 
     def distill(merged: dict, teachers: list[dict]) -> tuple[dict, dict]:
-        data = proxy_streams(proxy.split, refine.batch_size, seed=refine.seed,
+        rows = None if proxy.vocabulary is None else TrainingVocabulary(ref.spec, merged, proxy.vocabulary)
+        cut = (lambda state: state) if rows is None else rows.cut
+        split = proxy.split if rows is None else rows.renumber_split(proxy.split)
+        data = proxy_streams(split, refine.batch_size, seed=refine.seed,
                              selection_fraction=refine.selection_fraction,
                              evaluation_fraction=refine.evaluation_fraction,
                              eval_batch_size=eval_batch_size(proxy.split, proxy.module, most=32))
-        start = ref.adapter.from_standard(merged)
+        start = ref.adapter.from_standard(cut(merged))
         device = next(iter(start.values())).device  # --device: where the states are
-        with holding_weights(proxy.module, start, device) as student:  # the module runs there too
+        with holding_weights(proxy.module, start, device, reshaped=rows is not None) as student:  # and runs there
             result = ensemble_distill(
-                proxy.module, student, [ref.adapter.from_standard(t) for t in teachers], cross_entropy,
+                proxy.module, student, [ref.adapter.from_standard(cut(t)) for t in teachers], cross_entropy,
                 data.batches, data.selection, data.evaluation, steps=None if auto else options.steps,
                 budget=options.budget if auto else None, augment=augment, seed=refine.seed, progress=True,
-                **call)
-        return ref.adapter.to_standard(result.state), {
+                eval_every=eval_every, **call)
+        state = ref.adapter.to_standard(result.state)
+        return (state if rows is None else rows.paste(merged, state)), {
             **result.summary(), "teachers": len(teachers), "budget_seconds": options.budget if auto else None,
-            "augment": options.augment, **call}
+            "augment": options.augment, "vocabulary": None if rows is None else len(rows.ids),
+            "keep_best_checks": "start and end" if eval_every == sys.maxsize else f"every {eval_every} steps", **call}
 
     return distill
 
@@ -761,17 +763,18 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
         info["frequencies"] = "weights"
     elif task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
-    return refine, info, _Proxy(None if unigram else proxy, module, options)
+    return refine, info, _Proxy(None if unigram else proxy, module, options, vocabulary)
 
 
 def _default_data_free(args, checkpoint, states: list[dict], match, summary: dict) -> None:
     """Plain ``align`` / ``merge`` (no ``--refine-data``, the orthogonal symmetry) of causal LMs with a subword
     vocabulary whose weights tell the trained token rows from the untrained ones: the best data-free alignment measured,
-    weight matching refined on ``--refine-data unigram`` (synthetic blocks the models label) within
+    weight matching refined on ``--refine-data bigram`` (:data:`fedbasin.options.DATA_FREE_PROXY`: synthetic
+    blocks the models label) within
     ``--refine-budget`` seconds (default 120; 0: weight matching alone). Sets ``args.refine_data``;
     ``summary["data_free"]`` says which was run. A ``--refine-budget`` that sizes nothing is refused."""
     from fedbasin.alignment.token_rows import infer_token_rows
-    from fedbasin.options import SUBWORD_LM, RefineOptions
+    from fedbasin.options import DATA_FREE_PROXY, SUBWORD_LM, RefineOptions
 
     if args.refine_data:
         return
@@ -779,7 +782,8 @@ def _default_data_free(args, checkpoint, states: list[dict], match, summary: dic
     rows = infer_token_rows(checkpoint.spec, *states) if _kind(checkpoint) == SUBWORD_LM else None
     untrained = rows is not None and rows.trained < rows.vocab and checkpoint.context_length
     if untrained and budget > 0 and match.symmetry == "orthogonal":
-        args.refine_data, summary["data_free"] = "unigram", "weight matching refined on --refine-data unigram"
+        args.refine_data = DATA_FREE_PROXY
+        summary["data_free"] = f"weight matching refined on --refine-data {DATA_FREE_PROXY}"
     elif args.refine_budget:
         raise UsageError(f"--refine-budget has no effect without --refine-data here: the data-free refinement runs for "
                          "subword LMs whose weights show untrained token rows, with --symmetry orthogonal, and "
@@ -825,14 +829,14 @@ CHAIN_ROWS = 16384
 def _one_token_transitions(ref, module: nn.Module, states: list[dict], rows: torch.Tensor) -> torch.Tensor:
     """P[i, k] = the mean over ``states`` of softmax(model(rows[i]))[rows[k]]: each model's next-token prediction
     after the one token ``rows[i]``, over ``rows`` only (``module`` run on the states cut to those token rows)."""
-    from fedbasin.alignment.vocabulary import _TrainingVocabulary
+    from fedbasin.alignment.vocabulary import TrainingVocabulary
 
-    vocabulary = _TrainingVocabulary(ref.spec, states[0], rows)
+    vocabulary = TrainingVocabulary(ref.spec, states[0], rows)
     x = torch.arange(len(rows), device=next(iter(states[0].values())).device)[:, None]  # row numbers
     p = torch.zeros(len(rows), len(rows))
     with torch.no_grad():
         for state in states:
-            weights = ref.adapter.from_standard(vocabulary.restrict(state, vocabulary.ids))
+            weights = ref.adapter.from_standard(vocabulary.cut(state))
             for start in range(0, len(rows), 1024):
                 out = torch.func.functional_call(module, weights, (x[start:start + 1024],))
                 logits = (out if isinstance(out, torch.Tensor) else out.logits)[:, -1].float()

@@ -18,14 +18,14 @@ import torch
 from torch import nn
 
 
-def check_fits(like: dict, state: dict, name: str) -> None:
-    """``state`` holds exactly the keys and shapes of the module state ``like`` (as
-    ``load_state_dict`` needs), else a ValueError naming ``name``."""
+def check_fits(like: dict, state: dict, name: str, shapes: bool = True) -> None:
+    """``state`` holds exactly the keys (and, with ``shapes``, the shapes) of the module state ``like``
+    (as ``load_state_dict`` needs), else a ValueError naming ``name``."""
     missing, unexpected = sorted(set(like) - set(state)), sorted(set(state) - set(like))
     if missing or unexpected:
         raise ValueError(f"{name}: its state does not fit the model (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
-    for k, v in state.items():
+    for k, v in state.items() if shapes else ():
         if tuple(v.shape) != tuple(like[k].shape):
             raise ValueError(f"{name}: {k} has shape {tuple(v.shape)}, the model's is {tuple(like[k].shape)}")
 
@@ -78,13 +78,15 @@ def weightless_copy(module: nn.Module, device=None) -> nn.Module:
 
 
 @contextmanager
-def holding_weights(module: nn.Module, state: dict, device=None) -> Iterator[dict]:
+def holding_weights(module: nn.Module, state: dict, device=None, reshaped: bool = False) -> Iterator[dict]:
     """For the block, the module's weights are ``state``'s own tensors (in the module's dtypes, on
     ``device`` or where they are: copies only where those differ; tied keys share the tensor of
     the first). Yields the module's state dict (key → the tensor it now holds); afterwards the
-    module holds its previous tensors again (its non-persistent buffers stay on ``device``)."""
+    module holds its previous tensors again (its non-persistent buffers stay on ``device``).
+    ``reshaped``: tensors may have other shapes than the module's (e.g. token rows cut to a vocabulary;
+    the module then computes with them through ``torch.func.functional_call``)."""
     groups = weight_groups(module)
-    check_fits(module.state_dict(keep_vars=True), state, "state")
+    check_fits(module.state_dict(keep_vars=True), state, "state", shapes=not reshaped)
     if device is not None:
         _non_persistent_buffers_to(module, device)
     held = {}

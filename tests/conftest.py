@@ -43,3 +43,22 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
     name = config.getoption("--mutate")
     return f"MUTATION ACTIVE: {name} ({MUTATIONS[name].__doc__.strip()})" if name else None
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[dict]:
+    """Every ``ensemble_distill`` call of the CLI, recorded (teachers counted) and run for 4 steps instead of
+    its budget, with its result (the merge tests of images and of language models)."""
+    from fedbasin.server import distill as distill_module
+
+    original, record = distill_module.ensemble_distill, []
+
+    def spy(model, student, teachers, *args, **kwargs):
+        call = {**kwargs, "teachers": len(teachers)}
+        kwargs.update(steps=4, budget=None)
+        call["result"] = original(model, student, teachers, *args, **kwargs)
+        record.append(call)
+        return call["result"]
+
+    monkeypatch.setattr(distill_module, "ensemble_distill", spy)
+    return record

@@ -225,16 +225,16 @@ def shared_norm_feeds_attention_only() -> None:
 
 def token_biases_uncut() -> None:
     """A restricted training vocabulary cuts the head's rows but not its bias (Phi's ``lm_head.bias``)."""
-    from fedbasin.alignment.vocabulary import _TrainingVocabulary
+    from fedbasin.alignment.vocabulary import TrainingVocabulary
 
-    original = _TrainingVocabulary.__init__
+    original = TrainingVocabulary.__init__
 
     @functools.wraps(original)
     def mutant(self, spec, *args, **kwargs):
         original(self, spec, *args, **kwargs)
         self.keys = self.keys - set(spec.token_biases)
 
-    _TrainingVocabulary.__init__ = mutant
+    TrainingVocabulary.__init__ = mutant
 
 
 def new_config_ignores_context() -> None:

@@ -10,16 +10,33 @@ import json
 import pytest
 import torch
 
-from fedbasin.alignment import apply_group, canonicalize, learned_refine, random_group_element, to_gauge
+from fedbasin.alignment import (
+    apply_group,
+    canonicalize,
+    learned_refine,
+    random_group_element,
+    to_gauge,
+)
 from fedbasin.alignment.activations import activation_match
 from fedbasin.alignment.proxy import proxy_streams
-from fedbasin.alignment.vocabulary import _TrainingVocabulary
+from fedbasin.alignment.vocabulary import TrainingVocabulary
 from fedbasin.data import load_task
 from fedbasin.models import build_model
 from fedbasin.training import cross_entropy
 
-from .helpers import (DIGITS_VIT, GPT, VIT, cli_error, inputs, rel_err, run, spec_of, spy_on_cli_refine,
-                      trained_digits_vit, trained_like)
+from .helpers import (
+    DIGITS_VIT,
+    GPT,
+    VIT,
+    cli_error,
+    inputs,
+    rel_err,
+    run,
+    spec_of,
+    spy_on_cli_refine,
+    trained_digits_vit,
+    trained_like,
+)
 
 PLANTED = {
     "vit-rms-relu": ("vit", dict(VIT, norm="rmsnorm", activation="relu")),
@@ -90,7 +107,7 @@ def test_restricted_vocabulary_logits_are_the_full_logits_of_those_tokens():
     spec = spec_of("gpt", GPT)
     state = trained_like("gpt", GPT, seed=1, dtype=torch.float32).state_dict()
     kept = torch.tensor([0, 2, 3, 7, 11, 12, 19, 22])
-    vocab = _TrainingVocabulary(spec, state, kept)
+    vocab = TrainingVocabulary(spec, state, kept)
     restrict, renumber = (lambda s: vocab.restrict(s, vocab.ids)), vocab.renumber
     x = kept[torch.randint(0, len(kept), (3, GPT["block_size"]), generator=torch.Generator().manual_seed(0))]
     full = run("gpt", GPT, state, x, torch.float32)
@@ -98,13 +115,13 @@ def test_restricted_vocabulary_logits_are_the_full_logits_of_those_tokens():
     assert torch.equal(renumber(kept), torch.arange(len(kept)))
     assert float((small - full[..., kept]).abs().max()) < 1e-5
     every = torch.arange(GPT["vocab_size"])
-    vocab = _TrainingVocabulary(spec, state, every)
+    vocab = TrainingVocabulary(spec, state, every)
     restrict, renumber = (lambda s: vocab.restrict(s, vocab.ids)), vocab.renumber
     y = torch.randint(0, GPT["vocab_size"], x.shape, generator=torch.Generator().manual_seed(1))
     assert float(cross_entropy(run("gpt", GPT, restrict(state), renumber(y), torch.float32), renumber(y))) == \
         pytest.approx(float(cross_entropy(run("gpt", GPT, state, y, torch.float32), y)), rel=1e-6)
     with pytest.raises(ValueError, match="token 1, outside the refinement vocabulary"):
-        _TrainingVocabulary(spec, state, kept).renumber(torch.tensor([[0, 1]]))
+        TrainingVocabulary(spec, state, kept).renumber(torch.tensor([[0, 1]]))
 
 
 def test_refinement_with_every_token_as_vocabulary_equals_the_full_refinement():
@@ -130,7 +147,7 @@ def test_sampled_outside_tokens_estimate_the_dropped_mass():
     state = trained_like("gpt", GPT, seed=1, dtype=torch.float32).state_dict()
     kept = torch.tensor([0, 2, 3, 7, 11, 12, 19, 22])
     z = torch.randn(GPT["vocab_size"], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    vocab = _TrainingVocabulary(spec, state, kept, samples=5, seed=0)
+    vocab = TrainingVocabulary(spec, state, kept, samples=5, seed=0)
     estimates = []
     for _ in range(4000):
         rows, correction, _, _ = vocab.draw(kept, kept)
@@ -139,7 +156,7 @@ def test_sampled_outside_tokens_estimate_the_dropped_mass():
     outside = torch.ones(GPT["vocab_size"], dtype=torch.bool)
     outside[kept] = False
     assert sum(estimates) / len(estimates) == pytest.approx(float(z[outside].exp().sum()), rel=0.02)
-    rows, correction, _, _ = _TrainingVocabulary(spec, state, kept, samples=100).draw(kept, kept)
+    rows, correction, _, _ = TrainingVocabulary(spec, state, kept, samples=100).draw(kept, kept)
     assert sorted(rows.tolist()) == list(range(GPT["vocab_size"])) and float(correction.abs().max()) == 0.0
 
 
@@ -153,7 +170,7 @@ def test_batch_sampled_vocabulary_keeps_the_step_s_tokens_and_estimates_the_rest
     kept = torch.tensor([0, 2, 3, 7, 11, 12, 19, 22])
     x, y = torch.tensor([[3, 7, 3]]), torch.tensor([[7, 3, 19]])
     z = torch.randn(GPT["vocab_size"], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    vocab = _TrainingVocabulary(spec, state, kept, samples=2, seed=0, batch_samples=2)
+    vocab = TrainingVocabulary(spec, state, kept, samples=2, seed=0, batch_samples=2)
     estimates = []
     for _ in range(4000):
         rows, correction, xs, ys = vocab.draw(x, y)
@@ -165,10 +182,10 @@ def test_batch_sampled_vocabulary_keeps_the_step_s_tokens_and_estimates_the_rest
     others = kept[~torch.isin(kept, torch.tensor([3, 7, 19]))]
     estimates = torch.tensor(estimates)  # unbiased: within 4 standard errors of the exact sum
     assert abs(float(estimates.mean() - z[others].exp().sum())) < 4 * float(estimates.std()) / len(estimates) ** 0.5
-    every = _TrainingVocabulary(spec, state, kept, batch_samples=100)
+    every = TrainingVocabulary(spec, state, kept, batch_samples=100)
     rows, correction, xs, ys = every.draw(x, y)
     assert sorted(rows.tolist()) == kept.tolist() and float(correction.abs().max()) == 0.0
-    fixed = _TrainingVocabulary(spec, state, kept)
+    fixed = TrainingVocabulary(spec, state, kept)
     blocks = kept[torch.randint(0, len(kept), (3, GPT["block_size"]), generator=torch.Generator().manual_seed(2))]
     rows, _, xs, _ = every.draw(blocks, blocks)
     sampled = run("gpt", dict(GPT, vocab_size=len(kept)), every.restrict(state, rows), xs, torch.float32)
@@ -241,7 +258,7 @@ def test_vocabulary_is_refused_without_token_embedding():
     spec = spec_of("vit", VIT)
     a = trained_like("vit", VIT, seed=1).state_dict()
     with pytest.raises(ValueError, match="no token embedding"):
-        _TrainingVocabulary(spec, a, torch.arange(3))
+        TrainingVocabulary(spec, a, torch.arange(3))
 
 
 def test_batch_samples_need_a_vocabulary():
@@ -263,14 +280,14 @@ def test_batch_sampled_vocabulary_keeps_the_tokens_sparse_soft_targets_list():
     x = torch.tensor([[3, 7, 3]])
     # per position: (id, weight) pairs; 12 at weight 0 and 5 (outside the vocabulary) add no row
     y = torch.tensor([[[[7, .5], [22, .3], [12, 0.]], [[3, .6], [5, .2], [0, .1]], [[19, .9], [22, .05], [12, 0.]]]])
-    vocab = _TrainingVocabulary(spec, state, kept, seed=0, batch_samples=2)
+    vocab = TrainingVocabulary(spec, state, kept, seed=0, batch_samples=2)
     rows, correction, xs, ys = vocab.draw(x, y)
     assert sorted(rows[:5].tolist()) == [0, 3, 7, 19, 22] and rows.numel() == 7
     assert float(correction[:5].abs().max()) == 0.0 and torch.equal(rows[xs], x)
     listed = ys[..., 1] > 0
     assert int(listed.sum()) == 6 and torch.equal(rows[ys[..., 0].long()][listed], y[..., 0].long()[listed])
     assert torch.equal(ys[..., 1], y[..., 1] * torch.isin(y[..., 0].long(), kept))
-    every, fixed = _TrainingVocabulary(spec, state, kept, batch_samples=100), _TrainingVocabulary(spec, state, kept)
+    every, fixed = TrainingVocabulary(spec, state, kept, batch_samples=100), TrainingVocabulary(spec, state, kept)
     blocks = kept[torch.randint(0, len(kept), (3, GPT["block_size"]), generator=torch.Generator().manual_seed(2))]
     g = torch.Generator().manual_seed(3)
     targets = torch.stack([kept[torch.randint(0, len(kept), (3, GPT["block_size"], 4), generator=g)].float(),

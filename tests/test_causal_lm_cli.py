@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,14 +129,24 @@ def test_merge_refines_and_distils_on_text(pair, text_file, capsys, tmp_path):
     assert math.isfinite(_run(capsys, ["eval", out, "--data", f"text:{text_file}"])["loss"])
 
 
-def test_a_subword_lm_merge_distils_only_when_a_distill_option_is_given(text_file, capsys, tmp_path):
-    """``fedbasin merge --refine-data`` of subword LMs leaves distillation off by default (measured: on two pairs
-    it kept its start; ``MERGE_DISTILLS``) and says so; any ``--distill-*`` option turns it on."""
+def test_a_subword_lm_merge_distils_by_default_over_the_refinements_vocabulary(text_file, calls, capsys, tmp_path):
+    """``fedbasin merge --refine-data text:FILE`` of subword LMs distils by default, at Adam 0.0001, checking its
+    start and its end only (the Flower server's LM distillation: 0.001, every 10 steps). Its softmax covers the
+    token rows the refinement trained on (the text's tokens), not the 50,257 of the vocabulary: only those rows of
+    the embedding and the head move; every other row is the refined merge's, bit for bit."""
     m0, m1 = _save(tmp_path / "m0", "llama", 1), _save(tmp_path / "m1", "llama", 2)
-    off = _refine(capsys, "merge", m0, m1, tmp_path / "off", text_file, steps=2)["distillation"]
-    assert set(off) == {"note"} and "off by default for a causal LM (subword tokenizer)" in off["note"]
-    on = _refine(capsys, "merge", m0, m1, tmp_path / "on", text_file, steps=2, extra=["--distill-budget", 2])
-    assert on["distillation"]["teachers"] == 2 and on["distillation"]["budget_seconds"] == 2.0
+    _refine(capsys, "merge", m0, m1, tmp_path / "off", text_file, steps=2, extra=["--distill-steps", 0])
+    assert not calls
+    distilled = _refine(capsys, "merge", m0, m1, tmp_path / "on", text_file, steps=2)["distillation"]
+    (call,) = calls  # (run for 4 steps instead of its budget)
+    assert (call["steps"], call["budget"], call["lr"], call["eval_every"]) == (None, 120.0, 1e-4, sys.maxsize)
+    assert distilled["keep_best_checks"] == "start and end" and call["teachers"] == 2
+    assert distilled["improved"] and 0 < distilled["vocabulary"] < VOCAB // 10
+    off, on = (load_checkpoint(tmp_path / name).state for name in ("off", "on"))
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        moved = (off[key] != on[key]).any(dim=1)
+        assert 0 < int(moved.sum()) <= distilled["vocabulary"], key
+    assert any(not torch.equal(off[k], on[k]) for k in off if k not in ("model.embed_tokens.weight", "lm_head.weight"))
 
 
 def test_images_are_refused_in_one_line_naming_the_family(pair, capsys):

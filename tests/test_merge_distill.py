@@ -11,7 +11,6 @@ import torch
 
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.cli import main
-from fedbasin.server import distill as distill_module
 from fedbasin.server.distill import named_augment
 from tests.helpers import DIGITS_VIT, cli_error, trained_digits_vit
 
@@ -24,23 +23,6 @@ def models(tmp_path_factory) -> list[str]:
     for seed in (0, 1):
         save_checkpoint(root / f"m{seed}", "vit", DIGITS_VIT, trained_digits_vit(seed))
     return [str(root / "m0"), str(root / "m1")]
-
-
-@pytest.fixture
-def calls(monkeypatch) -> list[dict]:
-    """Every ``ensemble_distill`` call of the CLI, recorded (teachers counted) and run for 4 steps instead of
-    its budget, with its result."""
-    original, record = distill_module.ensemble_distill, []
-
-    def spy(model, student, teachers, *args, **kwargs):
-        call = {**kwargs, "teachers": len(teachers)}
-        kwargs.update(steps=4, budget=None)
-        call["result"] = original(model, student, teachers, *args, **kwargs)
-        record.append(call)
-        return call["result"]
-
-    monkeypatch.setattr(distill_module, "ensemble_distill", spy)
-    return record
 
 
 def _merge(capsys, models, out, *options) -> dict:

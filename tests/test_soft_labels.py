@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from fedbasin.alignment import fedbasin_adapter, learned_refine, proxy_streams
 from fedbasin.alignment.proxy import TrainingStream
 from fedbasin.alignment.soft_labels import _soft_labels
-from fedbasin.alignment.vocabulary import _TrainingVocabulary
+from fedbasin.alignment.vocabulary import TrainingVocabulary
 from fedbasin.alignment.workers import _Workers
 from fedbasin.config import RunConfigError, resolve_run_config
 from fedbasin.data import load_task
@@ -258,7 +258,7 @@ def test_sparse_targets_keep_only_the_vocabulary_s_weight():
     from tests.helpers import GPT, spec_of, trained_like
 
     state = trained_like("gpt", GPT, seed=1, dtype=torch.float32).state_dict()
-    vocab = _TrainingVocabulary(spec_of("gpt", GPT), state, torch.tensor([2, 5, 9]))
+    vocab = TrainingVocabulary(spec_of("gpt", GPT), state, torch.tensor([2, 5, 9]))
     targets = torch.tensor([[[5.0, 0.5], [3.0, 0.3], [9.0, 0.2]]])  # token 3 is outside
     renumbered = vocab.renumber(targets)
     assert renumbered[..., 0].tolist() == [[1.0, 0.0, 2.0]]
@@ -311,7 +311,7 @@ def test_top_k_soft_labels_over_a_vocabulary_are_its_probabilities():
     split = Split(blocks[:, :-1], blocks[:, 1:])
     model = build_model("gpt", GPT)
     forward = lambda state, x, module: torch.func.functional_call(module, state, (x,))
-    vocab = _TrainingVocabulary(spec_of("gpt", GPT), a, kept)
+    vocab = TrainingVocabulary(spec_of("gpt", GPT), a, kept)
     got = _soft_labels(split, [a, b], _Workers(model, torch.device("cpu"), 2), 0.5, "cpu", forward, 3, vocab)
     with torch.no_grad():
         p = sum(forward(s, split.inputs, model)[..., kept].softmax(-1) for s in (a, b)) / 2

@@ -324,8 +324,8 @@ def test_cli_unigram_proxy_draws_the_rows_judged_trained_by_their_learned_freque
                  "--refine-budget", "2"]
         assert main(plain) == 0
         summary = json.loads(capsys.readouterr().out)
-        assert summary["data_free"] == "weight matching refined on --refine-data unigram"
-        assert summary["refinement"]["proxy"] == "unigram" and recorded["model_labels"] is True
+        assert summary["data_free"] == "weight matching refined on --refine-data bigram"
+        assert summary["refinement"]["proxy"] == "bigram" and recorded["model_labels"] is True
     not_refined = [a if a != str(tmp_path / "cand") else str(tmp_path / "fresh") for a in plain]
     assert "--refine-budget has no effect without --refine-data here" in cli_error(capsys, not_refined)
     assert main(not_refined[:-2]) == 0 and json.loads(capsys.readouterr().out)["data_free"] == "weight matching"

@@ -36,7 +36,7 @@ from .progress import progress_bar
 from .proxy import Batch, TrainingStream, _as_batches
 from .soft_labels import _relabelled, _soft_labels
 from .spec import SymmetrySpec, check_compatible
-from .vocabulary import _TrainingVocabulary
+from .vocabulary import TrainingVocabulary
 from .workers import _Workers
 
 PROBE_STEPS = 5  # a budgeted run times these steps (after the first) to size itself
@@ -180,7 +180,7 @@ def learned_refine(
     training token outside it is refused. With every token it is the full loss.
     ``vocabulary_samples`` = k: each step the softmax also covers k tokens drawn from outside the
     vocabulary, their logits raised by ``log(m/k)`` (m outside tokens): a sampled estimate of the
-    probability mass the restricted softmax would otherwise drop (:class:`_TrainingVocabulary`).
+    probability mass the restricted softmax would otherwise drop (:class:`TrainingVocabulary`).
     ``vocabulary_batch_samples`` = k: each step the vocabulary itself is sampled the same way — the
     step's own tokens exactly (inputs, targets, the tokens sparse soft targets list), and k of the
     vocabulary's other tokens with their logits raised by
@@ -341,8 +341,8 @@ def learned_refine(
     # with worker threads everything from here runs single-threaded, so a given batch_workers gives the
     # same figures on any thread count
     with workers.serial():
-        vocab = None if vocabulary is None else _TrainingVocabulary(spec, ref_c.state, vocabulary, vocabulary_samples,
-                                                                      seed + 1, vocabulary_batch_samples)
+        vocab = None if vocabulary is None else TrainingVocabulary(spec, ref_c.state, vocabulary, vocabulary_samples,
+                                                                     seed + 1, vocabulary_batch_samples)
         if soft_labels:
             mixed = [reference] * include_reference + list(candidates)
 
@@ -389,7 +389,7 @@ def learned_refine(
 
         fixed_rows = vocab is not None and vocab.fixed  # the restricted rows never change: cut them once
         if fixed_rows:
-            cut_movers, cut_ref = [vocab.restrict(b, vocab.ids) for b in movers], vocab.restrict(ref_state, vocab.ids)
+            cut_movers, cut_ref = [vocab.cut(b) for b in movers], vocab.cut(ref_state)
 
         best_states, best_elements = movers, [GroupElement.identity(spec) for _ in movers]
         best = initial

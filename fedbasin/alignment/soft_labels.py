@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .proxy import Batch, Examples, LabelledSplit
-from .vocabulary import _TrainingVocabulary
+from .vocabulary import TrainingVocabulary
 from .workers import _Workers
 
 #: soft labels are refused above this size (the mixed models' probabilities on the training part)
@@ -22,7 +22,7 @@ SOFT_LABEL_BYTES = 1 << 30
 
 
 def _soft_labels(split: LabelledSplit | Examples, states: list[dict], workers: _Workers, weight: float, device, forward,
-                 top_k: int = 0, vocabulary: _TrainingVocabulary | None = None) -> torch.Tensor:
+                 top_k: int = 0, vocabulary: TrainingVocabulary | None = None) -> torch.Tensor:
     """``t = (1 − w)·one-hot(y) + w·p̄(x)`` for every example of ``split``, p̄ the mean softmax of
     ``forward(state, x, module)`` (logits) over ``states``. ``top_k`` = k > 0 keeps each target's k
     largest entries as (class id, weight) pairs of shape (…, k, 2); their weights are not renormalised:
@@ -31,7 +31,7 @@ def _soft_labels(split: LabelledSplit | Examples, states: list[dict], workers: _
     only: |vocabulary| instead of V logits per token), the ids stay the full model's. Targets over
     :data:`SOFT_LABEL_BYTES` are refused."""
     if vocabulary is not None:
-        states = [vocabulary.restrict(state, vocabulary.ids) for state in states]
+        states = [vocabulary.cut(state) for state in states]
 
     def target_of(module, batch):
         x, y = batch[0].to(device), batch[1].to(device)

@@ -17,7 +17,7 @@ import torch
 from .spec import SymmetrySpec, token_indexed_keys
 
 
-class _TrainingVocabulary:
+class TrainingVocabulary:
     """The token set of the *training* loss (see :func:`learned_refine`'s ``vocabulary``).
 
     The token-indexed rows (embedding, output head; :func:`token_indexed_keys`) are cut to the
@@ -89,6 +89,22 @@ class _TrainingVocabulary:
 
     def restrict(self, state: dict, ids: torch.Tensor) -> dict:
         return {k: v.index_select(0, ids.to(v.device)) if k in self.keys else v for k, v in state.items()}
+
+    def cut(self, state: dict) -> dict:
+        """``state`` with its token-indexed rows cut to the vocabulary (row i: token ``ids[i]``)."""
+        return self.restrict(state, self.ids)
+
+    def paste(self, full: dict, cut: dict) -> dict:
+        """``cut`` (a state over the vocabulary's rows) with ``full``'s rows for every other token."""
+        out = dict(cut)
+        for key in self.keys:
+            out[key] = full[key].detach().clone().to(cut[key].dtype)
+            out[key][self.ids.to(out[key].device)] = cut[key].detach().to(out[key].device)
+        return out
+
+    def renumber_split(self, split):
+        """A next-token :class:`fedbasin.data.Split` with its token ids renumbered to the vocabulary's rows."""
+        return type(split)(self.renumber(split.inputs), self.renumber(split.targets), split.transform)
 
     def renumber(self, t: torch.Tensor) -> torch.Tensor:
         """Token ids → row numbers. Sparse (id, weight) targets (floats, see ``soft_label_top_k``) keep
