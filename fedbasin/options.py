@@ -530,11 +530,12 @@ DISTILL_SETTINGS = {IMAGE: dict(augment="mixup", label_weight=0.5, temperature=3
                     SUBWORD_LM: LM_DISTILL, CHARACTER_LM: LM_DISTILL}
 
 
-# ``fedbasin merge`` of subword LMs: the refinement leaves the merge a few hundredths of a nat from its models, where
-# Adam's first steps at 0.001 (the federated setting, whose merges start far from their ensemble) throw it off for
-# good (gpt2-s01: 31-63 steps at 0.001 never improved; +0.045 after 20 steps at 3e-4) and 0.0001 descends steadily;
-# a keep-best check is a pass over the selection split, so the run checks its start and its end only. Its softmax
-# covers the refinement's vocabulary (the text's tokens), 4.5 times fewer rows than GPT-2's (docs/journal/merging-notes.md §26)
+# ``fedbasin merge`` of subword LMs: the refinement leaves the merge a few hundredths of a nat from its models, and
+# at Adam 0.001 (the federated setting, whose merges start far from their ensemble) no distillation of the GPT-2 and
+# Llama pairs ever lowered its selection loss (31-178 steps); 0.0003 and 0.0001 both do (gpt2-s01, one run each:
+# test loss 5.5150 / 5.5186 from 5.527), 0.0001 on all three text pairs. A keep-best check is a pass over the
+# selection split, so the run checks its start and its end only. Its softmax covers the refinement's vocabulary
+# (the text's tokens), 4.5 times fewer rows than GPT-2's (docs/benchmarks.md, "Language-model merges distil again")
 MERGE_DISTILL_SETTINGS = {SUBWORD_LM: dict(lr=1e-4)}
 MERGE_DISTILL_CHECKS_AT_END = {SUBWORD_LM}
 
