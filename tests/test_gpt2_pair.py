@@ -93,7 +93,7 @@ def test_llama_recipe_trains_and_the_command_line_reads_it(tmp_path, excerpt, ca
     # budget here; 120 s by default)
     assert cli.main(["align", str(out / "seed0"), str(out / "seed1"), "--out", str(tmp_path / "aligned"),
                      "--refine-budget", "3"]) == 0
-    assert json.loads(capsys.readouterr().out)["data_free"] == "weight matching refined on --refine-data unigram"
+    assert json.loads(capsys.readouterr().out)["data_free"] == "weight matching refined on --refine-data bigram"
     assert cli.main(["barrier", str(out / "seed0"), str(tmp_path / "aligned"), "--data", f"text:{excerpt}",
                      "--max-examples", "4", "--points", "3"]) == 0
     assert json.loads(capsys.readouterr().out)["barrier"] >= 0
