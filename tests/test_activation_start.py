@@ -10,13 +10,7 @@ import json
 import pytest
 import torch
 
-from fedbasin.alignment import (
-    apply_group,
-    canonicalize,
-    learned_refine,
-    random_group_element,
-    to_gauge,
-)
+from fedbasin.alignment import apply_group, canonicalize, learned_refine, random_group_element, to_gauge
 from fedbasin.alignment.activations import activation_match
 from fedbasin.alignment.proxy import proxy_streams
 from fedbasin.alignment.vocabulary import TrainingVocabulary
@@ -24,19 +18,8 @@ from fedbasin.data import load_task
 from fedbasin.models import build_model
 from fedbasin.training import cross_entropy
 
-from .helpers import (
-    DIGITS_VIT,
-    GPT,
-    VIT,
-    cli_error,
-    inputs,
-    rel_err,
-    run,
-    spec_of,
-    spy_on_cli_refine,
-    trained_digits_vit,
-    trained_like,
-)
+from .helpers import (DIGITS_VIT, GPT, VIT, cli_error, inputs, rel_err, run, spec_of, spy_on_cli_refine,
+                      trained_digits_vit, trained_like)
 
 PLANTED = {
     "vit-rms-relu": ("vit", dict(VIT, norm="rmsnorm", activation="relu")),

@@ -23,8 +23,8 @@ def excerpt(tmp_path):
 def test_pair_training_on_device(tmp_path, excerpt, device):
     """One epoch on the device: the record names it, the loss fell from log V, and the saved model's
     test loss recomputed on the CPU is the one recorded."""
-    from fedbasin.checkpoint import build_torch_model, load_checkpoint
     from fedbasin.benchmarks.gpt2_pair import main, mean_loss, pair_data
+    from fedbasin.checkpoint import build_torch_model, load_checkpoint
 
     out = tmp_path / "pair"
     assert main(["--seed", "0", "--epochs", "1", "--out", str(out), "--text", str(excerpt), "--tokenizer",
@@ -74,8 +74,8 @@ def test_llama_recipe_trains_and_the_command_line_reads_it(tmp_path, excerpt, ca
     """``--model-type llama``: a LlamaForCausalLM (RoPE, GQA 4/2, SwiGLU, RMSNorm) on the same data,
     saved with its tokenizer, which `fedbasin eval` and `fedbasin align` take as they are."""
     from fedbasin import cli
-    from fedbasin.checkpoint import load_checkpoint
     from fedbasin.benchmarks.gpt2_pair import main
+    from fedbasin.checkpoint import load_checkpoint
 
     out = tmp_path / "pair"
     assert main(["--model-type", "llama", "--seed", "0", "--seed", "1", "--epochs", "1", "--out", str(out), "--text",
