@@ -98,7 +98,7 @@ class TrainingVocabulary:
         """``cut`` (a state over the vocabulary's rows) with ``full``'s rows for every other token."""
         out = dict(cut)
         for key in self.keys:
-            out[key] = full[key].detach().clone().to(cut[key].dtype)
+            out[key] = full[key].detach().to(cut[key].dtype, copy=True)
             out[key][self.ids.to(out[key].device)] = cut[key].detach().to(out[key].device)
         return out
 
