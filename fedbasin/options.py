@@ -505,11 +505,13 @@ KIND_SETTINGS: dict[str, dict[str, Any]] = {
 GPU_SETTINGS: dict[str, dict[str, Any]] = {SUBWORD_LM: dict(batch_size=64, dual=True)}
 
 
-# A synthetic (unigram) proxy of subword LMs: 512 blocks, not the 2,048 of real text. The models label them
-# all first; on the suite's gpt2-s23 (120 s, one core) 2,048 blocks left 131 steps (barrier 0.051), or under
-# more load none, 512 left 395 (0.049): docs/benchmarks.md, "Data-free by default".
-# On the Llama pair 256 / 512 / 1,024 blocks read 0.116 / 0.116 / 0.122 (journal/merging-notes.md §19).
-UNIGRAM_EXAMPLES = 512
+# A synthetic proxy of subword LMs: fewer blocks than the 2,048 of real text, since the models label them all before
+# the first step. unigram: on the suite's gpt2-s23 (120 s, one core) 2,048 blocks left 131 steps (barrier 0.051), or
+# under more load none, 512 left 395 (0.049): docs/benchmarks.md, "Data-free by default"; on the Llama pair 256 / 512 /
+# 1,024 blocks read 0.116 / 0.116 / 0.122 (journal/merging-notes.md §19). bigram (the default): 1,024, over refinement
+# seeds 0-1 on the suite's text pairs 0.0497 / 0.0468 / 0.1028 against 512's 0.0536 / 0.0497 / 0.1047 (gpt2-s01 /
+# gpt2-s23 / llama-s01); 2,048 left gpt2-s01 222-253 steps and read 0.0517 (docs/benchmarks.md, "1,024 bigram blocks")
+SYNTHETIC_EXAMPLES = {"unigram": 512, "bigram": 1024}
 
 HEAD_WEIGHT = {IMAGE: 1.0, SUBWORD_LM: 2.0, CHARACTER_LM: 1.0}  # measured: docs/journal/merging-notes.md §2 (GPT-2 recipe pair)
 
@@ -559,17 +561,19 @@ class ResolvedRefine:
     chosen: dict  # the values "auto" chose
 
 
-def resolve_refine(options: RefineOptions, kind: str, *, unigram: bool = False, gpu: bool = False) -> ResolvedRefine:
+def resolve_refine(options: RefineOptions, kind: str, *, synthetic: str | None = None,
+                   gpu: bool = False) -> ResolvedRefine:
     """``options`` with every ``auto`` set from :data:`KIND_SETTINGS` for ``kind`` (and, with ``gpu``,
-    :data:`GPU_SETTINGS`). ``unigram``:
-    synthetic proxy labelled by the models (no label-based tricks). ``workers`` auto: 2 slices per
+    :data:`GPU_SETTINGS`). ``synthetic``: the proxy is synthetic blocks the models label (``unigram`` or
+    ``bigram``, :data:`SYNTHETIC_EXAMPLES` of them; no label-based tricks), None for real data. ``workers`` auto: 2 slices per
     batch on a CPU (the same figures on any thread count), 1 on a GPU."""
     settings = {**KIND_SETTINGS[kind], **(GPU_SETTINGS.get(kind, {}) if gpu else {})}
     settings["workers"] = 1 if gpu else 2
     given = {f.name: getattr(options, f.name) for f in fields(RefineOptions) if getattr(options, f.name) != AUTO}
     # auto values that depend on values the user gave follow them, so the combination stays valid
+    unigram = synthetic is not None
     if unigram:  # the models label every synthetic block before the first step: fewer, reused, buy more steps
-        settings.update(soft_labels=0.0, examples=UNIGRAM_EXAMPLES)
+        settings.update(soft_labels=0.0, examples=SYNTHETIC_EXAMPLES[synthetic])
     vocabulary = given.get("vocabulary", settings["vocabulary"])
     soft = given.get("soft_labels", settings["soft_labels"]) or unigram
     if vocabulary == "full":

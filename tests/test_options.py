@@ -93,10 +93,13 @@ def test_auto_follows_what_the_model_is_and_the_values_given():
         0.02, "full", 0, 0)
     fixed = schema.resolve_refine(schema.RefineOptions(steps=40), schema.IMAGE)
     assert fixed.steps == 40 and fixed.options.eval_every == math.ceil(40 / fixed.evaluations)
-    unigram = schema.resolve_refine(schema.RefineOptions(), schema.SUBWORD_LM, unigram=True).options
+    unigram = schema.resolve_refine(schema.RefineOptions(), schema.SUBWORD_LM, synthetic="unigram").options
     assert (unigram.soft_labels, unigram.soft_label_top_k, unigram.vocabulary_batch_samples) == (0.0, 32, 0)
-    assert unigram.examples == schema.UNIGRAM_EXAMPLES == 512  # the synthetic proxy: fewer blocks to label
-    given = schema.resolve_refine(schema.RefineOptions(examples=2048), schema.SUBWORD_LM, unigram=True).options
+    assert unigram.examples == schema.SYNTHETIC_EXAMPLES["unigram"] == 512  # fewer blocks to label than real text
+    bigram = schema.resolve_refine(schema.RefineOptions(), schema.SUBWORD_LM, synthetic="bigram").options
+    assert bigram.examples == schema.SYNTHETIC_EXAMPLES["bigram"] == 1024  # measured per proxy
+    assert (bigram.soft_labels, bigram.soft_label_top_k) == (0.0, 32)
+    given = schema.resolve_refine(schema.RefineOptions(examples=2048), schema.SUBWORD_LM, synthetic="bigram").options
     assert given.examples == 2048
     assert schema.problems([unigram], schema.CLI, data="unigram:x.txt") == []
 

@@ -294,6 +294,7 @@ def test_cli_unigram_proxy_draws_the_rows_judged_trained_by_their_learned_freque
 
     from fedbasin.checkpoint import save_checkpoint
     from fedbasin.cli import main
+    from fedbasin.options import SYNTHETIC_EXAMPLES
 
     from .helpers import cli_error, spy_on_cli_refine
 
@@ -326,6 +327,8 @@ def test_cli_unigram_proxy_draws_the_rows_judged_trained_by_their_learned_freque
         summary = json.loads(capsys.readouterr().out)
         assert summary["data_free"] == "weight matching refined on --refine-data bigram"
         assert summary["refinement"]["proxy"] == "bigram" and recorded["model_labels"] is True
+        # each synthetic proxy draws its own number of blocks (bigram 1,024, unigram 512)
+        assert summary["refinement"]["proxy_examples"] == SYNTHETIC_EXAMPLES["bigram"] != SYNTHETIC_EXAMPLES["unigram"]
     not_refined = [a if a != str(tmp_path / "cand") else str(tmp_path / "fresh") for a in plain]
     assert "--refine-budget has no effect without --refine-data here" in cli_error(capsys, not_refined)
     assert main(not_refined[:-2]) == 0 and json.loads(capsys.readouterr().out)["data_free"] == "weight matching"
