@@ -4,6 +4,7 @@ report written atomically (markdown table and JSON)."""
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -12,12 +13,15 @@ from pathlib import Path
 def run_in_workers(work: Callable[..., dict], arguments: list[tuple], workers: int, done: int,
                    desc: str) -> list[dict]:
     """``work(*a)`` for every ``a`` of ``arguments`` in ``workers`` processes, results as they finish
-    (a bar over ``done`` runs reused plus these)."""
+    (a bar over ``done`` runs reused plus these). The workers are spawned, not forked: a fork copies the
+    caller's threads' state, and a child forked from a process that has run Ray's simulation died of a
+    segfault in Ray's library (seen once in the test suite, whose worker had run the Flower tests first)."""
     from tqdm import tqdm
 
     results = []
-    with ProcessPoolExecutor(max_workers=workers) as pool, tqdm(total=done + len(arguments), initial=done,
-                                                               desc=desc) as bar:
+    spawned = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=spawned) as pool, \
+            tqdm(total=done + len(arguments), initial=done, desc=desc) as bar:
         for future in as_completed([pool.submit(work, *a) for a in arguments]):
             results.append(future.result())
             bar.update()
