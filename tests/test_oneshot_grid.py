@@ -82,3 +82,20 @@ def test_bad_input_is_refused_in_one_line_before_any_training(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
+
+
+def _state_seen_by_a_worker(name: str) -> bool:
+    from fedbasin.benchmarks import grid
+
+    return hasattr(grid, name)
+
+
+def test_grid_workers_start_from_a_fresh_interpreter_not_a_fork_of_the_caller(monkeypatch):
+    """A fork copies the caller's state, threads' locks included: forked from a process that had run Ray's
+    simulation, a grid worker died of a segfault in Ray's library (the test suite, once; reproduced
+    every time by a simulation then a grid in one process). Spawned workers see none of the caller's
+    state: a mark set on a module here is absent there."""
+    from fedbasin.benchmarks import grid
+
+    monkeypatch.setattr(grid, "caller_state_mark", True, raising=False)
+    assert grid.run_in_workers(_state_seen_by_a_worker, [("caller_state_mark",)], 1, 0, "workers") == [False]
