@@ -509,7 +509,7 @@ GPU_SETTINGS: dict[str, dict[str, Any]] = {SUBWORD_LM: dict(batch_size=64, dual=
 # the first step. unigram: on the suite's gpt2-s23 (120 s, one core) 2,048 blocks left 131 steps (barrier 0.051), or
 # under more load none, 512 left 395 (0.049): docs/benchmarks.md, "Data-free by default"; on the Llama pair 256 / 512 /
 # 1,024 blocks read 0.116 / 0.116 / 0.122 (journal/merging-notes.md §19). bigram (the default): 1,024, over refinement
-# seeds 0-1 on the suite's text pairs 0.0497 / 0.0468 / 0.1028 against 512's 0.0536 / 0.0497 / 0.1047 (gpt2-s01 /
+# seeds on the suite's text pairs 0.0502 / 0.0468 / 0.1028 against 512's 0.0536 / 0.0497 / 0.1047 (gpt2-s01 /
 # gpt2-s23 / llama-s01); 2,048 left gpt2-s01 222-253 steps and read 0.0517 (docs/benchmarks.md, "1,024 bigram blocks")
 SYNTHETIC_EXAMPLES = {"unigram": 512, "bigram": 1024}
 
