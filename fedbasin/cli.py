@@ -700,6 +700,7 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
         from_args,
         problems,
         resolve_refine,
+        synthetic_proxy,
     )
     from fedbasin.training import cross_entropy
 
@@ -709,8 +710,8 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
         raise UsageError(str(error).splitlines()[0]) from None
     unigram = _unigram_proxy(args)
     kind = _kind(ref)
-    synthetic = args.refine_data.partition(":")[0] if unigram else None  # unigram:FILE draws as unigram does
-    resolved = resolve_refine(chosen, kind, synthetic=synthetic, gpu=_device(args).type == "cuda")
+    resolved = resolve_refine(chosen, kind, synthetic=synthetic_proxy(args.refine_data),
+                              gpu=_device(args).type == "cuda")
     options = resolved.options
     if found := problems([chosen, match], CLI, data=args.refine_data):  # what the user gave
         raise UsageError(found[0])

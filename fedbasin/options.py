@@ -457,11 +457,18 @@ WEIGHTS_PROXIES = ("unigram", "bigram")
 DATA_FREE_PROXY = "bigram"
 
 
+def synthetic_proxy(data: str | None) -> str | None:
+    """The synthetic proxy proxy data ``data`` names, token blocks labelled by the models: ``unigram`` (token
+    frequencies judged from the models' weights, or ``unigram:FILE``: the counts of FILE's training split) or
+    ``bigram`` (a chain of the models' one-token predictions from there); None for real data."""
+    if data in WEIGHTS_PROXIES:
+        return data
+    return "unigram" if (data or "").startswith("unigram:") else None
+
+
 def is_unigram(data: str | None) -> bool:
-    """Whether proxy data ``data`` is synthetic token blocks labelled by the models: ``unigram`` (token
-    frequencies judged from the models' weights), ``bigram`` (a chain of the models' one-token predictions from
-    there) or ``unigram:FILE`` (the counts of FILE's training split)."""
-    return data in WEIGHTS_PROXIES or (data or "").startswith("unigram:")
+    """Whether proxy data ``data`` is synthetic token blocks labelled by the models (:func:`synthetic_proxy`)."""
+    return synthetic_proxy(data) is not None
 
 
 # "auto": what the model is, and the budget
