@@ -458,7 +458,7 @@ DATA_FREE_PROXY = "bigram"
 
 
 def synthetic_proxy(data: str | None) -> str | None:
-    """The synthetic proxy proxy data ``data`` names, token blocks labelled by the models: ``unigram`` (token
+    """The synthetic proxy that proxy data ``data`` names, token blocks labelled by the models: ``unigram`` (token
     frequencies judged from the models' weights, or ``unigram:FILE``: the counts of FILE's training split) or
     ``bigram`` (a chain of the models' one-token predictions from there); None for real data."""
     if data in WEIGHTS_PROXIES:
@@ -574,6 +574,10 @@ def resolve_refine(options: RefineOptions, kind: str, *, synthetic: str | None =
     :data:`GPU_SETTINGS`). ``synthetic``: the proxy is synthetic blocks the models label (``unigram`` or
     ``bigram``, :data:`SYNTHETIC_EXAMPLES` of them; no label-based tricks), None for real data. ``workers`` auto: 2 slices per
     batch on a CPU (the same figures on any thread count), 1 on a GPU."""
+    if kind not in KIND_SETTINGS:
+        raise ValueError(f"model kind {kind!r}: expected one of {', '.join(KIND_SETTINGS)}")
+    if synthetic is not None and synthetic not in SYNTHETIC_EXAMPLES:
+        raise ValueError(f"synthetic proxy {synthetic!r}: expected one of {', '.join(SYNTHETIC_EXAMPLES)}")
     settings = {**KIND_SETTINGS[kind], **(GPU_SETTINGS.get(kind, {}) if gpu else {})}
     settings["workers"] = 1 if gpu else 2
     given = {f.name: getattr(options, f.name) for f in fields(RefineOptions) if getattr(options, f.name) != AUTO}

@@ -102,7 +102,9 @@ def test_auto_follows_what_the_model_is_and_the_values_given():
     given = schema.resolve_refine(schema.RefineOptions(examples=2048), schema.SUBWORD_LM, synthetic="bigram").options
     assert given.examples == 2048
     assert schema.problems([unigram], schema.CLI, data="unigram:x.txt") == []
-
+    for bad, message in ((dict(kind="vision"), "model kind 'vision'"), (dict(synthetic="trigram"), "'trigram'")):
+        with pytest.raises(ValueError, match=message):  # a Python caller's typo: one line, not a bare KeyError
+            schema.resolve_refine(schema.RefineOptions(), **{"kind": schema.SUBWORD_LM, **bad})
 
 
 def test_a_gpu_changes_only_what_was_measured_there_and_what_the_user_left_to_auto():

@@ -265,6 +265,28 @@ def test_end_to_end_on_a_tiny_digits_pair(tmp_path, capsys):
     assert "| digits-s01 |" in out and "| q (image) | 2 |" in out
 
 
+def test_a_recipe_of_cli_options_trains_its_seeds_with_fedbasin_train_once(tmp_path, monkeypatch):
+    """A member whose recipe names ``fedbasin train`` options (the Hugging Face ViT pair) is trained by that
+    command, one independent model per seed, into the cache; a rerun finds them and trains nothing."""
+    from fedbasin.checkpoint import load_checkpoint
+
+    recipe = suite.Recipe("image", "digits", train=("--model", "hf-vit", "--dim", "16", "--depth", "1", "--heads",
+                                                    "2", "--mlp-dim", "32", "--epochs", "1", "--patch-size", "4"))
+    monkeypatch.setitem(suite.RECIPES, "tiny-hf", recipe)
+    member = suite.Member("tiny-hf-s01", "image", "tiny-hf", (0, 1))
+    args = suite.build_parser().parse_args(["--cache", str(tmp_path / "cache")])
+    args.pair_dirs = {}
+    paths = suite.train_member(member, args)
+    assert paths == [tmp_path / "cache" / "tiny-hf" / f"seed{s}" for s in (0, 1)]
+    models = [load_checkpoint(p) for p in paths]
+    assert [(m.kind, m.family) for m in models] == [("hf", "vit")] * 2
+    assert not torch.equal(*(m.state["vit.embeddings.patch_embeddings.projection.weight"] for m in models))
+    stamp = [(p / "model.safetensors").stat().st_mtime_ns for p in paths]
+    monkeypatch.setattr(suite.subprocess, "run", lambda *a, **k: pytest.fail("trained a cached model again"))
+    assert suite.train_member(member, args) == paths
+    assert [(p / "model.safetensors").stat().st_mtime_ns for p in paths] == stamp
+
+
 # ---------------------------------------------------------------------------------------------- seeds, jobs
 
 
