@@ -1,7 +1,10 @@
 """pytest option ``--mutate NAME``: run the tests against a deliberately broken feature
-(tests/mutants.py). Without the option nothing changes."""
+(tests/mutants.py). Without the option nothing changes. Also: the Flower modules' xdist group, and one
+share of the cores per xdist worker."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -29,9 +32,25 @@ def pytest_configure(config):
         pass
     else:
         transformers_logging.get_logger("transformers")
+    _one_share_of_the_cores_per_worker()
     name = config.getoption("--mutate")
     if name:
         MUTATIONS[name]()
+
+
+def _one_share_of_the_cores_per_worker() -> None:
+    """In a pytest-xdist worker, torch and the processes it starts use cores / workers threads (unless
+    ``OMP_NUM_THREADS`` is set): two workers of torch's default two threads each oversubscribe a 2-core
+    machine. Measured back to back on the 2-core Xeon (journal/merging-notes.md §28): 980 s → 756 s."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers or "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config, items):
