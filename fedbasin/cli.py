@@ -708,10 +708,10 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
         chosen = from_args(RefineOptions, args)
     except ValueError as error:
         raise UsageError(str(error).splitlines()[0]) from None
-    unigram = _unigram_proxy(args)
+    synthetic = synthetic_proxy(args.refine_data)
+    unigram = synthetic is not None
     kind = _kind(ref)
-    resolved = resolve_refine(chosen, kind, synthetic=synthetic_proxy(args.refine_data),
-                              gpu=_device(args).type == "cuda")
+    resolved = resolve_refine(chosen, kind, synthetic=synthetic, gpu=_device(args).type == "cuda")
     options = resolved.options
     if found := problems([chosen, match], CLI, data=args.refine_data):  # what the user gave
         raise UsageError(found[0])

@@ -582,11 +582,10 @@ def resolve_refine(options: RefineOptions, kind: str, *, synthetic: str | None =
     settings["workers"] = 1 if gpu else 2
     given = {f.name: getattr(options, f.name) for f in fields(RefineOptions) if getattr(options, f.name) != AUTO}
     # auto values that depend on values the user gave follow them, so the combination stays valid
-    unigram = synthetic is not None
-    if unigram:  # the models label every synthetic block before the first step: fewer, reused, buy more steps
+    if synthetic is not None:  # the models label every block before the first step: fewer, reused
         settings.update(soft_labels=0.0, examples=SYNTHETIC_EXAMPLES[synthetic])
     vocabulary = given.get("vocabulary", settings["vocabulary"])
-    soft = given.get("soft_labels", settings["soft_labels"]) or unigram
+    soft = given.get("soft_labels", settings["soft_labels"]) or synthetic is not None
     if vocabulary == "full":
         settings.update(vocabulary_samples=0, vocabulary_batch_samples=0)
     # batch-sampled rows work with sparse soft labels, but on the synthetic proxy (gpt2-s01) they bought 1.35× the

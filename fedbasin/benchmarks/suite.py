@@ -229,6 +229,20 @@ def say(message: str) -> None:
     sys.stderr.flush()
 
 
+def _training_command(member: Member, recipe: Recipe, seed: int, path: Path, args) -> tuple[str, list[str], dict]:
+    """(what it is, command, environment) that trains seed ``seed`` of a text recipe (``gpt2_pair``, into the
+    recipe's folder) or of a recipe of ``fedbasin train`` options (into ``path``), each on one thread."""
+    if recipe.kind == "text":
+        out = Path(args.cache) / member.recipe
+        return (f"gpt2_pair into {out}, ~30 min on 2 cores",
+                [sys.executable, "-m", "fedbasin.benchmarks.gpt2_pair", "--model-type", recipe.task, "--seed", str(seed),
+                 "--out", str(out), "--text", args.text, "--tokenizer", args.tokenizer, "--threads", "1", "--device",
+                 args.train_device], child_env())
+    return (f"fedbasin train {' '.join(recipe.train)}",
+            [sys.executable, "-m", "fedbasin.cli", "train", "--data", data_spec(member, args), "--seed", str(seed),
+             "--out", str(path), "--device", args.train_device, *recipe.train], {**child_env(), "OMP_NUM_THREADS": "1"})
+
+
 def train_member(member: Member, args) -> list[Path]:
     """The member's models, trained into the cache where they are missing."""
     paths = model_dirs(member, args)
@@ -236,23 +250,11 @@ def train_member(member: Member, args) -> list[Path]:
     if not missing:
         return paths
     recipe = RECIPES[member.recipe]
-    if recipe.kind == "text":
-        out = Path(args.cache) / member.recipe
-        for seed, _ in missing:
-            say(f"{member.name}: training {recipe.task} seed {seed} into {out} (gpt2_pair, ~30 min on 2 cores)")
-            command = [sys.executable, "-m", "fedbasin.benchmarks.gpt2_pair", "--model-type", recipe.task,
-                       "--seed", str(seed), "--out", str(out), "--text", args.text, "--tokenizer", args.tokenizer,
-                       "--threads", "1", "--device", args.train_device]
-            done = subprocess.run(command, check=False, env=child_env(), stdout=sys.stderr)
-            if done.returncode != 0:
-                raise SuiteError(f"training {member.recipe} seed {seed} failed (exit {done.returncode})")
-        return paths
-    if recipe.train:
+    if recipe.kind == "text" or recipe.train:  # a command per seed
         for seed, path in missing:
-            say(f"{member.name}: training {member.recipe} seed {seed} (fedbasin train {' '.join(recipe.train)})")
-            command = [sys.executable, "-m", "fedbasin.cli", "train", "--data", data_spec(member, args), "--seed",
-                       str(seed), "--out", str(path), "--device", args.train_device, *recipe.train]
-            done = subprocess.run(command, check=False, env={**child_env(), "OMP_NUM_THREADS": "1"}, stdout=sys.stderr)
+            what, command, env = _training_command(member, recipe, seed, path, args)
+            say(f"{member.name}: training {member.recipe} seed {seed} ({what})")
+            done = subprocess.run(command, check=False, env=env, stdout=sys.stderr)
             if done.returncode != 0:
                 raise SuiteError(f"training {member.recipe} seed {seed} failed (exit {done.returncode})")
         return paths
