@@ -104,6 +104,35 @@ def test_cifar10_from_local_parquet(tmp_path):
         load_task(f"cifar10:{tmp_path / 'nothing'}")
 
 
+def test_cifar10_decodes_the_same_pixels_as_datasets_and_names_bad_rows(tmp_path):
+    """The parquet images are decoded by PIL on threads to exactly the pixels ``datasets`` gives; a parquet
+    without the hub's columns, or a row that is not a 32x32 image, is refused naming the file and row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import load_dataset
+
+    write_cifar_like(tmp_path / "train.parquet", 4100, 0)  # more rows than one decoding chunk
+    write_cifar_like(tmp_path / "test.parquet", 20, 1)
+    task = load_task(f"cifar10:{tmp_path}", seed=5)
+    stored = load_dataset("parquet", data_files=str(tmp_path / "train.parquet"))["train"].with_format("numpy")[:]
+    order = torch.randperm(4100, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(task.train.inputs, torch.from_numpy(stored["img"]).permute(0, 3, 1, 2)[order])
+    assert torch.equal(task.train.targets, torch.from_numpy(stored["label"]).long()[order])
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    table = pq.read_table(tmp_path / "test.parquet")
+    pq.write_table(table.drop(["img"]), bad / "train.parquet")
+    pq.write_table(table, bad / "test.parquet")
+    with pytest.raises(ValueError, match=r"train\.parquet: not a CIFAR-10 parquet file with columns 'img' and 'label'"):
+        load_task(f"cifar10:{bad}")
+    cells = table.column("img").to_pylist()
+    cells[3] = {"bytes": b"not an image", "path": None}
+    pq.write_table(table.set_column(0, "img", pa.array(cells, table.schema.field("img").type)), bad / "train.parquet")
+    with pytest.raises(ValueError, match=r"train\.parquet: row 3: the image does not decode"):
+        load_task(f"cifar10:{bad}")
+
+
 def test_cifar10_test_split_stored_by_class_is_mixed(tmp_path):
     """Evaluation subsets are test-split prefixes: each must sample every class, with the split's
     examples unchanged."""

@@ -215,20 +215,26 @@ def test_a_budget_sizes_the_run_and_the_recorded_steps_repeat_it(monkeypatch):
     assert [step for step, _ in sized.history] == [0, *range(every, steps, every), steps]
     again = refine(steps=steps, eval_every=every)
     assert again.history == sized.history and again.steps == steps
+    phases = sized.summary()["seconds_by_phase"]  # where the budget went, every phase inside the run's own time
+    assert set(phases) == {"start", "labels", "checks", "steps"} and min(phases.values()) >= 0
+    assert phases["checks"] > 0 and phases["steps"] > 0 and sum(sized.phases.values()) <= sized.seconds
     monkeypatch.setattr(refine_module, "CHECK_SHARE", 0.0)  # no share of the budget for more checks
     calls[0] = 0
     only_asked = refine(steps=None, budget=2.0, evaluations=2)
     assert [step for step, _ in only_asked.history] == [0, math.ceil(only_asked.steps / 2), only_asked.steps]
 
 
-def test_a_budget_buys_keep_best_checks_while_they_are_cheap():
-    """At least the kind's checks; more while all of them cost at most 5 % of the budget, at most MAX_CHECKS."""
+def test_a_budget_buys_keep_best_checks_while_they_are_cheap_and_fewer_when_they_are_dear():
+    """The kind's checks; more while all of them cost at most 5 % of the budget (at most MAX_CHECKS); fewer,
+    down to the last step's one, where the kind's count would cost more than 10 % of it."""
     from fedbasin.alignment.refine import MAX_CHECKS, sized_checks
 
     assert sized_checks(1, 120.0, 7.4) == 1  # the GPT-2 recipe pair: a check of the 410 selection blocks
     assert sized_checks(1, 120.0, 1.0) == 6 and sized_checks(6, 120.0, 1.0) == 6
     assert sized_checks(1, 120.0, 0.05) == MAX_CHECKS == sized_checks(1, 120.0, 0.0)
-    assert sized_checks(4, 10.0, 5.0) == 4
+    assert sized_checks(6, 120.0, 2.0) == 6  # six checks at 10 % of the budget: all of them
+    assert sized_checks(6, 120.0, 4.0) == 3 and sized_checks(6, 120.0, 30.0) == 1
+    assert sized_checks(4, 10.0, 5.0) == 1
 
 
 def test_flower_refines_whenever_the_server_holds_a_proxy_split():

@@ -42,15 +42,20 @@ from .workers import _Workers
 PROBE_STEPS = 5  # a budgeted run times these steps (after the first) to size itself
 SIZING_STEPS = 10**6  # its provisional length: the cosine schedule stays at the full rate until sized
 CHECK_SHARE, MAX_CHECKS = 0.05, 12  # a budgeted run adds keep-best checks while they cost at most this share
+CHECK_CAP = 0.1  # ... and drops below the kind's count where its checks would cost more than this share
 RELAPSE = 0.1  # a check this share worse than the start: back to the best maps, at half the learning rate
 
 
 def sized_checks(evaluations: int, budget: float, check_seconds: float) -> int:
-    """Keep-best checks of a budgeted run: at least ``evaluations``, and more (up to :data:`MAX_CHECKS`)
-    while all of them together cost at most ``CHECK_SHARE · budget`` — on a small proxy a check is nearly
-    free, and a run of many passes over it can leave its best point long before its last step."""
-    affordable = int(CHECK_SHARE * budget / check_seconds) if check_seconds > 0 else MAX_CHECKS
-    return max(evaluations, min(MAX_CHECKS, affordable))
+    """Keep-best checks of a budgeted run: ``evaluations``, and more (up to :data:`MAX_CHECKS`) while all
+    of them together cost at most ``CHECK_SHARE · budget`` — on a small proxy a check is nearly free, and a
+    run of many passes over it can leave its best point long before its last step — but fewer (at least
+    the last step's) where ``evaluations`` checks would cost more than ``CHECK_CAP · budget``: a large model's
+    checks would otherwise take the steps' time."""
+    if check_seconds <= 0:
+        return max(evaluations, MAX_CHECKS)
+    wanted = max(evaluations, min(MAX_CHECKS, int(CHECK_SHARE * budget / check_seconds)))
+    return max(1, min(wanted, int(CHECK_CAP * budget / check_seconds)))
 
 
 @dataclass
@@ -85,6 +90,9 @@ class RefineResult:
     stopped_at_budget: int = 0  # a budgeted run whose later steps ran slower than timed stopped at this step
     eval_every: int = 0  # a budgeted run's keep-best check interval (with ``steps``, it repeats the run)
     relapses: list[int] = field(default_factory=list)  # checks that sent training back to the best maps
+    # wall seconds by phase: "start" (weight matching), "labels" (soft labels), "checks" (every pass over the
+    # selection and evaluation splits, the start's included) and "steps" (training); with "seconds", where a budget went
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def improved(self) -> bool:
@@ -101,6 +109,8 @@ class RefineResult:
             out["eval_every"] = self.eval_every
         if self.relapses:
             out["relapses"] = self.relapses
+        if self.phases:
+            out["seconds_by_phase"] = {k: round(v, 3) for k, v in self.phases.items()}
         return out
 
 
@@ -311,6 +321,7 @@ def learned_refine(
     score_weights = [[lam, 1.0 - lam] for lam in selection_lambdas] if members == 2 else [[1.0 / members] * members]
 
     check_seconds = [0.0]  # the last selection check's duration (sizes a budgeted run)
+    phases = dict.fromkeys(("start", "labels", "checks", "steps"), 0.0)
 
     def centroid_loss(ref_state, states, split: list[Batch]) -> float:
         """Example-weighted mean loss over a split's batches, averaged over the scored mixtures."""
@@ -321,6 +332,7 @@ def learned_refine(
                 total += sum(workers.map(lambda module, b, state=state: float(loss_fn(forward(state, b[0], module), b[1])) * len(b[1]),
                                          split))
         check_seconds[0] = time.perf_counter() - started
+        phases["checks"] += check_seconds[0]
         return total / sum(len(y) for _, y in split) / len(score_weights)
 
     def matched(match_mode: str):
@@ -343,6 +355,7 @@ def learned_refine(
     with workers.serial():
         vocab = None if vocabulary is None else TrainingVocabulary(spec, ref_c.state, vocabulary, vocabulary_samples,
                                                                      seed + 1, vocabulary_batch_samples)
+        labelling = time.perf_counter()
         if soft_labels:
             mixed = [reference] * include_reference + list(candidates)
 
@@ -353,8 +366,10 @@ def learned_refine(
             if model_labels:  # keep-best and the report score the models' predictions too
                 selection = _relabelled(selection, label)
                 evaluation = None if evaluation is None else _relabelled(evaluation, label)
+        phases["labels"] = time.perf_counter() - labelling
         iterator = iter(batches)
         options = []
+        matching = time.perf_counter()
         if start == "activations":
             from .activations import activation_match
 
@@ -367,6 +382,7 @@ def learned_refine(
             loss = centroid_loss(reference_of(ref_start), [s.canonical for s in starts], selection)
             options.append((loss, match_mode, ref_start, starts))
         initial, start_mode, ref_start, starts = min(options, key=lambda o: o[0])
+        phases["start"] = time.perf_counter() - matching - phases["checks"]
         ref_state = reference_of(ref_start)
         base = [s.canonical for s in starts]
         movers = [ref_state] * dual + base  # the models that carry a learned transform
@@ -398,6 +414,7 @@ def learned_refine(
             result.evaluation_initial_loss = centroid_loss(ref_state, base, evaluation)
         result.history.append((0, initial))
         bar = progress_bar(None if sized else steps, progress, "learned refinement", "step")
+        training, checked = time.perf_counter(), phases["checks"]
         probe_started = 0.0
         # a single model's loss does not depend on its alignment: nothing to refine
         for step in itertools.count(1) if members > 1 else ():
@@ -454,6 +471,7 @@ def learned_refine(
                     optimiser.state.clear()
                     lr_scale[0] *= 0.5
                     result.relapses.append(step)
+        phases["steps"] = time.perf_counter() - training - (phases["checks"] - checked)
     bar.close()
     best_ref, result.canonical = split_members(best_states)
     result.states = [to_gauge(spec, s, ref_c.gains) for s in result.canonical]
@@ -467,6 +485,7 @@ def learned_refine(
         result.evaluation_loss = (result.evaluation_initial_loss if result.best_step == 0
                                   else centroid_loss(best_ref, result.canonical, evaluation))
     result.seconds = time.perf_counter() - t0
+    result.phases = phases
     result.steps = steps if members > 1 else 0
     result.workers = workers.count
     workers.close()
