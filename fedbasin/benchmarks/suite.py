@@ -100,7 +100,8 @@ RECIPES = {
     "cifar10-w96": Recipe("image", "cifar10"),  # fedbasin train's CIFAR-10 recipe: d=96, MLP 192
     "cifar10-w64": Recipe("image", "cifar10", (("dim", 64), ("mlp_dim", 128))),
     # a Hugging Face ViTForImageClassification, wider and longer trained (MLP 4×, 30,000 images, 6 epochs; ~860 s
-    # per seed on one core of the Xeon): the kind of pair a user brings, and one whose refinement is step-limited
+    # per seed on one core of the Xeon, ~1,500 s on the EPYC): the kind of pair a user brings, and one whose
+    # refinement is step-limited
     "cifar10-hfvit-w128": Recipe("image", "cifar10", train=(
         "--model", "hf-vit", "--dim", "128", "--depth", "4", "--heads", "4", "--mlp-dim", "512", "--epochs", "6",
         "--max-train-examples", "30000")),
@@ -115,6 +116,7 @@ MEMBERS = {m.name: m for m in [
     Member("cifar10-w96-s01", "image", "cifar10-w96", (0, 1)),
     Member("cifar10-w64-s01", "image", "cifar10-w64", (0, 1)),
     Member("cifar10-hfvit-s01", "image", "cifar10-hfvit-w128", (0, 1)),
+    Member("cifar10-hfvit-s23", "image", "cifar10-hfvit-w128", (2, 3)),
     Member("digits-u012", "universe", "digits", (0, 1, 2)),
 ]}
 
