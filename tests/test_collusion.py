@@ -127,7 +127,8 @@ def test_proxy_screening_excludes_label_flipped_replies(hostile):
     strategy = strategy_for(spec, base, proxy_loss=proxy_loss, proxy_screening=0.5)
     arrays, metrics = strategy.aggregate_train(2, replies)
     hostile_nodes = list(range(5 - hostile, 5))
-    assert metrics["excluded_nodes"] == hostile_nodes and metrics["round_failed"] == 0
+    # (listed in the cohort's content order, which depends on the CPU's rounding: compared as a set)
+    assert sorted(metrics["excluded_nodes"]) == hostile_nodes and metrics["round_failed"] == 0
     assert all(e["stage"] == "proxy" and "proxy loss" in e["reason"] for e in strategy.screening[2]["excluded"])
     assert proxy_loss(arrays.to_torch_state_dict()) == pytest.approx(proxy_loss(base), abs=0.05)
     # without the option the flipped replies are averaged in
