@@ -85,7 +85,7 @@ def test_an_even_split_keeps_the_previous_model_and_says_so(alignment, caplog):
 def test_a_clean_cohort_is_untouched():
     """Honest, unlike cohorts aggregate as before: no cap with equal counts, no split for K = 4
     even when the clients pair up somewhat (two label mixes), none for K = 2 however far apart."""
-    spec, base = spec_of("vit", VIT), base_state()
+    base = base_state()
     g = torch.Generator().manual_seed(4)
     shared = [{k: 0.1 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(2)]
     states = [{k: v + shared[i // 2][k] + 0.1 * torch.randn(v.shape, generator=g) for k, v in base.items()}

@@ -105,17 +105,17 @@ def test_cifar10_from_local_parquet(tmp_path):
 
 
 def test_cifar10_decodes_the_same_pixels_as_datasets_and_names_bad_rows(tmp_path):
-    """The parquet images are decoded by PIL on threads to exactly the pixels ``datasets`` gives; a parquet
+    """The parquet images are decoded by PIL to exactly the pixels ``datasets`` gives; a parquet
     without the hub's columns, or a row that is not a 32x32 image, is refused naming the file and row."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from datasets import load_dataset
 
-    write_cifar_like(tmp_path / "train.parquet", 4100, 0)  # more rows than one decoding chunk
+    write_cifar_like(tmp_path / "train.parquet", 300, 0)
     write_cifar_like(tmp_path / "test.parquet", 20, 1)
     task = load_task(f"cifar10:{tmp_path}", seed=5)
     stored = load_dataset("parquet", data_files=str(tmp_path / "train.parquet"))["train"].with_format("numpy")[:]
-    order = torch.randperm(4100, generator=torch.Generator().manual_seed(5))
+    order = torch.randperm(300, generator=torch.Generator().manual_seed(5))
     assert torch.equal(task.train.inputs, torch.from_numpy(stored["img"]).permute(0, 3, 1, 2)[order])
     assert torch.equal(task.train.targets, torch.from_numpy(stored["label"]).long()[order])
 
