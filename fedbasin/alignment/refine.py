@@ -335,6 +335,10 @@ def learned_refine(
         phases["checks"] += check_seconds[0]
         return total / sum(len(y) for _, y in split) / len(score_weights)
 
+    def outside_checks(since: float, checks_before: float) -> float:
+        """Wall seconds since ``since`` less the checks run meanwhile (``checks_before``: their total then)."""
+        return time.perf_counter() - since - (phases["checks"] - checks_before)
+
     def matched(match_mode: str):
         """(re-aligned reference match or None, candidate matches) of the weight-matching start."""
         if universe_iterations > 1:
@@ -369,7 +373,7 @@ def learned_refine(
         phases["labels"] = time.perf_counter() - labelling
         iterator = iter(batches)
         options = []
-        matching = time.perf_counter()
+        matching, checked = time.perf_counter(), phases["checks"]
         if start == "activations":
             from .activations import activation_match
 
@@ -382,7 +386,7 @@ def learned_refine(
             loss = centroid_loss(reference_of(ref_start), [s.canonical for s in starts], selection)
             options.append((loss, match_mode, ref_start, starts))
         initial, start_mode, ref_start, starts = min(options, key=lambda o: o[0])
-        phases["start"] = time.perf_counter() - matching - phases["checks"]
+        phases["start"] = outside_checks(matching, checked)
         ref_state = reference_of(ref_start)
         base = [s.canonical for s in starts]
         movers = [ref_state] * dual + base  # the models that carry a learned transform
@@ -471,7 +475,7 @@ def learned_refine(
                     optimiser.state.clear()
                     lr_scale[0] *= 0.5
                     result.relapses.append(step)
-        phases["steps"] = time.perf_counter() - training - (phases["checks"] - checked)
+        phases["steps"] = outside_checks(training, checked)
     bar.close()
     best_ref, result.canonical = split_members(best_states)
     result.states = [to_gauge(spec, s, ref_c.gains) for s in result.canonical]

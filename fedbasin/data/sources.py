@@ -33,6 +33,7 @@ CIFAR10_HUB_ID = "uoft-cs/cifar10"
 TEST_SPLIT_SEED = 0
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+CIFAR10_SHAPE = (32, 32, 3)  # one decoded image: height, width, RGB
 
 
 class CharTokenizer:
@@ -295,9 +296,6 @@ def _cifar10(path: str, test_fraction: float) -> Task:
         train, test = train.split(test_fraction, TEST_SPLIT_SEED)
     overrides = {"image_size": 32, "patch_size": 4, "channels": 3, "num_classes": 10}
     return Task("cifar10", "vit", overrides, train, test)
-
-
-CIFAR10_SHAPE = (32, 32, 3)
 
 
 def _image_split(source, table) -> Split:
