@@ -622,6 +622,20 @@ class _Proxy:
     options: object
     vocabulary: torch.Tensor | None = None  # the refinement's training vocabulary (token ids; None: every token)
 
+    def streams(self, split=None):
+        """``split`` (default: the proxy's own) cut into training / selection / evaluation parts as the
+        refinement cut its proxy (:func:`~fedbasin.alignment.proxy_streams`, the same shares and seed)."""
+        from fedbasin.alignment import proxy_streams
+        from fedbasin.config import eval_batch_size
+
+        o = self.options
+        # selection/report batches of at most 32 examples whose logits stay under 2^26 values: GPT-2's
+        # 50,257 tokens give 10 blocks of 128, and its head's product then runs 2.7 times faster per value
+        # than with 32 blocks (a 206 MB output instead of 823 MB; docs/journal/merging-notes.md §13)
+        return proxy_streams(self.split if split is None else split, o.batch_size, seed=o.seed,
+                             selection_fraction=o.selection_fraction, evaluation_fraction=o.evaluation_fraction,
+                             eval_batch_size=eval_batch_size(self.split, self.module, most=32))
+
 
 def _distiller(args, ref, kind: str, proxy: _Proxy):
     """``distill(merged, teachers) -> (state, summary)``: the teachers' ensemble (their mean logits, or
@@ -629,9 +643,7 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
     selection part keeps the best student, θ₀ included), with the schema's :class:`~fedbasin.options.DistillOptions`
     (``auto`` set for ``kind``, the steps sized by ``--distill-budget``); None when off (no real proxy data,
     ``--distill-steps 0`` or a budget of 0)."""
-    from fedbasin.alignment import proxy_streams
     from fedbasin.alignment.vocabulary import TrainingVocabulary
-    from fedbasin.config import eval_batch_size
     from fedbasin.options import (
         AUTO,
         MERGE_DISTILL_CHECKS_AT_END,
@@ -661,11 +673,7 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
     def distill(merged: dict, teachers: list[dict]) -> tuple[dict, dict]:
         rows = None if proxy.vocabulary is None else TrainingVocabulary(ref.spec, merged, proxy.vocabulary)
         cut = (lambda state: state) if rows is None else rows.cut
-        split = proxy.split if rows is None else rows.renumber_split(proxy.split)
-        data = proxy_streams(split, refine.batch_size, seed=refine.seed,
-                             selection_fraction=refine.selection_fraction,
-                             evaluation_fraction=refine.evaluation_fraction,
-                             eval_batch_size=eval_batch_size(proxy.split, proxy.module, most=32))
+        data = proxy.streams(None if rows is None else rows.renumber_split(proxy.split))
         start = ref.adapter.from_standard(cut(merged))
         device = next(iter(start.values())).device  # --device: where the states are
         with holding_weights(proxy.module, start, device, reshaped=rows is not None) as student:  # and runs there
@@ -688,10 +696,9 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
     (``auto`` resolved for the model's kind, :func:`fedbasin.options.resolve_refine`) through the one
     translator :func:`fedbasin.options.refine_call` with ``match`` (resolved for ``ref``) for its start; a
     summary of what was used; and the proxy data it reads (:class:`_Proxy`)."""
-    from fedbasin.alignment import learned_refine, proxy_streams
+    from fedbasin.alignment import learned_refine
     from fedbasin.alignment.vocabulary import vocabulary_ids
     from fedbasin.checkpoint import build_torch_model
-    from fedbasin.config import eval_batch_size
     from fedbasin.data import unigram_blocks
     from fedbasin.options import (
         CLI,
@@ -741,12 +748,7 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
         proxy, train = task.proxy, task.train
     if found := problems([options, match], CLI, data=args.refine_data):  # with the auto choices, on data it reads
         raise UsageError(found[0])
-    # selection/report batches of at most 32 examples whose logits stay under 2^26 values: GPT-2's
-    # 50,257 tokens give 10 blocks of 128, and its head's product then runs 2.7 times faster per value
-    # than with 32 blocks (a 206 MB output instead of 823 MB; docs/journal/merging-notes.md §13)
-    data = proxy_streams(proxy, options.batch_size, seed=options.seed, selection_fraction=options.selection_fraction,
-                         evaluation_fraction=options.evaluation_fraction,
-                         eval_batch_size=eval_batch_size(proxy, module, most=32))
+    data = _Proxy(proxy, module, options).streams()
     vocabulary = vocabulary_ids(options.vocabulary, proxy, train)  # None for the full vocabulary
     refine = functools.partial(
         learned_refine, ref.spec, module, loss_fn=cross_entropy, batches=data.batches,

@@ -368,12 +368,18 @@ def test_merge_rows_measure_the_models_ensemble_on_the_same_slice(monkeypatch, t
     monkeypatch.setattr(suite, "run_cli", run_cli)
     args = suite.build_parser().parse_args(["--merge", "--skip-learned", "--eval-examples", "text=7"])
     args.eval_examples, args.variants, args.pair_dirs = suite.parse_eval_examples(args.eval_examples), {}, {}
+    args.merge_variants = suite.parse_variants(['long=--distill-budget 240'], "--merge-variant")
     member = suite.MEMBERS["gpt2-s01"]
     row = suite.pair_row(member, [tmp_path / "a", tmp_path / "b"], args, tmp_path / "work")
     assert row["ensemble"] == {"accuracy": 0.4, "loss": 4.8}
     assert [str(tmp_path / "a"), str(tmp_path / "b"), "--data", f"text:{args.text}", "--max-examples", "7"] == \
         next(c for c in commands if c[0] == "eval" and len(c) == 7)[1:]
     assert row["merges"]["merge"]["distillation"] == {"steps": 2} and row["merges"]["merge"]["loss"] == 4.9
+    # a merge variant: one more merge with its options, in a folder of its own
+    merges = [c for c in commands if c[0] == "merge"]
+    assert len(merges) == 2 and merges[1][-2:] == ["--distill-budget", "240"] and merges[1][4].endswith("merge-long")
+    assert set(row["merges"]) == {"merge", "merge:long"}
+    assert row["merges"]["merge:long"]["options"] == ["--distill-budget", "240"]
 
 
 def test_the_merge_table_compares_the_written_merge_with_the_better_model():

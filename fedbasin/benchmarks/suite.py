@@ -24,6 +24,8 @@ fedbasin.cli`` in a child process), so the table reflects the current defaults:
 * ``--merge``: what a user writes with data, ``fedbasin merge A B --out M --refine-data SPEC`` (no other
   option: the learned refinement, then the models' ensemble distilled into the merge), evaluated by
   ``fedbasin eval`` (again per ``--refine-seeds`` S); a table of its accuracy and loss against the better model;
+  ``--merge-variant NAME="OPTIONS"`` (repeatable, implies ``--merge``): one more merge with those options added
+  (columns ``merge:NAME``);
 * GPT-2 pairs with ``--glmc-path``: GLMC's weight matching (permutation, orthogonal) through
   ``glmc_compare --glmc-only`` (on its own slice: the first N blocks of ``gpt2_pair``'s test split);
 * the universe member (3 models): ``fedbasin merge M0 M1 M2 --out C`` (and ``--no-align``, and
@@ -47,6 +49,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -192,11 +195,13 @@ def check_inputs(members: list[Member], args) -> None:
             for split in ("train", "test"):
                 if not (Path(args.cifar) / f"{split}.parquet").is_file():
                     raise ValueError(f"--cifar {args.cifar}: no {split}.parquet there (member {member.name})")
-    for name, options in args.variants.items():  # the CLI's own parser: a bad flag is refused before any work
-        pairs = [m for m in members if m.group != "universe"]
-        if pairs and (why := cli_usage_error(["align", "A", "B", "--out", "C", "--refine-data",
-                                              data_spec(pairs[0], args), *options])):
-            raise ValueError(f"--variant {name}: {why}")
+    pairs = [m for m in members if m.group != "universe"]
+    for flag, command, variants in (("--variant", "align", args.variants), ("--merge-variant", "merge",
+                                                                             args.merge_variants)):
+        for name, options in variants.items():  # the CLI's own parser: a bad flag is refused before any work
+            if pairs and (why := cli_usage_error([command, "A", "B", "--out", "C", "--refine-data",
+                                                  data_spec(pairs[0], args), *options])):
+                raise ValueError(f"{flag} {name}: {why}")
     if args.glmc_path is not None:
         if not Path(args.glmc_path).is_dir():
             raise ValueError(f"--glmc-path {args.glmc_path}: no such directory")
@@ -218,7 +223,7 @@ def cli_usage_error(argv: list[str]) -> str | None:
             build_parser().parse_args(argv)
     except SystemExit:
         line = (err.getvalue().strip().splitlines() or ["bad options"])[-1]  # "fedbasin align: MESSAGE (see ...)"
-        return line.removeprefix("fedbasin align: ").removeprefix("fedbasin: ").split(" (see fedbasin")[0]
+        return re.sub(r"^fedbasin( \w+)?: ", "", line).split(" (see fedbasin")[0]
     return None
 
 
@@ -491,18 +496,20 @@ def merge_runs(member: Member, paths: list[Path], args, work: Path, data: str, s
     evaluated on the slice: column (``merge``, ``merge@sS``) → accuracy, loss, wall time, peak RSS, and what
     the refinement and the distillation did (steps, keep-best)."""
 
-    def one(seed: int) -> tuple[str, dict]:
-        column = "merge" + (f"@s{seed}" if seed else "")
-        options = ["--refine-seed", str(seed)] if seed else []
+    def one(name: str, variant: list[str], seed: int) -> tuple[str, dict]:
+        column = "merge" + (f":{name}" if name else "") + (f"@s{seed}" if seed else "")
+        options = [*variant, *(["--refine-seed", str(seed)] if seed else [])]
         say(f"{member.name}: {column} (fedbasin merge A B --out M --refine-data {data} {' '.join(options)})")
-        out = work / column
-        run = run_cli(["merge", *paths, "--out", out, "--refine-data", data, *options], work / "logs" / f"{column}.log")
-        ev = run_cli(["eval", out, *slice_], work / "logs" / f"eval-{column}.log").summary
+        out = work / column.replace(":", "-")
+        run = run_cli(["merge", *paths, "--out", out, "--refine-data", data, *options],
+                      work / "logs" / f"{out.name}.log")
+        ev = run_cli(["eval", out, *slice_], work / "logs" / f"eval-{out.name}.log").summary
         refinement = dict(run.summary.get("refinement") or {})
-        return column, {"accuracy": ev["accuracy"], "loss": ev["loss"], **command_record(run),
+        return column, {"accuracy": ev["accuracy"], "loss": ev["loss"], **command_record(run), "options": options,
                         "distillation": refinement.pop("distillation", None), "refinement": refinement}
 
-    return dict(side_by_side([lambda s=s: one(s) for s in [0, *args.refine_seeds]]))
+    merges = [("", []), *args.merge_variants.items()]
+    return dict(side_by_side([lambda n=n, v=v, s=s: one(n, v, s) for n, v in merges for s in [0, *args.refine_seeds]]))
 
 
 def merge_table(rows: list[dict]) -> str:
@@ -593,7 +600,8 @@ def row_key(member: Member, args, version: str) -> dict:
             **({"variants": args.variants} if args.variants and member.group != "universe" else {}),
             **({"refine_seeds": args.refine_seeds} if args.refine_seeds and member.group != "universe" else {}),
             **({"jobs": args.jobs} if args.jobs > 1 else {}),
-            **({"merge": True} if args.merge and member.group != "universe" else {})}
+            **({"merge": True} if args.merge and member.group != "universe" else {}),
+            **({"merge_variants": args.merge_variants} if args.merge_variants and member.group != "universe" else {})}
 
 
 def reusable(row: dict | None, key: dict, skip_learned: bool) -> bool:
@@ -751,19 +759,19 @@ def parse_eval_examples(items: list[str]) -> dict[str, int]:
     return out
 
 
-def parse_variants(items: list[str]) -> dict[str, list[str]]:
-    """``NAME=OPTIONS`` items as ``{name: [option, ...]}`` (OPTIONS split as a shell would)."""
+def parse_variants(items: list[str], flag: str = "--variant") -> dict[str, list[str]]:
+    """``NAME=OPTIONS`` items of ``flag`` as ``{name: [option, ...]}`` (OPTIONS split as a shell would)."""
     variants = {}
     for item in items:
         name, sep, options = item.partition("=")
         if not (sep and name.replace("-", "").replace("_", "").isalnum()):
-            raise ValueError(f"--variant {item!r}: expected NAME=OPTIONS (NAME of letters, digits, - and _)")
+            raise ValueError(f"{flag} {item!r}: expected NAME=OPTIONS (NAME of letters, digits, - and _)")
         if name in variants or name == "default":
-            raise ValueError(f"--variant {item!r}: the name {name!r} is taken")
+            raise ValueError(f"{flag} {item!r}: the name {name!r} is taken")
         try:
             variants[name] = shlex.split(options)
         except ValueError as error:
-            raise ValueError(f"--variant {item!r}: {error}") from None
+            raise ValueError(f"{flag} {item!r}: {error}") from None
     return variants
 
 
@@ -796,6 +804,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-learned", action="store_true", help="leave out the learned alignment")
     p.add_argument("--merge", action="store_true", help="pairs: also the merge a user writes with data (fedbasin "
                    "merge A B --out M --refine-data SPEC: refined, then distilled) and its accuracy / loss")
+    p.add_argument("--merge-variant", action="append", default=[], metavar='NAME="OPTIONS"',
+                   help="pairs: one more merge with these merge options added (repeatable; implies --merge)")
     p.add_argument("--rerun", action="store_true", help="measure again even where a row of this code is stored")
     return p
 
@@ -808,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
         args.pair_dirs = parse_pair_dirs(args.pair_dir + ([f"gpt2-s01={args.gpt2_pair}"] if args.gpt2_pair else []))
         args.eval_examples = parse_eval_examples(args.eval_examples)
         args.variants = parse_variants(args.variant)
+        args.merge_variants = parse_variants(args.merge_variant, "--merge-variant")
+        args.merge = args.merge or bool(args.merge_variants)
         if args.jobs < 1 or any(seed <= 0 for seed in args.refine_seeds):
             raise ValueError("--jobs must be >= 1 and --refine-seeds > 0 (seed 0 is the plain rows)")
         args.refine_seeds = list(dict.fromkeys(args.refine_seeds))
