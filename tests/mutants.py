@@ -155,6 +155,13 @@ def budget_ignored() -> None:
     replace_everywhere(learned_refine, _forcing(learned_refine, steps=fixed))
 
 
+def proxy_untrimmed() -> None:
+    """A budgeted refinement scores its whole selection and evaluation splits, however dear a pass over them is."""
+    from fedbasin.alignment import refine
+
+    refine._first_examples = lambda batches, n: batches
+
+
 def distill_budget_ignored() -> None:
     """A distillation sized by its budget (``steps=None``; ``distill-steps = auto``) takes a fixed 10 steps,
     whatever its budget and the timed step."""
@@ -264,6 +271,7 @@ MUTATIONS = {
     "gauge": gauge_skipped,
     "auto_kind": auto_ignores_kind,
     "budget": budget_ignored,
+    "budget_proxy": proxy_untrimmed,
     "distill_budget": distill_budget_ignored,
     "mixup_labels": mixup_labels_unmixed,
     "translator": translator_drops_head_lr,

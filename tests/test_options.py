@@ -281,6 +281,46 @@ def test_a_budgeted_run_whose_steps_slow_down_stops_within_its_budget(monkeypatc
     assert result.summary()["stopped_at_budget"] == result.steps
 
 
+def test_a_model_dear_for_its_budget_labels_and_scores_fewer_examples(monkeypatch):
+    """A budgeted run whose passes are dear (a clock at 1 s per reading: a slow machine or a large model)
+    labels only the training examples 30 % of the budget pays for and cuts the selection split so that
+    a pass over it costs a tenth of it (the evaluation split a twentieth), never below MIN_EXAMPLES; its
+    summary says so, and keep-best scores the examples kept (the start's loss is that of the same start on
+    the first kept selection examples)."""
+    from types import SimpleNamespace
+
+    import fedbasin.alignment.refine as refine_module
+    from fedbasin.alignment import learned_refine, proxy_streams
+    from fedbasin.training import cross_entropy
+    from tests.test_soft_labels import digits_pair
+
+    model, spec, task, a, b = digits_pair()
+    calls, labelled = [0], []
+    monkeypatch.setattr(refine_module, "time", SimpleNamespace(perf_counter=lambda: calls.__setitem__(0, calls[0] + 1)
+                                                               or float(calls[0])))
+    monkeypatch.setattr(refine_module, "MIN_EXAMPLES", 16)
+    label = refine_module._soft_labels
+    monkeypatch.setattr(refine_module, "_soft_labels",
+                        lambda split, *rest: labelled.append(len(split)) or label(split, *rest))
+    data = proxy_streams(task.proxy, 32, seed=0, eval_batch_size=32)  # 180 training, 60 selection, 60 evaluation
+    result = learned_refine(spec, model, a, [b], cross_entropy, data.batches, data.selection, data.evaluation,
+                            steps=None, budget=48.0, evaluations=1, soft_labels=0.5, lr=1e-2, batch_workers=1)
+    # a pass timed on a selection batch: 1 s for 32 examples; a tenth of 48 s pays a pass over 153 examples, a
+    # twentieth 76 (nothing cut); labels: 1 s for the first 16 (1/16 s each), 30 % of 48 s pays 230 (nothing cut)
+    assert "proxy_trimmed_to_budget" not in result.summary() and labelled == [16, 164]
+    calls[0], labelled[:] = 0, []
+    data = proxy_streams(task.proxy, 32, seed=0, eval_batch_size=32)
+    result = learned_refine(spec, model, a, [b], cross_entropy, data.batches, data.selection, data.evaluation,
+                            steps=None, budget=12.0, evaluations=1, soft_labels=0.5, lr=1e-2, batch_workers=1)
+    # selection: 1.2 s at 1/32 s per example: 38 kept; evaluation: 0.6 s, 19 kept; labels: 3.6 s at 1/16 s: 57
+    trimmed = result.summary()["proxy_trimmed_to_budget"]
+    assert trimmed == {"selection": [38, 60], "evaluation": [19, 60], "training": [57, 180]} and labelled == [16, 41]
+    first_kept = [data.selection[0], tuple(t[:6] for t in data.selection[1])]  # batches of 32 and 28
+    start = learned_refine(spec, model, a, [b], cross_entropy, data.batches, first_kept,
+                           steps=0, lr=1e-2, batch_workers=1)
+    assert result.initial_loss == start.initial_loss
+
+
 def test_the_strategy_takes_the_option_objects():
     """``AlignedFedAvg(match=..., robust=...)``: the schema's objects set the matching and aggregation it runs."""
     from fedbasin.strategies import AlignedFedAvg

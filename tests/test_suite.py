@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 
 import pytest
 import torch
@@ -285,6 +286,34 @@ def test_a_recipe_of_cli_options_trains_its_seeds_with_fedbasin_train_once(tmp_p
     monkeypatch.setattr(suite.subprocess, "run", lambda *a, **k: pytest.fail("trained a cached model again"))
     assert suite.train_member(member, args) == paths
     assert [(p / "model.safetensors").stat().st_mtime_ns for p in paths] == stamp
+
+
+def test_a_members_missing_seeds_train_side_by_side_under_jobs(tmp_path, monkeypatch):
+    """``--jobs 2``: the two seeds' training commands run at once (each waits at a barrier for the other; run one
+    after the other, the first would wait alone and the barrier would break); ``--jobs 1``: in this thread."""
+    import threading
+
+    monkeypatch.setitem(suite.RECIPES, "tiny-hf", suite.Recipe("image", "digits", train=("--epochs", "1")))
+    member = suite.Member("tiny-hf-s01", "image", "tiny-hf", (0, 1))
+    args = suite.build_parser().parse_args(["--cache", str(tmp_path / "cache")])
+    args.pair_dirs = {}
+    for jobs in (2, 1):
+        barrier, seeds, threads = threading.Barrier(jobs, timeout=60), [], set()
+
+        def fake_run(command, **_):
+            seeds.append(command[command.index("--seed") + 1])
+            threads.add(threading.current_thread())
+            barrier.wait()
+            return subprocess.CompletedProcess(command, 0)
+
+        monkeypatch.setattr(suite.subprocess, "run", fake_run)
+        suite.Slots.set(jobs)
+        try:
+            suite.train_member(member, args)
+        finally:
+            suite.Slots.set(1)
+        assert sorted(seeds) == ["0", "1"]
+        assert (threading.main_thread() in threads) == (jobs == 1)
 
 
 # ---------------------------------------------------------------------------------------------- seeds, jobs

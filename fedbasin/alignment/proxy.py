@@ -82,9 +82,19 @@ class TrainingStream:
     def __next__(self) -> Batch:
         return next(self._batches)
 
+    def first(self, n: int) -> TrainingStream:
+        """A fresh stream of the split's first ``n`` examples (a random sample: the proxy's splits are drawn
+        in random order)."""
+        return TrainingStream(examples_between(self.split, 0, n), self.batch_size, self.seed)
+
     def relabelled(self, targets: torch.Tensor) -> TrainingStream:
         """A fresh stream (the batch order of this one's start) of the same inputs with ``targets``."""
         return TrainingStream(dataclasses.replace(self.split, targets=targets), self.batch_size, self.seed)
+
+
+def examples_between(split: LabelledSplit, start: int, stop: int) -> LabelledSplit:
+    """Examples ``start`` to ``stop`` (exclusive) of ``split``, in its order."""
+    return dataclasses.replace(split, inputs=split.inputs[start:stop], targets=split.targets[start:stop])
 
 
 def split_share_problem(selection_fraction: float, evaluation_fraction: float) -> str | None:

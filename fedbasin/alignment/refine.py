@@ -33,7 +33,7 @@ from .matching import MODES, weight_match
 from .merge import Combiner, as_combiner, merge
 from .parametrize import GROUPS, _Delta
 from .progress import progress_bar
-from .proxy import Batch, TrainingStream, _as_batches
+from .proxy import Batch, TrainingStream, _as_batches, examples_between
 from .soft_labels import _relabelled, _soft_labels
 from .spec import SymmetrySpec, check_compatible
 from .vocabulary import TrainingVocabulary
@@ -44,6 +44,35 @@ SIZING_STEPS = 10**6  # its provisional length: the cosine schedule stays at the
 CHECK_SHARE, MAX_CHECKS = 0.05, 12  # a budgeted run adds keep-best checks while they cost at most this share
 CHECK_CAP = 0.1  # ... and drops below the kind's count where its checks would cost more than this share
 RELAPSE = 0.1  # a check this share worse than the start: back to the best maps, at half the learning rate
+# a budgeted run keeps its proxy within the budget: it labels at most the training examples LABEL_SHARE of the
+# budget pays for (timed on the first MIN_EXAMPLES per worker thread); one pass over the selection split (every run makes two: its
+# start's check and its last) costs at most CHECK_CAP of it, and one over the evaluation split (only reported)
+# half that; it never cuts a split below MIN_EXAMPLES
+LABEL_SHARE, MIN_EXAMPLES = 0.3, 256
+
+
+def _seconds_per_example(workers: _Workers, forward, state: dict, batch: torch.Tensor) -> float:
+    """Wall seconds per example of a no-grad forward pass of ``state``: the faster of two passes over ``batch``
+    cut among the workers (the first pays one-off costs)."""
+    parts = batch.tensor_split(min(workers.count, len(batch)))
+    timings = []
+    with torch.no_grad():
+        for _ in range(2):
+            started = time.perf_counter()
+            workers.map(lambda module, x: forward(state, x, module), parts)
+            timings.append(time.perf_counter() - started)
+    return min(timings) / len(batch)
+
+
+def _first_examples(batches: list[Batch], n: int) -> list[Batch]:
+    """The first ``n`` examples of a list of batches, in their batches (the last one cut)."""
+    kept, left = [], n
+    for x, y in batches:
+        if left <= 0:
+            break
+        kept.append((x[:left], y[:left]))
+        left -= len(y)
+    return kept
 
 
 def sized_checks(evaluations: int, budget: float, check_seconds: float) -> int:
@@ -93,6 +122,8 @@ class RefineResult:
     # wall seconds by phase: "start" (weight matching), "labels" (soft labels), "checks" (every pass over the
     # selection and evaluation splits, the start's included) and "steps" (training); with "seconds", where a budget went
     phases: dict[str, float] = field(default_factory=dict)
+    # a budgeted run's splits it cut to fit the budget: {split: [examples kept, examples given]}
+    trimmed: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def improved(self) -> bool:
@@ -111,6 +142,8 @@ class RefineResult:
             out["relapses"] = self.relapses
         if self.phases:
             out["seconds_by_phase"] = {k: round(v, 3) for k, v in self.phases.items()}
+        if self.trimmed:
+            out["proxy_trimmed_to_budget"] = self.trimmed
         return out
 
 
@@ -224,6 +257,11 @@ def learned_refine(
     spans the sized run (``RefineResult.steps`` and ``eval_every`` record it: pass them to repeat the run exactly).
     Should later steps run slower than timed (a loaded machine), the run stops once the budget less one
     check is spent, with a last check (``RefineResult.stopped_at_budget``): the budget holds.
+    Passes over the proxy are timed first, so that a model dear for its budget (a large model, a slow or busy
+    machine) does not spend it before its first step: the run labels at most the training examples
+    :data:`LABEL_SHARE` of the budget pays for, and cuts the selection split so that a pass over it costs at
+    most :data:`CHECK_CAP` of it (the evaluation split half that), never below :data:`MIN_EXAMPLES`
+    (``RefineResult.trimmed`` records what it cut).
     A check more than ``RELAPSE`` (10 %) worse than the start (training blew up: many passes over a small
     proxy at a high learning rate) sends training back to the best maps so far with fresh Adam moments and
     half the learning rate (``RefineResult.relapses``: the steps where it did).
@@ -359,14 +397,42 @@ def learned_refine(
     with workers.serial():
         vocab = None if vocabulary is None else TrainingVocabulary(spec, ref_c.state, vocabulary, vocabulary_samples,
                                                                      seed + 1, vocabulary_batch_samples)
-        labelling = time.perf_counter()
-        if soft_labels:
-            mixed = [reference] * include_reference + list(candidates)
+        mixed = [reference] * include_reference + list(candidates)
+        labelling, trimmed = time.perf_counter(), {}
+        if budgeted:  # a model dear for the budget gets fewer labelled, selection and evaluation examples
+            per_example = _seconds_per_example(workers, forward, ref_c.state, selection[0][0][:64])
 
+            def affordable(share: float, passes: int) -> int:
+                return max(MIN_EXAMPLES, int(share * budget / (per_example * passes)))
+
+            def trim(name: str, split: list[Batch], keep: int) -> list[Batch]:
+                given = sum(len(y) for _, y in split)
+                if keep >= given:
+                    return split
+                trimmed[name] = [keep, given]
+                return _first_examples(split, keep)
+
+            selection = trim("selection", selection, affordable(CHECK_CAP, len(score_weights)))
+            if evaluation is not None:
+                evaluation = trim("evaluation", evaluation, affordable(CHECK_CAP / 2, len(score_weights)))
+        if soft_labels:
             def label(split):
                 return _soft_labels(split, mixed, workers, soft_labels, device, forward, soft_label_top_k, vocab)
 
-            batches = batches.relabelled(label(batches.split))
+            split, targets = batches.split, []
+            first = MIN_EXAMPLES * workers.count  # a labelling batch per worker, at least: all of them busy
+            if budgeted and len(split) > first:  # label a first part, then what the budget's share pays for
+                started = time.perf_counter()
+                targets.append(label(examples_between(split, 0, first)))
+                per_example = (time.perf_counter() - started) / first
+                keep = min(len(split), max(first, int(LABEL_SHARE * budget / per_example)))
+                if keep < len(split):
+                    trimmed["training"] = [keep, len(split)]
+                    batches = batches.first(keep)
+                split = examples_between(split, first, keep)
+            if len(split):
+                targets.append(label(split))
+            batches = batches.relabelled(torch.cat(targets))
             if model_labels:  # keep-best and the report score the models' predictions too
                 selection = _relabelled(selection, label)
                 evaluation = None if evaluation is None else _relabelled(evaluation, label)
@@ -413,7 +479,7 @@ def learned_refine(
 
         best_states, best_elements = movers, [GroupElement.identity(spec) for _ in movers]
         best = initial
-        result = RefineResult([], [], [], initial_loss=initial, start_mode=start_mode)
+        result = RefineResult([], [], [], initial_loss=initial, start_mode=start_mode, trimmed=trimmed)
         if evaluation is not None:
             result.evaluation_initial_loss = centroid_loss(ref_state, base, evaluation)
         result.history.append((0, initial))

@@ -257,13 +257,19 @@ def train_member(member: Member, args) -> list[Path]:
     if not missing:
         return paths
     recipe = RECIPES[member.recipe]
-    if recipe.kind == "text" or recipe.train:  # a command per seed
-        for seed, path in missing:
+    if recipe.kind == "text" or recipe.train:  # a command per seed, up to --jobs of them side by side
+
+        def train(seed: int, path: Path) -> None:
             what, command, env = _training_command(member, recipe, seed, path, args)
-            say(f"{member.name}: training {member.recipe} seed {seed} ({what})")
-            done = subprocess.run(command, check=False, env=env, stdout=sys.stderr)
+            with Slots.free:
+                if Slots.stopping.is_set():
+                    raise SuiteError(f"training {member.recipe} seed {seed}: not started (the run is being stopped)")
+                say(f"{member.name}: training {member.recipe} seed {seed} ({what})")
+                done = subprocess.run(command, check=False, env=env, stdout=sys.stderr)
             if done.returncode != 0:
                 raise SuiteError(f"training {member.recipe} seed {seed} failed (exit {done.returncode})")
+
+        side_by_side([lambda s=seed, p=path: train(s, p) for seed, path in missing])
         return paths
     import torch
 
