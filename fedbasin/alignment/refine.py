@@ -45,9 +45,9 @@ CHECK_SHARE, MAX_CHECKS = 0.05, 12  # a budgeted run adds keep-best checks while
 CHECK_CAP = 0.1  # ... and drops below the kind's count where its checks would cost more than this share
 RELAPSE = 0.1  # a check this share worse than the start: back to the best maps, at half the learning rate
 # a budgeted run keeps its proxy within the budget: it labels at most the training examples LABEL_SHARE of the
-# budget pays for (timed on the first MIN_EXAMPLES per worker thread); one pass over the selection split (every run makes two: its
-# start's check and its last) costs at most CHECK_CAP of it, and one over the evaluation split (only reported)
-# half that; it never cuts a split below MIN_EXAMPLES
+# budget pays for (timed on the first MIN_EXAMPLES per worker thread); one pass over the selection split (every
+# run makes two: its start's check and its last) costs at most CHECK_CAP of it, and one over the evaluation split
+# (only reported) half that; it never cuts a split below MIN_EXAMPLES
 LABEL_SHARE, MIN_EXAMPLES = 0.3, 256
 
 

@@ -46,6 +46,7 @@ settings match; ``--rerun`` measures again (the trained models are always reused
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -261,9 +262,7 @@ def train_member(member: Member, args) -> list[Path]:
 
         def train(seed: int, path: Path) -> None:
             what, command, env = _training_command(member, recipe, seed, path, args)
-            with Slots.free:
-                if Slots.stopping.is_set():
-                    raise SuiteError(f"training {member.recipe} seed {seed}: not started (the run is being stopped)")
+            with Slots.taken(f"training {member.recipe} seed {seed}"):
                 say(f"{member.name}: training {member.recipe} seed {seed} ({what})")
                 done = subprocess.run(command, check=False, env=env, stdout=sys.stderr)
             if done.returncode != 0:
@@ -305,6 +304,15 @@ class Slots:
     @classmethod
     def set(cls, jobs: int) -> None:
         cls.jobs, cls.free, cls.stopping = jobs, threading.BoundedSemaphore(jobs), threading.Event()
+
+    @classmethod
+    @contextlib.contextmanager
+    def taken(cls, what: str):
+        """Context: one of the ``jobs`` slots, for a child command; refused once the run is being stopped."""
+        with cls.free:
+            if cls.stopping.is_set():
+                raise SuiteError(f"{what}: not started (the run is being stopped)")
+            yield
 
     @staticmethod
     def cores() -> int:
@@ -358,9 +366,7 @@ def run_cli(arguments: list[str], log: Path | None = None) -> CliRun:
             open(log or os.devnull, "wb") as err:
         peak = Path(tmp) / "peak"
         command = [sys.executable, "-c", _MEASURED, *map(str, arguments)]
-        with Slots.free:
-            if Slots.stopping.is_set():
-                raise SuiteError(f"fedbasin {arguments[0]}: not started (the run is being stopped)")
+        with Slots.taken(f"fedbasin {arguments[0]}"):
             started = time.perf_counter()
             child = subprocess.Popen(command, stdout=out, stderr=err,
                                      env={**child_env(), "FEDBASIN_SUITE_PEAK": str(peak)})
