@@ -4,6 +4,7 @@ share of the cores per xdist worker."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -81,3 +82,30 @@ def calls(monkeypatch) -> list[dict]:
 
     monkeypatch.setattr(distill_module, "ensemble_distill", spy)
     return record
+
+
+def _storage_bytes(objects) -> dict[int, int]:
+    """{storage address: bytes} of the CPU tensors among ``objects``."""
+    import torch
+
+    found = {}
+    for obj in objects:
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+@pytest.fixture
+def live_tensor_bytes():
+    """A function: the bytes of every distinct CPU tensor storage the garbage collector can see. What is
+    alive when the test starts is counted once and frozen out of the collector's lists (``gc.freeze``), so
+    a sample scans only the objects the test made: ~1e-4 s instead of ~0.2 s for a whole test process's
+    ~400k objects (the memory tests take hundreds of samples)."""
+    gc.collect()
+    before_the_test = _storage_bytes(gc.get_objects())
+    gc.freeze()
+    try:
+        yield lambda: sum({**before_the_test, **_storage_bytes(gc.get_objects())}.values())
+    finally:
+        gc.unfreeze()

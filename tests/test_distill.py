@@ -336,7 +336,7 @@ def test_adam_stepped_inside_the_backward_pass_is_one_adam_bitwise(kind, adam_sl
 
 
 @pytest.mark.parametrize("in_place", [False, True])
-def test_distillation_holds_no_copy_of_the_teachers_nor_of_the_best_state(monkeypatch, in_place):
+def test_distillation_holds_no_copy_of_the_teachers_nor_of_the_best_state(monkeypatch, live_tensor_bytes, in_place):
     """Live tensor bytes during distillation, sampled around every optimiser step: the student's
     copy (none ``in_place``: it trains the caller's tensors), Adam's two moments and one
     parameter's gradient at a time (Adam steps inside the backward pass), whatever the number of
@@ -344,7 +344,6 @@ def test_distillation_holds_no_copy_of_the_teachers_nor_of_the_best_state(monkey
     kept on disk while the student moves past it (measured 3.66 / 2.66 model sizes with
     activations; with the best state in memory 4.66, with all gradients at once 5.00)."""
     from fedbasin.server import distill
-    from tests.test_server_memory import _live_tensor_bytes
 
     config = dict(DIGITS_VIT, dim=96, mlp_dim=384)  # weights far above one small batch's activations
     teachers = [build_model("vit", config, seed=s).state_dict() for s in range(6)]
@@ -355,15 +354,15 @@ def test_distillation_holds_no_copy_of_the_teachers_nor_of_the_best_state(monkey
 
     class SampledAdam(torch.optim.Adam):
         def step(self, *args, **kwargs):
-            samples.append(_live_tensor_bytes())
+            samples.append(live_tensor_bytes())
             out = super().step(*args, **kwargs)
-            samples.append(_live_tensor_bytes())
+            samples.append(live_tensor_bytes())
             return out
 
     monkeypatch.setattr(distill.torch.optim, "Adam", SampledAdam)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.rand(2, 1, 8, 8, generator=g), torch.randint(0, 10, (2,), generator=g)) for _ in range(3)]
-    before = _live_tensor_bytes()
+    before = live_tensor_bytes()
     result = ensemble_distill(model, student, teachers, cross_entropy, iter(batches[:2] * 3), batches[2:],
                               steps=3, eval_every=1, lr=1e-2, in_place=in_place)
     # measured: the selection loss 2.13 -> 2.77 -> 1.69 -> 2.07: step 2 is kept while step 3 is taken

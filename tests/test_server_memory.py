@@ -126,19 +126,7 @@ def test_streamed_merge_equals_the_previous_merge_bitwise_and_releases_the_model
             assert all(m.canonical for m in result.matches)
 
 
-def _live_tensor_bytes() -> int:
-    """Bytes of every distinct tensor storage the garbage collector can see."""
-    import gc
-
-    storages = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
-def _match_working_bytes(monkeypatch, spec, reference, make_candidate, **options):
+def _match_working_bytes(monkeypatch, live_tensor_bytes, spec, reference, make_candidate, **options):
     """(peak live tensor bytes above those before the call, result) of a weight_match whose
     candidate only the match holds; sampled after every group action and rotation."""
     import importlib
@@ -149,19 +137,19 @@ def _match_working_bytes(monkeypatch, spec, reference, make_candidate, **options
     def sampled(function):
         def wrapper(*args, **kwargs):
             out = function(*args, **kwargs)
-            samples.append(_live_tensor_bytes())
+            samples.append(live_tensor_bytes())
             return out
         return wrapper
 
     for name in ("apply_group", "contract_axis", "canonicalize"):
         monkeypatch.setattr(matching, name, sampled(getattr(matching, name)))
-    before = _live_tensor_bytes()
+    before = live_tensor_bytes()
     result = matching.weight_match(spec, reference, make_candidate(), **options)
     monkeypatch.undo()
     return max(samples) - before, result
 
 
-def test_weight_match_holds_one_state_and_one_step_beyond_its_inputs(monkeypatch):
+def test_weight_match_holds_one_state_and_one_step_beyond_its_inputs(monkeypatch, live_tensor_bytes):
     """Memory of one match whose candidate is handed over (``release``): the candidate's tensors
     as they are replaced by its current state, plus, while a step is tried, its successor —
     not the canonical copies of the reference and candidate, the start points, or each
@@ -178,7 +166,7 @@ def test_weight_match_holds_one_state_and_one_step_beyond_its_inputs(monkeypatch
     reference = canonicalize(spec, base).state  # as the merge passes it (no copy may be made)
     size = sum(v.numel() * v.element_size() for v in base.values())
     candidate = lambda: transformed_copies(spec, base, 1, noise=1e-2)[0]  # noqa: E731  (only the match holds it)
-    working, released = _match_working_bytes(monkeypatch, spec, reference, candidate, iterations=3, release=True)
+    working, released = _match_working_bytes(monkeypatch, live_tensor_bytes, spec, reference, candidate, iterations=3, release=True)
     assert released.state == {}
     kept = weight_match(spec, reference, candidate(), iterations=3)
     for key in kept.canonical:
@@ -342,7 +330,7 @@ def test_lean_universe_merge_equals_the_previous_universe_merge(mode, weights, r
 
 @pytest.mark.parametrize("weights, reads_unweighted", [([1.0, 2.0, 3.0, 4.0], True), ([0.0, 1.0, 2.0, 3.0], True),
                                                       ([0.0, 1.0, 2.0, 3.0], False)])
-def test_lean_universe_merge_holds_one_form_of_each_model(monkeypatch, weights, reads_unweighted):
+def test_lean_universe_merge_holds_one_form_of_each_model(monkeypatch, live_tensor_bytes, weights, reads_unweighted):
     """Live tensors at the entry and exit of every weight-matching call and every ``combine`` of a
     3-pass universe merge with ``release`` (nothing else holds the models), less the transforms
     kept for the restores: the K models, each in one form (raw, aligned or restored), the running
@@ -368,9 +356,9 @@ def test_lean_universe_merge_holds_one_form_of_each_model(monkeypatch, weights, 
 
     def sampled(function):
         def wrapper(*args, **kwargs):
-            samples.append(_live_tensor_bytes())
+            samples.append(live_tensor_bytes())
             out = function(*args, **kwargs)
-            samples.append(_live_tensor_bytes())
+            samples.append(live_tensor_bytes())
             return out
         return wrapper
 
@@ -380,7 +368,7 @@ def test_lean_universe_merge_holds_one_form_of_each_model(monkeypatch, weights, 
         def combine(self, states, weights, on_key=None):
             def entry_done(key, tensor):
                 on_key(key, tensor)
-                samples.append(_live_tensor_bytes())
+                samples.append(live_tensor_bytes())
             if not self.reads_unweighted:  # a mean over the weighted models alone, like the strategy's
                 states, weights = zip(*[(s, w) for s, w in zip(states, weights) if w])
             return sampled(merge_module.average_states)(list(states), list(weights), release=True, on_key=entry_done)
@@ -399,7 +387,7 @@ def test_lean_universe_merge_holds_one_form_of_each_model(monkeypatch, weights, 
     target = len(weights) + 1 + largest / size + (
         0 if weights[0] or not reads_unweighted else _bytes([v for k, v in canonical.items() if v.data_ptr() != first[k].data_ptr()]) / size)
     del first, canonical
-    before = _live_tensor_bytes()
+    before = live_tensor_bytes()
     result = merge_module.merge(spec, models(), weights, universe_iterations=3, universe_tol=-1.0, iterations=2,
                                 combine=combine, release=True)
     assert len(result.universe_change) == 3
