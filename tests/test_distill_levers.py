@@ -396,8 +396,9 @@ def test_augment_auto_is_mixup_for_images_and_nothing_for_text(setting):
 
 def test_learning_rate_and_temperature_auto_follow_the_model_kind(setting):
     """``distill-lr`` / ``distill-temperature`` = auto: an image classifier's student is bitwise the one
-    of the pinned image values (0.002, 3) and differs from the language-model values' (0.001, 1), which
-    are what a subword or character LM resolves to; a pinned value overrides auto for either kind."""
+    of the pinned image values (the rate its 5 steps size, 0.0005; temperature 3) and differs from the
+    language-model values' (0.001, 1), which are what a subword or character LM resolves to; a pinned value
+    overrides auto for either kind."""
     from fedbasin.server.server_app import distill_options
 
     teachers, _ = setting
@@ -409,7 +410,7 @@ def test_learning_rate_and_temperature_auto_follow_the_model_kind(setting):
     def student(**pinned):
         return make_distiller(build_model("vit", DIGITS_VIT), digits, {**config, **pinned})(start, teachers).state
 
-    auto, image, language = student(), student(**{"distill-lr": 0.002, "distill-temperature": 3.0}), student(
+    auto, image, language = student(), student(**{"distill-lr": 0.0005, "distill-temperature": 3.0}), student(
         **{"distill-lr": 0.001, "distill-temperature": 1.0})
     assert all(torch.equal(auto[k], image[k]) for k in auto)
     assert not torch.equal(auto["head.weight"], language["head.weight"])
@@ -420,3 +421,28 @@ def test_learning_rate_and_temperature_auto_follow_the_model_kind(setting):
         assert (options.lr, options.temperature, options.label_weight, options.augment) == (0.001, 1.0, 0.0, "none")
         assert distill_options(text, {**config, "distill-temperature": 2.0}, lm).temperature == 2.0
     assert distill_options(digits, config).temperature == 3.0
+
+
+def test_an_image_classifiers_distillation_rate_is_sized_by_the_steps_it_takes(setting):
+    """The image rate (auto): 0.0005 up to 250 steps, 0.002 from 1,500, geometric in between (0.001 at their
+    geometric mean). ``ensemble_distill`` given the rate trains bitwise as with the number it gives for the
+    run's steps and records it; a run sized by its budget takes the rate of the steps it was sized to."""
+    import math
+
+    from fedbasin.options import IMAGE, IMAGE_DISTILL_RATE, DistillOptions, resolve_distill
+
+    rate = resolve_distill(DistillOptions(), IMAGE).lr
+    assert rate is IMAGE_DISTILL_RATE
+    assert rate(1) == rate(250) == 0.0005 and rate(1500) == rate(10**6) == 0.002
+    assert rate(round(math.sqrt(250 * 1500))) == pytest.approx(0.001, rel=1e-3)
+    assert all(rate(t) < rate(t + 50) for t in range(250, 1500, 50))
+    teachers, transfer = setting
+    start = average_states(teachers, [1.0] * 3)
+    sized, pinned = (ensemble_distill(build_model("vit", DIGITS_VIT), start, teachers, cross_entropy,
+                                      iter(transfer * 4), transfer, steps=40, lr=lr, eval_every=40)
+                     for lr in (rate, rate(40)))
+    assert sized.lr == pinned.lr == 0.0005 and sized.best_step > 0 and sized.summary()["lr"] == 0.0005
+    assert all(torch.equal(sized.state[k], pinned.state[k]) for k in sized.state)
+    budgeted = ensemble_distill(build_model("vit", DIGITS_VIT), start, teachers, cross_entropy, iter(transfer * 400),
+                                transfer, steps=None, budget=1.0, lr=lambda steps: 1e-3 / steps)
+    assert budgeted.steps > 0 and budgeted.lr == 1e-3 / budgeted.steps

@@ -40,10 +40,14 @@ def test_merge_with_data_distils_by_default_with_the_image_settings(models, call
     summary = _merge(capsys, models, tmp_path / "distilled")
     (call,) = calls
     assert (call["steps"], call["budget"]) == (None, 120.0)
-    assert (call["lr"], call["temperature"], call["label_weight"], call["teacher"]) == (0.002, 3.0, 0.5, "logits")
+    from fedbasin.options import IMAGE_DISTILL_RATE
+
+    assert (call["lr"], call["temperature"], call["label_weight"], call["teacher"]) == (
+        IMAGE_DISTILL_RATE, 3.0, 0.5, "logits")
     assert getattr(call["augment"], "mixes_labels", False) and call["teachers"] == 2
     record = summary["refinement"]["distillation"]
     assert (record["augment"], record["teachers"], record["budget_seconds"]) == ("mixup", 2, 120.0)
+    assert record["lr"] == call["result"].lr == IMAGE_DISTILL_RATE(call["result"].steps)  # the rate its steps chose
     written = _weights(tmp_path / "distilled")
     kept = call["result"].state
     assert call["result"].improved  # (4 steps on this pair lower the selection loss)
@@ -90,12 +94,12 @@ def test_named_views_need_images():
 def test_one_translation_of_the_distillation_options():
     """``distill_call`` is what the CLI and the ServerApp pass to ``ensemble_distill``; ``auto`` must be resolved
     for the model's kind first."""
-    from fedbasin.options import IMAGE, SUBWORD_LM, DistillOptions, distill_call, resolve_distill
+    from fedbasin.options import IMAGE, IMAGE_DISTILL_RATE, SUBWORD_LM, DistillOptions, distill_call, resolve_distill
 
     with pytest.raises(ValueError, match="resolve them for the model first"):
         distill_call(DistillOptions())
-    assert distill_call(resolve_distill(DistillOptions(), IMAGE)) == dict(lr=0.002, temperature=3.0, label_weight=0.5,
-                                                                          teacher="logits")
+    assert distill_call(resolve_distill(DistillOptions(), IMAGE)) == dict(
+        lr=IMAGE_DISTILL_RATE, temperature=3.0, label_weight=0.5, teacher="logits")
     assert distill_call(resolve_distill(DistillOptions(teacher="probabilities"), SUBWORD_LM)) == dict(
         lr=0.001, temperature=1.0, label_weight=0.0, teacher="probabilities")
 

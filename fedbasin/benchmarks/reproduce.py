@@ -28,8 +28,9 @@ SECTIONS = ("barriers", "barrier-seeds", "many", "many4", "width", "oneshot", "o
             "oneshot-cifar10-seeds", "oneshot-cifar10-long")
 # the clients (refine-steps=0: these tables distil only, as measured before refinement became the default with a
 # proxy split); the server's options:
-# distillation as measured before mixup and labels became the image default (docs/options.md): pinned off
-DISTILL_BEFORE_AUTO = "distill-augment=none distill-label-weight=0.0"
+# distillation as measured before mixup and labels became the image default (docs/options.md): pinned off; and
+# at Adam 0.002, the image rate before it was sized by the run's steps (500 steps now read 0.00086)
+DISTILL_BEFORE_AUTO = "distill-augment=none distill-label-weight=0.0 distill-lr=0.002"
 ONESHOT_CIFAR10 = f"max-train-examples=12000 proxy-size=500 local-epochs=10 refine-steps=0 {DISTILL_BEFORE_AUTO}"
 ONESHOT_CIFAR10_VARIANTS = (  # (file name, table label, distillation run config), every one on the same cached clients
     ("kl", "KL, 500 steps", "distill-steps=500"),

@@ -60,6 +60,7 @@ class DistillResult:
     diverged_step: int = 0  # the step whose loss or weights became non-finite (training stopped there); 0: none
     steps: int = 0  # the steps the run was given (sized from the budget when steps=None)
     stopped_at_budget: int = 0  # a budgeted run whose steps ran slower than timed stopped at this step
+    lr: float = math.nan  # the student's Adam rate (a rate sized by the steps: the one they chose)
 
     @property
     def improved(self) -> bool:
@@ -68,7 +69,7 @@ class DistillResult:
     def summary(self) -> dict:
         """JSON-ready record, the same keep-best record as learned refinement's (its steps, and where
         the budget stopped it); says plainly when distillation diverged or returned its start unchanged."""
-        return keep_best_record(self, "distillation", "the merged model", "weights")
+        return {**keep_best_record(self, "distillation", "the merged model", "weights"), "lr": self.lr}
 
 
 TEACHERS = ("logits", "probabilities")
@@ -529,7 +530,7 @@ def ensemble_distill(
     selection: list[Batch],
     evaluation: list[Batch] | None = None,
     steps: int | None = 200,
-    lr: float = 1e-3,
+    lr: float | Callable[[int], float] = 1e-3,
     temperature: float = 1.0,
     eval_every: int = EVAL_EVERY,
     progress: bool = False,
@@ -550,7 +551,8 @@ def ensemble_distill(
     for this run; batches: an endless (or long enough) iterable of proxy ``(inputs, targets)``
     training batches (targets used only when ``label_weight > 0``); selection / evaluation: lists of
     batches disjoint from them; ``seed`` seeds ``augment``'s random views; ``teacher``: how the
-    ensemble combines the teachers (:class:`LogitEnsemble`'s ``combine``).
+    ensemble combines the teachers (:class:`LogitEnsemble`'s ``combine``); ``lr``: Adam's rate, or a
+    function of the run's steps giving it (:class:`fedbasin.options.StepsSizedRate`; ``DistillResult.lr``).
 
     Memory: the student is trained on a copy, or with ``in_place`` on its own tensors (when they
     are in the model's dtypes and device; the caller's ``student`` then holds the result). The
@@ -582,7 +584,8 @@ def ensemble_distill(
         raise ValueError(f"budget must be a number of seconds{' > 0' * sized}, got {budget!r}")
     if sized and budget is None:
         raise ValueError("steps=None sizes the run by its budget: give budget (seconds)")
-    check_step_options(0 if sized else steps, eval_every, lr=lr, temperature=temperature)
+    check_step_options(0 if sized else steps, eval_every, temperature=temperature,
+                       **({} if callable(lr) else {"lr": lr}))
     if not (isinstance(label_weight, (int, float)) and 0 <= label_weight <= 1):
         raise ValueError(f"label_weight must be a number in [0, 1], got {label_weight!r}")
     started = time.perf_counter()
@@ -635,6 +638,8 @@ def ensemble_distill(
                              eval_every, lambda: budget - (time.perf_counter() - started), memo)
         transfer = itertools.chain([first], itertools.islice(transfer, steps - 1)) if steps else iter(())
     result.steps = steps
+    result.lr = lr = lr(steps) if callable(lr) else lr
+    check_step_options(steps, eval_every, lr=lr)
     last_checks = check_seconds + evaluation_seconds  # a budgeted run keeps them for its end
     if in_place:
         keep_best()  # θ₀ exists nowhere else

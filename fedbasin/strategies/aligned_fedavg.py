@@ -490,7 +490,8 @@ class AlignedFedAvg(FedAvg):
                               # the steps it was given (sized by distill-budget with auto), where the budget stopped it
                               **({"distill_steps": result.steps,
                                   "distill_stopped_at_budget": getattr(result, "stopped_at_budget", 0)}
-                                 if hasattr(result, "steps") else {})}
+                                 if hasattr(result, "steps") else {}),
+                              **({"distill_lr": result.lr} if hasattr(result, "lr") else {})}  # (sized by the steps)
 
     def _aligned_merge(
         self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list
