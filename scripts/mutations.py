@@ -40,6 +40,7 @@ SUBSETS = {
     "auto_kind": ["tests/test_options.py"],
     "budget": ["tests/test_options.py"],
     "distill_budget": ["tests/test_distill_budget.py"],
+    "distill_rate": ["tests/test_distill_levers.py", "tests/test_merge_distill.py"],
     "mixup_labels": ["tests/test_distill_levers.py"],
     "translator": ["tests/test_options.py", "tests/test_head_lr.py"],
     "phi": ["tests/test_families_cli.py", "tests/test_phi.py"],

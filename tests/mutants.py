@@ -170,6 +170,14 @@ def distill_budget_ignored() -> None:
     StepCost.steps = lambda self, seconds, eval_every=10: 10
 
 
+def distill_rate_unsized() -> None:
+    """An image classifier's distillation takes Adam 0.002 whatever the steps of its run (the rate is not sized
+    by them)."""
+    from fedbasin import options
+
+    options.DISTILL_SETTINGS[options.IMAGE]["lr"] = 0.002
+
+
 def mixup_labels_unmixed() -> None:
     """Mixup views keep the first image's label (the labels are not mixed as the images are)."""
     from fedbasin.server import distill
@@ -273,6 +281,7 @@ MUTATIONS = {
     "budget": budget_ignored,
     "budget_proxy": proxy_untrimmed,
     "distill_budget": distill_budget_ignored,
+    "distill_rate": distill_rate_unsized,
     "mixup_labels": mixup_labels_unmixed,
     "translator": translator_drops_head_lr,
     "phi": phi_unregistered,
