@@ -684,10 +684,9 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
                 eval_every=eval_every, **call)
         state = ref.adapter.to_standard(result.state)
         return (state if rows is None else rows.paste(merged, state)), {
-            **result.summary(), "teachers": len(teachers), "budget_seconds": options.budget if auto else None,
+            **call, **result.summary(), "teachers": len(teachers), "budget_seconds": options.budget if auto else None,
             "augment": options.augment, "vocabulary": None if rows is None else len(rows.ids),
-            "keep_best_checks": "start and end" if eval_every == sys.maxsize else f"every {eval_every} steps",
-            **call, "lr": result.lr}
+            "keep_best_checks": "start and end" if eval_every == sys.maxsize else f"every {eval_every} steps"}
 
     return distill
 

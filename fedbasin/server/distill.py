@@ -638,8 +638,10 @@ def ensemble_distill(
                              eval_every, lambda: budget - (time.perf_counter() - started), memo)
         transfer = itertools.chain([first], itertools.islice(transfer, steps - 1)) if steps else iter(())
     result.steps = steps
-    result.lr = lr = lr(steps) if callable(lr) else lr
-    check_step_options(steps, eval_every, lr=lr)
+    if callable(lr):  # a rate sized by the run's steps: checked once they chose it
+        lr = lr(steps)
+        check_step_options(steps, eval_every, lr=lr)
+    result.lr = lr
     last_checks = check_seconds + evaluation_seconds  # a budgeted run keeps them for its end
     if in_place:
         keep_best()  # θ₀ exists nowhere else
