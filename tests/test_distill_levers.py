@@ -443,6 +443,8 @@ def test_an_image_classifiers_distillation_rate_is_sized_by_the_steps_it_takes(s
                      for lr in (rate, rate(40)))
     assert sized.lr == pinned.lr == 0.0005 and sized.best_step > 0 and sized.summary()["lr"] == 0.0005
     assert all(torch.equal(sized.state[k], pinned.state[k]) for k in sized.state)
+    planned = []  # the steps the rate was asked for: the budget's plan, however many steps the clock then allowed
     budgeted = ensemble_distill(build_model("vit", DIGITS_VIT), start, teachers, cross_entropy, iter(transfer * 400),
-                                transfer, steps=None, budget=1.0, lr=lambda steps: 1e-3 / steps)
-    assert budgeted.steps > 0 and budgeted.lr == 1e-3 / budgeted.steps
+                                transfer, steps=None, budget=1.0, lr=lambda steps: planned.append(steps) or 1e-3 / steps)
+    assert len(planned) == 1 and planned[0] > 0 and budgeted.lr == 1e-3 / planned[0]
+    assert 0 < budgeted.steps <= planned[0]
