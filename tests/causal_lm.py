@@ -99,12 +99,16 @@ def check_group_action(model_type: str, model, modes=("orthogonal",), scales=Fal
     return adapter
 
 
-def check_planted_recovery(model, seed=11, iterations=60):
+def check_planted_recovery(model, seed=11, iterations=60, signed=False):
     adapter = hf_adapter(model)
     spec = adapter.spec
     reference = adapter.to_standard(model.state_dict())
     canonical = canonicalize(spec, reference)
     g = random_group_element(spec, seed, "orthogonal", dtype=torch.float64)
+    signs = torch.Generator().manual_seed(seed)
+    for m, neurons in zip(spec.mlp, g.neurons):  # gated units: signed permutations (up row and down column flip)
+        if signed and m.activation == "gated":
+            neurons.scale = torch.randint(0, 2, neurons.perm.shape, generator=signs).double() * 2 - 1
     moved = apply_group(spec, canonical.state, g)
     result = weight_match(spec, reference, moved, iterations=iterations, tol=1e-12)
     diff = max(float((result.canonical[k] - canonical.state[k]).abs().max()) for k in canonical.state)

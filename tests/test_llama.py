@@ -45,6 +45,18 @@ def test_planted_symmetry_is_recovered(variant):
     check_planted_recovery(hf_model(model_type, **overrides))
 
 
+@pytest.mark.parametrize("variant", VARIANTS[:2], ids=vid)
+def test_planted_sign_flips_of_gated_units_are_recovered_when_signed_matching_is_on(variant, monkeypatch):
+    """A gated unit is unchanged when its up row (and bias) and down column change sign; with
+    ``SIGNED_GATED_UNITS`` the matching finds planted flips (off by default: no barrier fell, journal §32)."""
+    import fedbasin.alignment.matching as matching
+
+    model_type, overrides = variant
+    monkeypatch.setattr(matching, "SIGNED_GATED_UNITS", True)
+    result = check_planted_recovery(hf_model(model_type, **overrides), signed=True)
+    assert any(n.scale is not None and bool((n.scale < 0).any()) for n in result.transform.neurons)
+
+
 def test_gqa_head_maps_respect_key_value_groups():
     """Query heads move only with their key/value group; a per-query-head rotation would break QK."""
     model = hf_model("llama", num_key_value_heads=2)

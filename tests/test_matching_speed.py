@@ -137,11 +137,13 @@ def test_layers_sharing_a_tensor_are_not_stepped_in_parallel():
     assert not _layers_disjoint(dataclasses.replace(spec, attention=(spec.attention[1],) * 2))
 
 
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_unrotated_mlp_weights_give_the_iterates_of_rotating_them(monkeypatch, activation):
+@pytest.mark.parametrize("activation,signed", [("gelu", False), ("swiglu", False), ("swiglu", True)])
+def test_unrotated_mlp_weights_give_the_iterates_of_rotating_them(monkeypatch, activation, signed):
     """The MLP weights stay unrotated during matching, their C kept up to date from the rows each
-    neuron permutation moves: objective record, group element and aligned state are those of the
-    reference computation (rotate them at every residual step, recompute their C), float64."""
+    neuron permutation (and, with signed gated units, each sign flip) moves: objective record, group
+    element and aligned state are those of the reference computation (rotate them at every residual
+    step, recompute their C), float64."""
+    monkeypatch.setattr(matching, "SIGNED_GATED_UNITS", signed)
     config = dict(WIDE, activation=activation)
     spec = spec_of("gpt", config)
     a, b = _pair(config)
@@ -164,7 +166,10 @@ def test_unrotated_mlp_weights_give_the_iterates_of_rotating_them(monkeypatch, a
     assert kept.objective[-1] > kept.objective[1]
     assert torch.allclose(kept.transform.residual, rotated.transform.residual, atol=1e-9)
     for x, y in zip(kept.transform.neurons, rotated.transform.neurons):
-        assert torch.equal(x.perm, y.perm)
+        assert torch.equal(x.perm, y.perm) and (x.scale is None) == (y.scale is None)
+        assert x.scale is None or torch.equal(x.scale, y.scale)
+    if signed:
+        assert any(n.scale is not None and bool((n.scale < 0).any()) for n in kept.transform.neurons)
     for k in kept.state:
         assert torch.allclose(kept.state[k], rotated.state[k], atol=1e-9), k
 

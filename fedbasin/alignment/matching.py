@@ -58,6 +58,9 @@ from .progress import progress_bar
 from .spec import AttentionSpec, MLPSpec, SymmetrySpec, check_compatible, token_indexed_keys  # noqa: F401 (re-exported)
 
 MODES = ("orthogonal", "permutation")
+#: match gated (SwiGLU) units as signed permutations. Exact, and on the Llama pair about half the matched units
+#: flip, but no barrier fell (docs/journal/merging-notes.md §32; ``scripts/gated_signs_probe.py``): off
+SIGNED_GATED_UNITS = False
 WEIGHTINGS = ("cosine", "rms", "uniform")
 TOKEN_WEIGHTINGS = ("seen", "sqrt", "count")
 
@@ -413,21 +416,30 @@ class _Matcher:
         c = self.covariance(state, self.neuron_axes)
         return None if c is None else c.double()
 
-    def neuron_delta(self, m: MLPSpec, before: dict, perm: torch.Tensor) -> torch.Tensor:
-        """Change of :meth:`neuron_covariance` when the permutation ``perm`` moves MLP ``m`` (row i
-        of the new state = row perm[i] of ``before``): only moved rows count,
-        ``ΔC = Σ_i w (x_perm[i] − x_i)ᵀ r_i`` — a gather and a (moved × d × d) product."""
+    def neuron_delta(self, m: MLPSpec, before: dict, step: NeuronMap) -> torch.Tensor:
+        """Change of :meth:`neuron_covariance` when ``step`` moves MLP ``m`` (row i of the new state
+        = σ_i · row perm[i] of ``before``, σ = s for up rows, 1/s for down columns, 1 for the gate):
+        only moved rows count, ``ΔC = Σ_i w (σ_i x_perm[i] − x_i)ᵀ r_i`` — a gather and a
+        (moved × d × d) product."""
         d = self.spec.width
         first = before[self.neuron_axes[0][0]]
         delta = torch.zeros(d, d, dtype=torch.float64, device=first.device)
-        perm = perm.to(first.device)
-        rows = (perm != torch.arange(perm.numel(), device=perm.device)).nonzero().flatten()
+        perm = step.perm.to(first.device)
+        moved = perm != torch.arange(perm.numel(), device=perm.device)
+        scale = None if step.scale is None else step.scale.to(first.device, torch.float64)
+        if scale is not None:
+            moved |= scale != 1
+        rows = moved.nonzero().flatten()
+        factors = {m.up.weight: scale, m.down.weight: None if scale is None else 1.0 / scale}
         for key, axis in self.neuron_axes:
             if key not in {lin.weight for lin in (m.up, m.gate, m.down) if lin} or self.w[key] == 0:
                 continue
             x = before[key].movedim(1 - axis, 0)  # (neurons, d): the unfolded rows
             r = self.ref[key].to(x).movedim(1 - axis, 0)
-            delta += ((x[perm[rows]] - x[rows]).double().T @ r[rows].double()) * self.w[key]
+            new = x[perm[rows]].double()
+            if factors.get(key) is not None:
+                new = new * factors[key][rows, None]
+            delta += ((new - x[rows].double()).T @ r[rows].double()) * self.w[key]
         return delta
 
     def residual_step(self, state: dict, axes=None, free: torch.Tensor | None = None,
@@ -578,18 +590,35 @@ class _Matcher:
     # -- MLP --------------------------------------------------------------------------------
     def neuron_step(self, m: MLPSpec, state: dict) -> NeuronMap:
         """Hungarian on ``score[i, j] = Σ_p w_p ⟨row i of θ_ref,p, row j of θ_p⟩`` over the tensors
-        with a neuron axis (up/gate rows and biases, down columns)."""
-        with self.clock("mlp.score"):
-            score = self.neuron_scores(m, state)
-        with self.clock("mlp.assignment"):
-            return NeuronMap(hungarian(score))
+        with a neuron axis (up/gate rows and biases, down columns).
 
-    def neuron_scores(self, m: MLPSpec, state: dict) -> torch.Tensor:
+        A gated MLP ``down(act(gate·x) ⊙ up·x)`` is unchanged when unit j's up row (and bias) and
+        down column both change sign, so its units match as signed permutations (not in
+        ``permutation`` mode, GLMC's group): ``score = G + |U|`` with G the gate's terms and U the
+        up and down ones, and unit j flips where it is matched with ``U_ij < 0``. Off by default
+        (:data:`SIGNED_GATED_UNITS`)."""
+        with self.clock("mlp.score"):
+            signed = SIGNED_GATED_UNITS and m.activation == "gated" and self.mode != "permutation"
+            score = self.neuron_scores(m, state, linear_branch=True if signed else None)
+            if signed:
+                branch = score
+                score = self.neuron_scores(m, state, linear_branch=False).add_(branch.abs())
+        with self.clock("mlp.assignment"):
+            perm = hungarian(score)
+            if not signed:
+                return NeuronMap(perm)
+            flips = branch[torch.arange(perm.numel(), device=branch.device), perm.to(branch.device)] < 0
+            return NeuronMap(perm, 1.0 - 2.0 * flips.cpu().double()) if bool(flips.any()) else NeuronMap(perm)
+
+    def neuron_scores(self, m: MLPSpec, state: dict, linear_branch: bool | None = None) -> torch.Tensor:
         """The n×n score of :meth:`neuron_step`, accumulated tensor by tensor into one buffer
-        (no concatenated copies: down columns enter as a transposed view, biases as rank one)."""
-        pieces = [(k, False) for lin in (m.up, m.gate) if lin for k in (lin.weight, lin.bias) if k]
+        (no concatenated copies: down columns enter as a transposed view, biases as rank one).
+        ``linear_branch``: only the up and down terms (True) or only the gate's (False)."""
+        ups = [(k, False) for k in (m.up.weight, m.up.bias) if k] + [(m.down.weight, True)]
+        gates = [(k, False) for k in ((m.gate.weight, m.gate.bias) if m.gate else ()) if k]
+        pieces = {None: ups[:-1] + gates + ups[-1:], True: ups, False: gates}[linear_branch]
         score = None
-        for key, transpose in pieces + [(m.down.weight, True)]:
+        for key, transpose in pieces:
             ref, cand = self.ref[key].to(state[key]), state[key]
             if transpose:
                 ref, cand = ref.T, cand.T
@@ -749,7 +778,7 @@ def weight_match(
             # the change of the unrotated MLP weights' C, per layer in parallel: a layer's weights
             # are the same now as when its step is applied (no other layer's step touches them)
             with matcher.clock("mlp.apply"):
-                deltas = per_layer(lambda i, state=point.state: matcher.neuron_delta(spec.mlp[i], state, maps[i].perm)
+                deltas = per_layer(lambda i, state=point.state: matcher.neuron_delta(spec.mlp[i], state, maps[i])
                                    if moves[i] else None, list(range(len(maps))), device)
         with matcher.clock("heads.apply" if factor == "heads" else "mlp.apply"), one_thread(device):
             for i, layer_map in enumerate(maps):
@@ -758,8 +787,8 @@ def weight_match(
                 step = GroupElement.identity(spec)
                 getattr(step, factor)[i] = layer_map
                 delta, deltas[i] = deltas[i], None
-                if factor == "neurons" and neurons is not None and delta is None:  # neuron steps are permutations
-                    delta = matcher.neuron_delta(spec.mlp[i], point.state, layer_map.perm)
+                if factor == "neurons" and neurons is not None and delta is None:
+                    delta = matcher.neuron_delta(spec.mlp[i], point.state, layer_map)
                 before = point
                 point = point.try_step(inner, J, step, fixed(delta))
                 if delta is not None and point is not before:
