@@ -609,7 +609,36 @@ def _refined_merge(args, checkpoints, states, match) -> tuple[dict, dict]:
     summary = {**info, **result.summary()}
     if distill is not None:
         merged, summary["distillation"] = distill(merged, [s for s, w in zip(states, weights) if w > 0])
+    if proxy.split is not None:
+        paths = [args.reference, *args.models]
+        summary["against_models"] = _against_models(checkpoints[0], proxy, merged, states, paths)
     return merged, summary
+
+
+def _against_models(ref, proxy: _Proxy, merged: dict, states: list[dict], paths) -> dict:
+    """The written merge beside its models on the proxy's held-out part (the evaluation split, or the
+    selection split keep-best chose on when there is none: :func:`fedbasin.server.distill.merge_against_members`),
+    and one stderr line saying whether the merge is better than the best of them."""
+    from fedbasin.server.distill import merge_against_members
+    from fedbasin.training import cross_entropy
+    from fedbasin.weights import holding_weights
+
+    rows, cut, data = proxy.in_vocabulary(ref.spec, merged)
+    split, name = (data.evaluation, "evaluation") if data.evaluation else (data.selection, "selection")
+    module_states = [ref.adapter.from_standard(cut(s)) for s in (merged, *states)]
+    device = next(iter(merged.values())).device
+    with holding_weights(proxy.module, module_states[0], device, reshaped=rows is not None):
+        found = merge_against_members(proxy.module, module_states[0], module_states[1:], cross_entropy, split,
+                                      progress=True)
+    gap, best = found["merge_minus_best_model"], found["best_model"]
+    where = ("held-out evaluation split" if name == "evaluation"
+             else "selection split (keep-best chose the merge on it; there is no evaluation split)")
+    print(f"fedbasin merge: on the proxy's {where}, {found['examples']} examples of --refine-data, the merge's loss is {found['merge']['loss']:.4f}, the best model's "
+          f"({paths[best]}) {found['models'][best]['loss']:.4f}, the models' ensemble's "
+          f"{found['ensemble']['loss']:.4f}: the merge is {'better than' if gap['loss'] < 0 else 'behind'} the "
+          f"best model by {abs(gap['loss']):.4f} in loss ({100 * gap['accuracy']:+.1f} points of accuracy)",
+          file=sys.stderr)
+    return {"split": name, "vocabulary": None if rows is None else len(rows.ids), **found}
 
 
 @dataclasses.dataclass
@@ -636,6 +665,17 @@ class _Proxy:
                              selection_fraction=o.selection_fraction, evaluation_fraction=o.evaluation_fraction,
                              eval_batch_size=eval_batch_size(self.split, self.module, most=32))
 
+    def in_vocabulary(self, spec, state: dict):
+        """``(rows, cut, streams)``: the refinement's training vocabulary (a :class:`TrainingVocabulary` of
+        ``state``, or None: every token), the map cutting a standard state's token rows to it, and the proxy's
+        streams renumbered into it — the full model's logits at those tokens, a fraction of the head's cost."""
+        from fedbasin.alignment.vocabulary import TrainingVocabulary
+
+        if self.vocabulary is None:
+            return None, (lambda s: s), self.streams()
+        rows = TrainingVocabulary(spec, state, self.vocabulary)
+        return rows, rows.cut, self.streams(rows.renumber_split(self.split))
+
 
 def _distiller(args, ref, kind: str, proxy: _Proxy):
     """``distill(merged, teachers) -> (state, summary)``: the teachers' ensemble (their mean logits, or
@@ -643,7 +683,6 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
     selection part keeps the best student, θ₀ included), with the schema's :class:`~fedbasin.options.DistillOptions`
     (``auto`` set for ``kind``, the steps sized by ``--distill-budget``); None when off (no real proxy data,
     ``--distill-steps 0`` or a budget of 0)."""
-    from fedbasin.alignment.vocabulary import TrainingVocabulary
     from fedbasin.options import (
         AUTO,
         MERGE_DISTILL_CHECKS_AT_END,
@@ -671,9 +710,7 @@ def _distiller(args, ref, kind: str, proxy: _Proxy):
     eval_every = sys.maxsize if kind in MERGE_DISTILL_CHECKS_AT_END else EVAL_EVERY  # (the start and the last step)
 
     def distill(merged: dict, teachers: list[dict]) -> tuple[dict, dict]:
-        rows = None if proxy.vocabulary is None else TrainingVocabulary(ref.spec, merged, proxy.vocabulary)
-        cut = (lambda state: state) if rows is None else rows.cut
-        data = proxy.streams(None if rows is None else rows.renumber_split(proxy.split))
+        rows, cut, data = proxy.in_vocabulary(ref.spec, merged)
         start = ref.adapter.from_standard(cut(merged))
         device = next(iter(start.values())).device  # --device: where the states are
         with holding_weights(proxy.module, start, device, reshaped=rows is not None) as student:  # and runs there

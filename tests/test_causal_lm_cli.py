@@ -137,7 +137,8 @@ def test_a_subword_lm_merge_distils_by_default_over_the_refinements_vocabulary(t
     m0, m1 = _save(tmp_path / "m0", "llama", 1), _save(tmp_path / "m1", "llama", 2)
     _refine(capsys, "merge", m0, m1, tmp_path / "off", text_file, steps=2, extra=["--distill-steps", 0])
     assert not calls
-    distilled = _refine(capsys, "merge", m0, m1, tmp_path / "on", text_file, steps=2)["distillation"]
+    summary = _refine(capsys, "merge", m0, m1, tmp_path / "on", text_file, steps=2)
+    distilled = summary["distillation"]
     (call,) = calls  # (run for 4 steps instead of its budget)
     assert (call["steps"], call["budget"], call["lr"], call["eval_every"]) == (None, 120.0, 1e-4, sys.maxsize)
     assert distilled["keep_best_checks"] == "start and end" and call["teachers"] == 2
@@ -147,6 +148,10 @@ def test_a_subword_lm_merge_distils_by_default_over_the_refinements_vocabulary(t
         moved = (off[key] != on[key]).any(dim=1)
         assert 0 < int(moved.sum()) <= distilled["vocabulary"], key
     assert any(not torch.equal(off[k], on[k]) for k in off if k not in ("model.embed_tokens.weight", "lm_head.weight"))
+    # the written merge beside its models on the held-out split, in the same vocabulary: the distillation's figure
+    against = summary["against_models"]
+    assert (against["split"], against["vocabulary"], len(against["models"])) == ("evaluation", distilled["vocabulary"], 2)
+    assert against["merge"]["loss"] == pytest.approx(distilled["evaluation_loss"], rel=1e-5)
 
 
 def test_images_are_refused_in_one_line_naming_the_family(pair, capsys):

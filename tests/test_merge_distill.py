@@ -141,3 +141,67 @@ def test_an_ensemble_of_different_architectures_is_refused(models, capsys, tmp_p
     assert str(tmp_path / "deeper") in line
     line = cli_error(capsys, ["eval", models[0], "--data", "digits", "--ensemble", "probabilities"])
     assert line.endswith("--ensemble probabilities has no effect with one CHECKPOINT (it combines several)")
+
+
+def test_the_merge_is_scored_beside_its_models_on_the_held_out_split(models, capsys, tmp_path):
+    """The summary's ``against_models``: the merge, each model and their ensemble on the proxy's evaluation split;
+    with ``--weights 1,0`` the written merge is model 0, so their scores agree, and the stderr line names the
+    best model and the gap."""
+    assert main(["merge", *models, "--out", str(tmp_path / "m"), *REFINE, "--distill-steps", "0",
+                 "--weights", "1,0"]) == 0
+    captured = capsys.readouterr()
+    found = json.loads(captured.out)["refinement"]["against_models"]
+    assert found["split"] == "evaluation" and found["examples"] == 40  # 20 % of the 200 proxy examples
+    assert len(found["models"]) == 2 and found["models"][0] != found["models"][1]
+    assert found["merge"]["loss"] == pytest.approx(found["models"][0]["loss"], abs=1e-6)
+    assert found["merge"]["accuracy"] == found["models"][0]["accuracy"]
+    best = found["best_model"]
+    assert found["merge_minus_best_model"]["loss"] == pytest.approx(
+        found["merge"]["loss"] - found["models"][best]["loss"])
+    (line,) = [x for x in captured.err.splitlines() if "the best model's" in x]
+    assert models[best] in line and f"{found['ensemble']['loss']:.4f}" in line
+
+    # without an evaluation split the selection split (which kept the merge) is scored, and the line says so
+    assert main(["merge", *models, "--out", str(tmp_path / "s"), *REFINE, "--distill-steps", "0",
+                 "--refine-evaluation-fraction", "0"]) == 0
+    captured = capsys.readouterr()
+    found = json.loads(captured.out)["refinement"]["against_models"]
+    assert (found["split"], found["examples"]) == ("selection", 40)
+    assert "selection split (keep-best chose the merge on it" in captured.err
+
+
+def test_merge_against_members_scores_each_state_and_the_mean_logit_ensemble():
+    """Every figure is the plain mean loss / accuracy of that model over the batches (example-weighted), the
+    ensemble's that of the mean logits, and the best model the one of lowest loss."""
+    from fedbasin.models import build_model
+    from fedbasin.server.distill import LogitEnsemble, mean_loss, merge_against_members
+    from fedbasin.training import cross_entropy
+
+    torch.manual_seed(0)
+    module = build_model("vit", DIGITS_VIT).eval()
+    states = [trained_digits_vit(seed) for seed in (0, 1)]
+    merged = {k: (states[0][k] + states[1][k]) / 2 for k in states[0]}
+    from fedbasin.data import load_task
+
+    test = load_task("digits", seed=0).split("test")
+    split = list(test.batches(64))[:3] + [next(test.batches(7))]  # unequal batches: weighted by size
+    found = merge_against_members(module, merged, states, cross_entropy, split)
+
+    def model_of(state):
+        m = build_model("vit", DIGITS_VIT).eval()
+        m.load_state_dict(state)
+        return m
+
+    def accuracy(m):
+        with torch.no_grad():
+            hits = sum(int((m(x).argmax(-1) == y).sum()) for x, y in split)
+        return hits / sum(len(y) for _, y in split)
+
+    members = [model_of(s) for s in states]
+    for got, m in [(found["merge"], model_of(merged)), *zip(found["models"], members),
+                   (found["ensemble"], LogitEnsemble(members))]:
+        assert got["loss"] == pytest.approx(mean_loss(m, cross_entropy, split, "cpu"), rel=1e-5)
+        assert got["accuracy"] == pytest.approx(accuracy(m))
+    losses = [m["loss"] for m in found["models"]]
+    assert found["best_model"] == losses.index(min(losses)) and found["examples"] == 3 * 64 + 7
+    assert found["merge_minus_best_model"]["loss"] == pytest.approx(found["merge"]["loss"] - min(losses))

@@ -266,6 +266,40 @@ def mean_loss(forward: Callable[[torch.Tensor], object], loss_fn, split: list[Ba
     return total / sum(len(y) for _, y in split)
 
 
+@torch.no_grad()
+def merge_against_members(model: nn.Module, merged: dict, members: list[dict], loss_fn,
+                          split: list[Batch], progress: bool = False) -> dict:
+    """What a merge is worth beside the models it came from, on ``split`` (batches of class or
+    token ids): the example-weighted mean loss ``Σ_b loss_b·|b| / Σ_b |b|`` and the argmax accuracy
+    over every target of the merge, of each member and of the members' mean-logit ensemble, the
+    best member (lowest loss) and the merge minus it (loss > 0 / accuracy < 0: the merge is worse
+    than a model already held). ``model``: any module of the architecture, evaluated with each state
+    where its own weights are (:class:`StateEnsemble`); ``merged`` and ``members`` in its layout."""
+    device = next(iter(model.parameters())).device
+    names = ["merge", *range(len(members)), "ensemble"]
+    loss, correct = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+    examples = targets = 0
+    states = StateEnsemble(model, [merged, *members])
+
+    def score(name, logits: torch.Tensor) -> torch.Tensor:
+        loss[name] += float(loss_fn(logits, y)) * len(y)
+        correct[name] += int((logits.argmax(-1) == y).sum())
+        return logits
+
+    for x, y in tqdm(split, desc="merge beside its models", disable=not progress, leave=False):
+        # one member's logits in flight besides the ensemble's sum
+        x, y = x.to(device), y.to(device)
+        outputs = states.members(x)
+        score("merge", next(outputs))
+        score("ensemble", ensemble_of((score(i, out) for i, out in enumerate(outputs)), "logits"))
+        examples, targets = examples + len(y), targets + y.numel()
+    scores = {name: {"loss": loss[name] / examples, "accuracy": correct[name] / targets} for name in names}
+    best = min(range(len(members)), key=lambda i: scores[i]["loss"])
+    return {"examples": examples, "merge": scores["merge"], "models": [scores[i] for i in range(len(members))],
+            "ensemble": scores["ensemble"], "best_model": best,
+            "merge_minus_best_model": {k: scores["merge"][k] - scores[best][k] for k in ("loss", "accuracy")}}
+
+
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
     """``T² · KL(softmax(teacher/T) ‖ softmax(student/T))``, mean over every predicted position,
     as ``T² · (Σ p_t log p_t − Σ p_t log p_s) / N``: the teacher's side without gradient and no
