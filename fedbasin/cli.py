@@ -322,7 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Align every MODEL to REFERENCE (weight matching, optionally universe "
                        "matching) and write the weighted average in REFERENCE's basis and format. With "
                        "--refine-data, the alignment is refined on that proxy data and the models' ensemble is "
-                       "then distilled into the average (each within its budget, 2 minutes by default).")
+                       "then distilled into the average (each within its budget, 2 minutes by default); the merge, each "
+                       "model and their ensemble are then scored on the proxy's held-out split (one stderr line; "
+                       "refinement.against_models in the summary).")
     p.add_argument("reference", metavar="REFERENCE", help=CHECKPOINT_HELP + "; the merge lives in its basis")
     p.add_argument("models", nargs="+", metavar="MODEL", help="checkpoints of the same architecture")
     p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint directory")
