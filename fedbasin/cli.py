@@ -635,11 +635,14 @@ def _against_models(ref, proxy: _Proxy, merged: dict, states: list[dict], paths)
     gap, best = found["merge_minus_best_model"], found["best_model"]
     where = ("held-out evaluation split" if name == "evaluation"
              else "selection split (keep-best chose the merge on it; there is no evaluation split)")
-    print(f"fedbasin merge: on the proxy's {where}, {found['examples']} examples of --refine-data, the merge's loss is {found['merge']['loss']:.4f}, the best model's "
-          f"({paths[best]}) {found['models'][best]['loss']:.4f}, the models' ensemble's "
-          f"{found['ensemble']['loss']:.4f}: the merge is {'better than' if gap['loss'] < 0 else 'behind'} the "
-          f"best model by {abs(gap['loss']):.4f} in loss ({100 * gap['accuracy']:+.1f} points of accuracy)",
-          file=sys.stderr)
+    points = 100 * gap["accuracy"]
+    accuracy = ("level in accuracy" if abs(points) < 0.05
+                else f"{'ahead' if points > 0 else 'behind'} by {abs(points):.1f} points of accuracy")
+    print(f"fedbasin merge: on the proxy's {where}, {found['examples']} examples of --refine-data: loss of the "
+          f"merge {found['merge']['loss']:.4f}, of the best model ({paths[best]}) {found['models'][best]['loss']:.4f}, "
+          f"of the models' ensemble {found['ensemble']['loss']:.4f}; the merge is "
+          f"{'better than' if gap['loss'] < 0 else 'behind'} the best model by {abs(gap['loss']):.4f} in loss, "
+          f"{accuracy}", file=sys.stderr)
     return {"split": name, "vocabulary": None if rows is None else len(rows.ids), **found}
 
 

@@ -158,7 +158,7 @@ def test_the_merge_is_scored_beside_its_models_on_the_held_out_split(models, cap
     best = found["best_model"]
     assert found["merge_minus_best_model"]["loss"] == pytest.approx(
         found["merge"]["loss"] - found["models"][best]["loss"])
-    (line,) = [x for x in captured.err.splitlines() if "the best model's" in x]
+    (line,) = [x for x in captured.err.splitlines() if "of the best model" in x]
     assert models[best] in line and f"{found['ensemble']['loss']:.4f}" in line
 
     # without an evaluation split the selection split (which kept the merge) is scored, and the line says so
