@@ -131,8 +131,12 @@ def _check_state(state: dict, expected: dict, what: str, arch: str) -> None:
 
 
 def _check_finite(state: dict, what: str) -> None:
-    """Every floating-point tensor is finite; the error names the first tensor with NaN/inf."""
+    """Every tensor is floating point (the weights of every registered family are) and finite; the
+    error names the first tensor that is not."""
     for key, value in state.items():
+        if not value.is_floating_point():
+            raise ValueError(f"{what}: tensor {key} has dtype {str(value.dtype).removeprefix('torch.')}; "
+                             "model weights must be floating point")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             bad = int((~torch.isfinite(value)).sum())
             raise ValueError(f"{what}: tensor {key} has {bad} NaN or infinite value(s)")
@@ -247,7 +251,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     try:
         config = fmt.config_from_json(data)
         expected = fmt.expected_shapes(config)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RuntimeError) as e:  # (RuntimeError: e.g. a negative size)
         raise ValueError(f"{config_path}: invalid {family} config: {e}") from e
     stored, weights_path = _read_weights(path, allow_torch=fmt.reads_torch_weights)
     state = fmt.state_from_file(config, stored)

@@ -173,7 +173,8 @@ class NativeFormat(ModelFormat):
         return fedbasin_adapter(self.family, config)
 
     def expected_shapes(self, config) -> dict[str, tuple[int, ...]]:
-        return {k: tuple(v.shape) for k, v in self.entry.build(config).state_dict().items()}
+        with torch.device("meta"):  # shapes only: no memory, whatever size the config asks for
+            return {k: tuple(v.shape) for k, v in self.entry.build(config).state_dict().items()}
 
     def tied_pairs(self, config) -> list[tuple[str, str, str]]:
         return self.entry.tied_pairs(config)

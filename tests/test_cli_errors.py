@@ -198,6 +198,29 @@ def test_nan_model_is_refused(models, tmp_path, capsys, command):
     _fails(capsys, tmp_path, EXIT_INPUT, argv, models["nan"], "blocks.0.mlp.up.weight", "NaN")
 
 
+def _edited_copy(models, name: str, config: dict | None = None, tensors: dict | None = None) -> Path:
+    """A copy of model ``a`` named ``name`` with config fields and tensors replaced."""
+    source, copy = Path(models["a"]), Path(models["a"]).parent / name
+    copy.mkdir()
+    values = json.loads((source / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**values, **(config or {})}))
+    state = safetensors.torch.load_file(source / "model.safetensors")
+    safetensors.torch.save_file({**state, **(tensors or {})}, copy / "model.safetensors")
+    return copy
+
+
+@pytest.mark.parametrize("name, config, tensor, words", [
+    ("integer", None, torch.zeros(32, dtype=torch.int64), ("blocks.0.mlp.up.bias", "dtype int64", "floating point")),
+    ("negative", {"dim": -16}, None, ("config.json", "invalid vit config", "negative dimension")),
+    ("typed", {"depth": "one"}, None, ("config.json", "depth is 'one'; expected int")),
+])
+def test_a_malformed_config_or_tensor_is_refused_at_load(models, tmp_path, capsys, name, config, tensor, words):
+    """An integer tensor, a negative size or a field of the wrong type: a one-line input error naming the file
+    and the field, not an internal error raised later by the model."""
+    bad = _edited_copy(models, name, config, None if tensor is None else {"blocks.0.mlp.up.bias": tensor})
+    _fails(capsys, tmp_path, EXIT_INPUT, ["merge", models["a"], bad, "--out", tmp_path / "o"], str(bad), *words)
+
+
 def test_weights_file_with_extra_layer_is_refused(models, tmp_path, capsys):
     """config.json says depth 1 but the weights hold two blocks: an error, not a dropped layer."""
     (Path(models["a"]).parent / "lying").mkdir()
