@@ -248,6 +248,13 @@ def test_text_file_missing_is_an_error_never_a_download(models, tmp_path, capsys
            str(missing), "does not exist")
 
 
+def test_a_text_file_that_is_not_utf8_is_refused_in_one_line(models, tmp_path, capsys):
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(bytes(range(256)) * 4)
+    _fails(capsys, tmp_path, EXIT_INPUT, ["barrier", models["a"], models["b"], "--data", f"text:{binary}"],
+           str(binary), "is not UTF-8 text")
+
+
 def test_unknown_data_source(models, tmp_path, capsys):
     _fails(capsys, tmp_path, EXIT_INPUT, ["barrier", models["a"], models["b"], "--data", "imagenet"],
            "unknown data source 'imagenet'")

@@ -336,7 +336,10 @@ def _text(path: str, block_size: int, tokenizer_dir: str | None = None) -> Task:
             raise RuntimeError(f"could not load {hub_id!r} from the Hugging Face hub ({error})") from error
         where = Path(hub_id)
     elif where.is_file():
-        text = where.read_text(encoding="utf-8")
+        try:
+            text = where.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"text file {where} is not UTF-8 text (byte {error.start}: {error.reason})") from None
     elif where.exists():
         raise ValueError(f"text source {where} is not a file")
     else:
