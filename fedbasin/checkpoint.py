@@ -137,7 +137,7 @@ def _check_finite(state: dict, what: str) -> None:
         if not value.is_floating_point():
             raise ValueError(f"{what}: tensor {key} has dtype {str(value.dtype).removeprefix('torch.')}; "
                              "model weights must be floating point")
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        if not bool(torch.isfinite(value).all()):
             bad = int((~torch.isfinite(value)).sum())
             raise ValueError(f"{what}: tensor {key} has {bad} NaN or infinite value(s)")
 

@@ -54,10 +54,11 @@ class NativeFamily:
         if unknown:
             raise ValueError(f"unknown {self.name} config field(s) {unknown}; known: {sorted(known)}")
         for f in fields(self.config):  # a value of the default's type (an int where a float is expected)
-            value, default = values.get(f.name, f.default), f.default
-            kind = type(default)
-            if f.name in values and kind in (bool, int, float, str) and not (
-                    type(value) is kind or (kind is float and type(value) is int)):
+            kind = type(f.default)
+            if f.name not in values or kind not in (bool, int, float, str):
+                continue
+            value = values[f.name]
+            if not (type(value) is kind or (kind is float and type(value) is int)):
                 raise ValueError(f"{self.name} config field {f.name} is {value!r}; expected {kind.__name__}")
         return self.config(**values)
 
