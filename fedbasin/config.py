@@ -20,7 +20,7 @@ from fedbasin.alignment.adapters import Adapter, fedbasin_adapter
 from fedbasin.alignment.proxy import split_share_problem
 from fedbasin.data import Task, load_task
 from fedbasin.models import FAMILIES, build_model, family_of
-from fedbasin.options import AUTO, RUN, convert, from_run_config, run_config_choices, run_config_fields
+from fedbasin.options import AUTO, RUN, convert, from_run_config, run_config_choices, run_config_fields, toml_value
 from fedbasin.options import problems as option_problems
 from fedbasin.run_defaults import DEFAULT_RUN_CONFIG
 from fedbasin.training import OUTPUT_BUDGET, device_name_problem
@@ -37,6 +37,7 @@ RANGES = (
     (("dirichlet-alpha",), 0, False),
 )
 UPPER = {"fraction-train": 1.0, "fraction-evaluate": 1.0}
+MIN_PROXY = 10  # examples: a proxy split of fewer leaves its selection and evaluation parts one or two each
 
 
 class RunConfigError(ValueError):
@@ -86,10 +87,13 @@ def _value_problems(config: dict) -> list[str]:
         if config[key] not in allowed:
             problems.append(f"run-config {key}={config[key]!r}; expected one of {allowed}")
     problems += option_problems(from_run_config(config), RUN)
+    if 0 < config["proxy-size"] < MIN_PROXY:  # auto refinement and distillation would run on it, to no avail
+        problems.append(f"run-config proxy-size={config['proxy-size']} is too small: the server's proxy split needs "
+                        f"at least {MIN_PROXY} examples (0 holds none back)")
     for key, verb in (("refine-steps", "refines"), ("distill-steps", "distils"), ("proxy-screening", "scores replies")):
-        if config[key] != AUTO and config[key] > 0 and config["proxy-size"] < 10:
-            problems.append(f"run-config {key}={config[key]} needs proxy-size >= 10 "
-                            f"(got {config['proxy-size']}): the server {verb} on its proxy split")
+        if config[key] != AUTO and config[key] > 0 and config["proxy-size"] == 0:
+            problems.append(f"run-config {key}={config[key]} needs proxy-size >= {MIN_PROXY} "
+                            f"(got 0): the server {verb} on its proxy split")
     for keys, low, inclusive in RANGES:
         for key in keys:
             value = config[key]
@@ -158,9 +162,13 @@ def model_from_config(
     loaded when ``load_weights``; see :mod:`fedbasin.causal_lm`)."""
     if causal_lm.selected(config):
         return causal_lm.build(task, config, seed, load_weights)
-    return build_model(
-        task.family, model_config(task.family, task.model_overrides, config), seed=seed
-    )
+    values = model_config(task.family, task.model_overrides, config)
+    try:
+        return build_model(task.family, values, seed=seed)
+    except ValueError as error:  # e.g. a width the heads do not divide: name the keys that shaped the model
+        given = " ".join(f"{key}={toml_value(value)}" for key, value in config.items()
+                         if key.startswith("model.") and value != DEFAULT_RUN_CONFIG[key])
+        raise ValueError(f"run-config {given or 'model.* (the defaults)'}: {error}") from None
 
 
 def model_adapter(task: Task, model: nn.Module) -> tuple[str, Adapter]:

@@ -706,6 +706,17 @@ def toml_lines() -> list[str]:
     return lines
 
 
+def run_table() -> list[str]:
+    """The schema's run-config keys as a Markdown table (``key | default | meaning``; docs/flower.md carries it)."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for cls in GROUPS:
+        for name, f, opt in schema_fields(cls, RUN):
+            choices = f" ({' | '.join(opt.allowed)})" if opt.choices else ""
+            meaning = (opt.help.replace("%%", "%") + choices).replace("|", "\\|")  # a cell holds no bare bar
+            lines.append(f"| `{name}` | `{toml_value(f.default)}` | {meaning} |")
+    return lines
+
+
 def kind_table() -> list[str]:
     """The ``auto`` values per model kind as a Markdown table (docs/options.md carries it)."""
     names = list(KIND_SETTINGS[IMAGE])
@@ -718,7 +729,8 @@ def kind_table() -> list[str]:
     return lines
 
 
-if __name__ == "__main__":  # the pyproject lines; --kinds: the table of auto values per model kind
+if __name__ == "__main__":  # the pyproject lines; --kinds: the auto values per model kind; --run-table: the keys
     import sys
 
-    print("\n".join(kind_table() if "--kinds" in sys.argv else toml_lines()))
+    print("\n".join(kind_table() if "--kinds" in sys.argv else run_table() if "--run-table" in sys.argv
+                    else toml_lines()))

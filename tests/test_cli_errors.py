@@ -156,7 +156,8 @@ def test_weight_count_must_match_the_models(models, tmp_path, capsys):
                                           "--weights", "1,2,3"], "--weights has 3 values for 2 models")
 
 
-@pytest.mark.parametrize("item", ["batch-size=-1", "local-epochs=abc", "max-train-examples=-5", "lr=nan"])
+@pytest.mark.parametrize("item", ["batch-size=-1", "local-epochs=abc", "max-train-examples=-5", "lr=nan", "model.dim=63",
+                                  "proxy-size=5"])
 def test_simulate_refuses_bad_run_config_before_touching_disk(tmp_path, capsys, item):
     out = tmp_path / "run"
     before = _tree(tmp_path)

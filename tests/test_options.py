@@ -256,6 +256,15 @@ def test_the_docs_carry_the_generated_table_of_auto_values():
     assert "\n".join(schema.kind_table()) in (ROOT / "docs" / "options.md").read_text()
 
 
+def test_the_flower_docs_list_every_run_config_key_and_the_schema_table_from_the_code():
+    """docs/flower.md carries ``python -m fedbasin.options --run-table`` verbatim and names every other key."""
+    from fedbasin.config import DEFAULT_RUN_CONFIG
+
+    text = (ROOT / "docs" / "flower.md").read_text()
+    assert "\n".join(schema.run_table()) in text
+    assert [key for key in DEFAULT_RUN_CONFIG if f"`{key}`" not in text] == []
+
+
 def test_a_budgeted_run_whose_steps_slow_down_stops_within_its_budget(monkeypatch):
     """Steps that run slower than the timed ones (a machine that got busy) do not overrun the budget: the run
     stops once it is spent, with a last keep-best check at that step (a clock that jumps after sizing)."""
@@ -333,6 +342,14 @@ def test_the_strategy_takes_the_option_objects():
     assert strategy.head_weight == 1.0  # auto outside a ServerApp that knows the model's kind
     assert AlignedFedAvg(spec_of("vit", DIGITS_VIT), match=schema.MatchOptions(head_weight=2.0)).head_weight == 2.0
     assert (strategy.aggregator, strategy.clip_ratio, strategy.max_examples_ratio) == ("median", 2.0, 3.0)
+    # a keyword that says otherwise than the object is refused naming both, never silently overridden
+    with pytest.raises(ValueError, match=r"mode='permutation' contradicts MatchOptions\(symmetry='orthogonal'\)"):
+        AlignedFedAvg(spec_of("vit", DIGITS_VIT), mode="permutation", match=schema.MatchOptions())
+    with pytest.raises(ValueError, match=r"aggregator='median' contradicts RobustOptions\(aggregator='mean'\)"):
+        AlignedFedAvg(spec_of("vit", DIGITS_VIT), aggregator="median", robust=schema.RobustOptions())
+    agreeing = AlignedFedAvg(spec_of("vit", DIGITS_VIT), aggregator="median",
+                             robust=schema.RobustOptions(aggregator="median"))
+    assert agreeing.aggregator == "median"
 
 
 def test_a_flower_round_refines_by_default_within_its_budget(monkeypatch):

@@ -253,3 +253,5 @@ def test_evaluation_counts_are_capped_and_deduplicated():
     # node 3: 1e12 → 1e6 (absolute cap) → 1 × the lower median of (10, 10, 1e6) = 10; node 1's second
     # reply is dropped
     assert metrics["eval_loss"] == pytest.approx((10 + 10 + 70) / 30)
+    # the cap is recorded once, as the evaluation's (a round's train and evaluate caps are told apart)
+    assert strategy.screening[1]["capped"] == [{"node": 3, "stage": "evaluate", "num_examples": 10**12, "weight": 10}]

@@ -114,7 +114,7 @@ def test_every_bad_key_is_reported_with_what_is_allowed():
         "run-config refine-schedule='linear'; expected one of ('constant', 'cosine', 'auto')",
         "run-config refine-lambda='half' must be 'LO,HI' with 0 <= LO <= HI <= 1 (two models train at "
         "λ ~ U(LO, HI) on their path), e.g. '0.4,0.6'",
-        "run-config refine-steps=5 needs proxy-size >= 10 (got 4): the server refines on its proxy split",
+        "run-config proxy-size=4 is too small: the server's proxy split needs at least 10 examples (0 holds none back)",
         "run-config refine-steps=5 refines the alignment: it needs alignment=true",
     ]
     assert str(refused.value) == "\n".join(problems)
@@ -122,6 +122,11 @@ def test_every_bad_key_is_reported_with_what_is_allowed():
         with pytest.raises(RunConfigError, match="refine-lambda"):
             resolve_run_config({"refine-lambda": text})
     assert resolve_run_config({"refine-lambda": " 0.1 , 0.9"})["refine-lambda"] == " 0.1 , 0.9"
+    # auto refinement and distillation would spend their budgets on a proxy split of two or three examples
+    with pytest.raises(RunConfigError, match=r"proxy-size=5 is too small") as refused:
+        resolve_run_config({"proxy-size": 5})
+    assert len(refused.value.problems) == 1
+    assert resolve_run_config({"proxy-size": 10})["proxy-size"] == 10
 
 
 @pytest.mark.parametrize("overrides, keyword, value", [

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import inspect
 import math
 import time
 import warnings
@@ -63,6 +64,14 @@ class ReplyError(ValueError):
 class CohortSplit(RuntimeError):
     """The cohort is two equal camps that disagree (:func:`~fedbasin.strategies.robust.equal_split`):
     the round fails and keeps the previous global model; the message says why."""
+
+
+# the keywords of AlignedFedAvg that the schema's option objects also hold: keyword -> the object's field
+_MATCH_KEYWORDS = {"mode": "symmetry", "iterations": "align_iterations", "tol": "align_tol",
+                   "universe_iterations": "universe_iterations", "already_aligned": "already_aligned"}
+_ROBUST_KEYWORDS = {name: name for name in ("max_abs_weight", "max_num_examples", "max_examples_ratio",
+                                            "outlier_threshold", "proxy_screening", "clip_ratio", "aggregator",
+                                            "trim_fraction")}
 
 
 class AlignedFedAvg(FedAvg):
@@ -149,9 +158,9 @@ class AlignedFedAvg(FedAvg):
     (:func:`reply_order_key`) and client metrics are averaged with exact sums
     (:func:`weighted_metric_mean`, the default ``*_metrics_aggr_fn``): the aggregate and its
     metrics depend neither on node ids nor on arrival order. Every exclusion is logged and kept in
-    ``screening[round] = {"excluded": [{"node", "stage", "reason"}], "capped": [...],
-    "failed": reason or ""}``; nothing a client sends raises out of ``aggregate_train``. If no
-    reply is left or the aggregate is not finite, the round fails: ``(None, metrics)`` keeps the
+    ``screening[round] = {"excluded": [{"node", "stage", "reason"}], "capped": [{"node", "stage",
+    "num_examples", "weight"}], "failed": reason or ""}``; nothing a client sends raises out of
+    ``aggregate_train``. If no reply is left or the aggregate is not finite, the round fails: ``(None, metrics)`` keeps the
     previous global model. The metrics are the clients' weighted train metrics plus
     ``align_gain`` (mean increase of the matching objective), ``align_seconds``,
     ``screen_seconds``, ``aggregate_seconds``, ``num_excluded``, ``excluded_nodes``,
@@ -193,6 +202,16 @@ class AlignedFedAvg(FedAvg):
         **kwargs,
     ) -> None:
         head_weight = 1.0
+        given = locals()  # a keyword set away from its default must not be overridden unseen by an option object
+        for group, names in ((match, _MATCH_KEYWORDS), (robust, _ROBUST_KEYWORDS)):
+            if group is None:
+                continue
+            for keyword, field_name in names.items():
+                value, default = given[keyword], _KEYWORD_DEFAULTS[keyword]
+                if value != default and value != getattr(group, field_name):
+                    raise ValueError(f"{keyword}={value!r} contradicts {type(group).__name__}({field_name}="
+                                     f"{getattr(group, field_name)!r}); pass the setting once, as a keyword or "
+                                     "in the option object")
         if match is not None:  # the schema's option objects (fedbasin.options) replace the keywords they hold
             mode, iterations, tol, universe_iterations = (match.symmetry, match.align_iterations, match.align_tol,
                                                           match.universe_iterations)
@@ -388,7 +407,7 @@ class AlignedFedAvg(FedAvg):
         proxy_metrics = MetricRecord()
         if self.proxy_screening > 0 and states:
             nodes, states = self._proxy_screen(server_round, nodes, states, proxy_metrics)
-        weights = self._capped_weights(server_round, nodes, [accepted[n][1] for n in nodes])
+        weights = self._capped_weights(server_round, nodes, [accepted[n][1] for n in nodes], "train")
         log(INFO, "round %d: %d valid replies, %d excluded", server_round, len(states),
             len(record["excluded"]))
 
@@ -425,7 +444,7 @@ class AlignedFedAvg(FedAvg):
         metrics["aggregate_seconds"] = time.perf_counter() - t0
         metrics["num_excluded"] = len(excluded)
         metrics["excluded_nodes"] = excluded
-        metrics["capped_nodes"] = sorted(c["node"] for c in record["capped"])
+        metrics["capped_nodes"] = sorted(c["node"] for c in record["capped"] if c["stage"] == "train")
         metrics["round_failed"] = int(bool(record["failed"]))
         self.train_metrics[server_round] = metrics
         if merged is None:
@@ -455,7 +474,7 @@ class AlignedFedAvg(FedAvg):
             return None
         self.screening.setdefault(server_round, {"excluded": [], "capped": [], "failed": ""})
         nodes = list(counts)
-        weights = self._capped_weights(server_round, nodes, [counts[n][0] for n in nodes])
+        weights = self._capped_weights(server_round, nodes, [counts[n][0] for n in nodes], "evaluate")
         contents = [_with_weight(counts[n][1], w, self.weighted_by_key)
                     for n, w in zip(nodes, weights)]
         metrics = self._client_metrics(server_round, contents, self.evaluate_metrics_aggr_fn)
@@ -551,17 +570,18 @@ class AlignedFedAvg(FedAvg):
         return {e["node"] for e in self.screening[server_round]["excluded"]
                 if e["stage"] == "cohort"}
 
-    def _capped_weights(self, server_round: int, nodes: list, counts: list) -> list[float]:
+    def _capped_weights(self, server_round: int, nodes: list, counts: list, stage: str) -> list[float]:
         """Averaging weights: ``num-examples`` capped at ``max_num_examples`` and at
         ``max_examples_ratio`` × the cohort's lower-median count
-        (:func:`~fedbasin.strategies.robust.capped_counts`; 0 disables either cap)."""
+        (:func:`~fedbasin.strategies.robust.capped_counts`; 0 disables either cap); each cap is
+        recorded with its ``stage`` (``"train"`` or ``"evaluate"``)."""
         weights, limit = capped_counts(counts, self.max_num_examples, self.max_examples_ratio)
         for node, n in zip(nodes, counts):
             if n > limit:
                 log(WARNING, "round %d: node %d reports %s=%.4g; capped at %.4g", server_round,
                     node, self.weighted_by_key, n, limit)
                 self.screening[server_round]["capped"].append(
-                    {"node": node, "num_examples": n, "weight": limit}
+                    {"node": node, "stage": stage, "num_examples": n, "weight": limit}
                 )
         return weights
 
@@ -819,3 +839,6 @@ def _log_keep_best(server_round: int, what: str, split: str, result) -> None:
     if diverged:
         log(WARNING, "round %d: %s diverged at step %d (non-finite loss); the best state before it is kept",
             server_round, what, diverged)
+
+
+_KEYWORD_DEFAULTS = {name: p.default for name, p in inspect.signature(AlignedFedAvg.__init__).parameters.items()}
