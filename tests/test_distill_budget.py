@@ -192,6 +192,7 @@ def test_an_explicit_count_runs_unbounded_and_reports_its_steps(monkeypatch):
                                 states)
     assert (given[0]["steps"], given[0]["budget"]) == (3, None)
     assert metrics["distill_steps"] == 3 and metrics["distill_stopped_at_budget"] == 0
+    assert 0 < metrics["distill_seconds"] <= metrics["align_seconds"]  # the merge's time, the distillation's inside
 
 
 @pytest.mark.usefixtures("serverapp_identity")

@@ -373,6 +373,7 @@ def test_a_flower_round_refines_by_default_within_its_budget(monkeypatch):
     strategy = AlignedFedAvg(spec, refine=refine, independent_init=True, min_train_nodes=3, min_available_nodes=3)
     arrays, metrics = one_shot_round(strategy, [trained_digits_vit(seed) for seed in range(3)])
     assert arrays is not None and metrics["round_failed"] == 0 and "refine_heldout_loss" in metrics
+    assert 0 < metrics["refine_seconds"] <= metrics["align_seconds"]  # the merge's time, the refinement's inside it
 
 
 def test_the_strategy_matches_with_the_head_weight_of_its_options(monkeypatch):

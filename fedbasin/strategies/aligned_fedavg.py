@@ -162,7 +162,8 @@ class AlignedFedAvg(FedAvg):
     "num_examples", "weight"}], "failed": reason or ""}``; nothing a client sends raises out of
     ``aggregate_train``. If no reply is left or the aggregate is not finite, the round fails: ``(None, metrics)`` keeps the
     previous global model. The metrics are the clients' weighted train metrics plus
-    ``align_gain`` (mean increase of the matching objective), ``align_seconds``,
+    ``align_gain`` (mean increase of the matching objective), ``align_seconds`` (the whole merge:
+    alignment, refinement and distillation; with them ``refine_seconds`` and ``distill_seconds``),
     ``screen_seconds``, ``aggregate_seconds``, ``num_excluded``, ``excluded_nodes``,
     ``capped_nodes`` and ``round_failed``. ``train_metrics`` and ``evaluate_metrics`` keep the
     aggregated metrics by round as they arrive (for per-round records while ``start`` runs).
@@ -488,22 +489,25 @@ class AlignedFedAvg(FedAvg):
         # the merge empties states and their dicts: the teachers are the clients' outputs cached
         # before it (distill.prepare, when there is one and the cache is small enough), so that
         # their weights go during the merge, else their own dicts of the tensors, kept through it
-        teachers = []
+        teachers, started = [], time.perf_counter()
         if self.distill is not None:
             prepare = getattr(self.distill, "prepare", None)
             cached = prepare(states) if prepare is not None else None
             teachers = list(zip(nodes, cached if cached is not None else [dict(s) for s in states]))
             del cached
+        prepared = time.perf_counter() - started
         merged, metrics = self._aligned_merge(server_round, previous, nodes, states, weights)
         if self.distill is None:
             return merged, metrics
+        started = time.perf_counter()
         excluded = self._cohort_excluded(server_round)
         # the broadcast model (Flower's loop holds it for this round) waits on disk while the
         # student trains, and comes back whatever happens (server memory: one model fewer)
         with arrays_on_disk(previous):
             result = self.distill(merged, [state for node, state in teachers if node not in excluded])
         _log_keep_best(server_round, "ensemble distillation", "selection", result)
-        return result.state, {**metrics, "distill_selection_loss_start": result.initial_loss,
+        return result.state, {**metrics, "distill_seconds": prepared + time.perf_counter() - started,
+                              "distill_selection_loss_start": result.initial_loss,
                               "distill_selection_loss": result.best_loss, "distill_best_step": result.best_step,
                               "distill_diverged_step": getattr(result, "diverged_step", 0),
                               # the steps it was given (sized by distill-budget with auto), where the budget stopped it
@@ -545,6 +549,7 @@ class AlignedFedAvg(FedAvg):
             _log_keep_best(server_round, "learned refinement", "held-out", refined)
             return merged, {"align_gain": refined.initial_loss - refined.best_loss,
                             "refine_heldout_loss": refined.best_loss, "refine_diverged_step": refined.diverged_step,
+                            "refine_seconds": refined.seconds,
                             **combiner.metrics}
         result = merge(self.spec, states, weights, reference, self.mode, self.iterations, self.tol,
                        universe_iterations=self.universe_iterations, combine=combiner, release=True,
