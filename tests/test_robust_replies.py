@@ -17,6 +17,7 @@ from flwr.app import (
     Array,
     ArrayRecord,
     ConfigRecord,
+    Error,
     Message,
     MessageType,
     MetricRecord,
@@ -180,8 +181,24 @@ def test_a_node_counts_once_per_round(repeats, scale):
     strategy = strategy_for(spec, base, alignment=False)
     arrays, metrics = strategy.aggregate_train(2, replies)
     reasons = [e["reason"] for e in strategy.screening[2]["excluded"]]
-    assert metrics["excluded_nodes"] == [HONEST[i] for i in repeats] and len(reasons) == len(repeats) and all("duplicate reply" in r and "kept its reply" in r for r in reasons)
+    assert metrics["excluded_nodes"] == [HONEST[i] for i in repeats] and len(reasons) == len(repeats) and all("duplicate reply" in r and "first reply" in r for r in reasons)
     for key, value in honest_aggregate(False).items():
+        torch.testing.assert_close(arrays.to_torch_state_dict()[key], value)
+
+
+def test_a_node_whose_first_reply_is_bad_gets_no_second_try():
+    """The first reply is the node's, usable or not: a later variant from the same node is excluded as well,
+    so a node cannot probe the screening within a round. The round equals one without that node."""
+    spec, base, copies = world()
+    broken = {k: v.clone() for k, v in copies[0].items()}
+    broken["head.weight"][0, 0] = float("nan")
+    replies = honest_replies()
+    retried = [reply(HONEST[0], ArrayRecord(broken), num_examples=100), *replies]
+    strategy = strategy_for(spec, base, alignment=False)
+    arrays, metrics = strategy.aggregate_train(2, retried)
+    assert metrics["excluded_nodes"] == [HONEST[0], HONEST[0]]
+    without, _ = strategy_for(spec, base, alignment=False).aggregate_train(2, replies[1:])
+    for key, value in without.to_torch_state_dict().items():
         torch.testing.assert_close(arrays.to_torch_state_dict()[key], value)
 
 
@@ -230,13 +247,36 @@ def test_a_failing_or_non_finite_merge_keeps_the_previous_model(monkeypatch, cap
         assert words in strategy.screening[2]["failed"] and "keeping the previous global model" in caplog.text
 
 
-@pytest.mark.parametrize("bad", [float("nan"), [1.0, float("inf")]])
-def test_non_finite_client_metrics_are_dropped_not_aggregated(bad):
+@pytest.mark.parametrize("bad", [float("nan"), [1.0, float("inf")], [0.1, 0.2], None])
+def test_a_clients_bad_or_missing_metric_leaves_the_others_mean(bad):
+    """A non-finite, odd-shaped or missing value of one client is left out of that metric's mean, whose weights
+    are renormalised over the clients that report it: the metric is neither diluted nor lost for everyone."""
     spec, base, _ = world()
     replies = honest_replies()
-    replies[0].content["metrics"]["train_loss"] = bad
+    for i, message in enumerate(replies):
+        message.content["metrics"]["train_loss"] = float(i + 1)  # 1, 2, 3 weighted 100, 110, 110 (120 capped)
+    if bad is None:
+        del replies[0].content["metrics"]["train_loss"]
+    else:
+        replies[0].content["metrics"]["train_loss"] = bad
     arrays, metrics = strategy_for(spec, base, alignment=False).aggregate_train(2, replies)
-    assert arrays is not None and "train_loss" not in metrics
+    assert arrays is not None and metrics["train_loss"] == pytest.approx((110 * 2 + 110 * 3) / 220)
+
+
+def test_clients_cannot_report_the_servers_round_metrics_nor_flood_the_log(caplog):
+    spec, base, _ = world()
+    replies = honest_replies()
+    for message in replies:
+        message.content["metrics"].update({"already_aligned": 4.0, "num_clipped": 40.0, "refine_diverged_step": 4.0})
+    instruction = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=99, message_type=MessageType.TRAIN)
+    replies.append(Message(Error(code=0, reason="x" * 100_000), reply_to=instruction))
+    strategy = strategy_for(spec, base)
+    with caplog.at_level("WARNING", logger="flwr"):
+        arrays, metrics = strategy.aggregate_train(2, replies)
+    assert arrays is not None and metrics["excluded_nodes"] == [99]
+    assert {"already_aligned", "num_clipped", "refine_diverged_step"}.isdisjoint(metrics)
+    reason = strategy.screening[2]["excluded"][0]["reason"]
+    assert len(reason) < 400 and "100014 characters" in reason and len(caplog.text) < 5_000
 
 
 def test_evaluation_counts_are_capped_and_deduplicated():
@@ -255,3 +295,30 @@ def test_evaluation_counts_are_capped_and_deduplicated():
     assert metrics["eval_loss"] == pytest.approx((10 + 10 + 70) / 30)
     # the cap is recorded once, as the evaluation's (a round's train and evaluate caps are told apart)
     assert strategy.screening[1]["capped"] == [{"node": 3, "stage": "evaluate", "num_examples": 10**12, "weight": 10}]
+
+
+@pytest.mark.parametrize("gain, bias", [(1e-39, 1.0), (1e-30, 1e6)])
+def test_norm_gains_too_small_for_their_biases_are_refused_before_the_merge(gain, bias):
+    """A final norm with gains γ ~ 0 and biases β passes the raw checks, but folding it (β/γ) gives inf (the
+    cohort's statistics turn NaN) or 1e36 (finite: averaged in, it would lock every later round out of
+    max_abs_weight). The canonical form is held to the same bounds: the reply is excluded, the rest merge."""
+    spec, base, copies = world()
+    hostile = {k: v.clone() for k, v in copies[0].items()}
+    hostile["norm_f.weight"][:] = gain
+    hostile["norm_f.bias"][:] = bias
+    for honest in (honest_replies(), honest_replies()[:1]):  # the cohort rule on (K = 4) and off (K = 2)
+        strategy = strategy_for(spec, base)
+        arrays, metrics = strategy.aggregate_train(2, [*honest, reply(44, ArrayRecord(hostile))])
+        assert metrics["excluded_nodes"] == [44] and metrics["round_failed"] == 0
+        assert "folding the norm gains" in strategy.screening[2]["excluded"][0]["reason"]
+        expected, _ = strategy_for(spec, base).aggregate_train(2, honest)
+        for key, value in expected.to_torch_state_dict().items():
+            torch.testing.assert_close(arrays.to_torch_state_dict()[key], value)
+
+
+def test_a_distance_that_is_not_finite_is_an_outlier():
+    from fedbasin.strategies.robust import mad_outliers
+
+    assert mad_outliers([1.0, 1.1, float("nan"), 0.9], 3.5) == [2]
+    assert mad_outliers([1.0, float("inf"), 0.9, 1.05], 3.5) == [1]
+

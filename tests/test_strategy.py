@@ -159,6 +159,23 @@ def test_clients_that_kept_the_broadcast_basis_are_averaged_as_fedavg_does(mode)
         AlignedFedAvg(spec, already_aligned="skip")
 
 
+def test_a_reply_the_cohort_rule_excludes_does_not_decide_whether_the_round_aligns():
+    """One garbage reply among clients that kept the broadcast's basis: it is excluded, and the rest are averaged
+    as FedAvg averages them without it (before, its mismatch forced the alignment path on everyone)."""
+    spec = spec_of("vit", VIT)
+    base = base_state()
+    g = torch.Generator().manual_seed(3)
+    near = [{k: v + 0.02 * v.std() * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in NODES]
+    honest = [reply(n, ArrayRecord(s), num_examples=100 + 10 * i) for i, (n, s) in enumerate(zip(NODES, near))]
+    garbage = reply(999, ArrayRecord({k: 100 * torch.randn(v.shape, generator=g) for k, v in base.items()}),
+                    num_examples=100)  # noise in no basis: a permutation pass moves its units
+    options = {"max_examples_ratio": 0.0}  # the counts as sent: the garbage reply's cannot move the honest weights
+    arrays, metrics = strategy_for(spec, base, **options).aggregate_train(2, [*honest, garbage])
+    fedavg, _ = strategy_for(spec, base, alignment=False, **options).aggregate_train(2, honest)
+    assert metrics["excluded_nodes"] == [999] and metrics["already_aligned"] == 1
+    assert {k: a.numpy().tobytes() for k, a in arrays.items()} == {k: a.numpy().tobytes() for k, a in fedavg.items()}
+
+
 def test_shares_basis_tells_a_common_descent_from_other_bases():
     spec = spec_of("gpt", GPT)
     state = lambda seed: {k: v.detach().clone()  # noqa: E731

@@ -66,6 +66,11 @@ class CohortSplit(RuntimeError):
     the round fails and keeps the previous global model; the message says why."""
 
 
+# names (and prefixes) of the round metrics the server sets itself: a client cannot report them
+SERVER_METRICS = ("align_", "refine_", "distill_", "proxy_screen", "screen_seconds", "aggregate_seconds",
+                  "universe_passes", "num_clipped", "already_aligned", "num_excluded", "excluded_nodes",
+                  "capped_nodes", "round_failed")
+
 # the keywords of AlignedFedAvg that the schema's option objects also hold: keyword -> the object's field
 _MATCH_KEYWORDS = {"mode": "symmetry", "iterations": "align_iterations", "tol": "align_tol",
                    "universe_iterations": "universe_iterations", "already_aligned": "already_aligned"}
@@ -383,14 +388,16 @@ class AlignedFedAvg(FedAvg):
         accepted: dict[int, tuple] = {}  # node -> (message id, num-examples, content)
         decoded: dict[int, dict] = {}  # node -> state (views of the reply's bytes)
         order: dict[int, bytes] = {}  # node -> content key (reply_order_key)
+        first: dict[int, str] = {}  # node -> its first reply's message id: the one that counts, usable or not
         for msg in replies:
             node = msg.metadata.src_node_id
             try:
-                if node in accepted:
+                if node in first:
                     raise ReplyError(
                         f"duplicate reply {msg.metadata.message_id[:12]}: a node counts once per "
-                        f"round (kept its reply {accepted[node][0][:12]})"
+                        f"round (its first reply {first[node][:12]} counts)"
                     )
+                first[node] = msg.metadata.message_id
                 weight = self._num_examples(msg)
                 state = self._checked_state(msg, template)
                 order[node] = reply_order_key(weight, msg.content, template)
@@ -462,11 +469,13 @@ class AlignedFedAvg(FedAvg):
         training, one reply per node); bad replies are excluded."""
         server_round += self._round_offset
         counts: dict[int, tuple[float, RecordDict]] = {}
+        seen: set[int] = set()  # a node's first reply counts, usable or not
         for msg in replies:
             node = msg.metadata.src_node_id
             try:
-                if node in counts:
-                    raise ReplyError("duplicate reply: a node counts once per round")
+                if node in seen:
+                    raise ReplyError("duplicate reply: a node counts once per round (its first reply counts)")
+                seen.add(node)
                 counts[node] = (self._num_examples(msg), msg.content)
             except Exception as error:  # noqa: BLE001 - no client content may stop the round
                 log(WARNING, "round %d: excluding evaluation reply from node %d: %s",
@@ -537,11 +546,17 @@ class AlignedFedAvg(FedAvg):
             return combiner.combine(states, weights), {"align_gain": 0.0, **combiner.metrics}
         if len(states) == 1:
             return states[0], {"align_gain": 0.0}
-        if (owners[0] is None and self.refine is None and self.already_aligned == "average"
-                and all(shares_basis(self.spec, states[0], s, self.head_weight) for s in states[1:])):
-            # every client trained from the broadcast and kept its basis: alignment would only fit noise
-            return combiner.combine(states, weights), {"align_gain": 0.0, "already_aligned": 1, "universe_passes": 0,
-                                                       **combiner.metrics}
+        if owners[0] is None and self.refine is None and self.already_aligned == "average":
+            # the replies the cohort rule excludes do not decide (one garbage reply would force alignment);
+            # if the rest kept the broadcast's basis the combiner uses the same screening, else it screens again
+            combiner.outliers = (cohort_outliers(states[1:], states[0], self.outlier_threshold)
+                                 if self.outlier_threshold > 0 else {})
+            if all(shares_basis(self.spec, states[0], s, self.head_weight)
+                   for i, s in enumerate(states[1:]) if i not in combiner.outliers):
+                # every client trained from the broadcast and kept its basis: alignment would only fit noise
+                return combiner.combine(states, weights), {"align_gain": 0.0, "already_aligned": 1,
+                                                           "universe_passes": 0, **combiner.metrics}
+            combiner.outliers = None
         reference = 0 if owners[0] is None else max(range(len(weights)), key=weights.__getitem__)
         if self.refine is not None:
             merged, refined = refined_merge(self.spec, states, weights, reference, self.refine,
@@ -670,9 +685,16 @@ class AlignedFedAvg(FedAvg):
         self._check_untied(state, template)
         if self.alignment:  # e.g. a zero norm gain over a non-zero bias cannot be folded
             try:
-                canonicalize(self.spec, state, validate=False)
+                canonical = canonicalize(self.spec, state, validate=False).state
             except ValueError as error:
                 raise ReplyError(str(error)) from error
+            for key, value in canonical.items():  # β/γ of a tiny gain γ: the bounds hold where the merge works too
+                if value is state[key] or not value.is_floating_point():
+                    continue
+                largest = float(value.abs().max()) if value.numel() else 0.0
+                if not math.isfinite(largest) or largest > self.max_abs_weight:
+                    raise ReplyError(f"{key}: folding the norm gains gives magnitude {largest:.3g} (above "
+                                     f"max_abs_weight={self.max_abs_weight:g}): gains too small for their biases")
         return state
 
     def _client_metrics(self, server_round: int, contents: list, aggregate) -> MetricRecord:
@@ -688,7 +710,11 @@ class AlignedFedAvg(FedAvg):
             )
             return MetricRecord()
         for key, value in list(metrics.items()):
-            if not np.isfinite(np.asarray(value, dtype=float)).all():
+            if key.startswith(SERVER_METRICS):
+                log(WARNING, "round %d: client metric %s has the name of one of the server's round "
+                    "metrics; dropped", server_round, key)
+                del metrics[key]
+            elif not np.isfinite(np.asarray(value, dtype=float)).all():
                 log(WARNING, "round %d: client metric %s=%s is not finite; dropped",
                     server_round, key, value)
                 del metrics[key]
@@ -710,6 +736,7 @@ class _ScreeningCombiner(Combiner):
         self.outlier_threshold, self.clip_ratio = outlier_threshold, clip_ratio
         self.aggregator, self.trim_fraction = aggregator, trim_fraction
         self.kept: list[int] | None = None  # the clients the first call kept (indices into owners)
+        self.outliers: dict | None = None  # the cohort rule's verdict on the first call's states, if known already
         self.metrics: dict = {"screen_seconds": 0.0}
         self.reads_unweighted = True
 
@@ -719,8 +746,8 @@ class _ScreeningCombiner(Combiner):
         center = states[0] if owners[0] is None and states[0] else None
         clients = [k for k, owner in enumerate(owners) if owner is not None]
         if self.kept is None:
-            outliers = {}
-            if self.outlier_threshold > 0:
+            outliers = self.outliers if self.outliers is not None else {}
+            if self.outliers is None and self.outlier_threshold > 0:
                 outliers = cohort_outliers([states[k] for k in clients], center, self.outlier_threshold)
             for i, reason in sorted(outliers.items()):
                 self.exclude(owners[clients[i]], reason)
@@ -761,23 +788,39 @@ def reply_order_key(weight: float, content: RecordDict, template: ArrayRecord) -
 
 
 def weighted_metric_mean(records: list[RecordDict], weighting_key: str) -> MetricRecord:
-    """Flower's ``aggregate_metricrecords`` (the ``weighting_key``-weighted mean of every other
-    metric, element-wise for lists) with exactly rounded sums (``math.fsum``): the result does
-    not depend on the order of ``records``, i.e. on the replies' arrival order."""
+    """The ``weighting_key``-weighted mean of every other metric (element-wise for lists) with
+    exactly rounded sums (``math.fsum``): the result does not depend on the order of ``records``,
+    i.e. on the replies' arrival order. Each metric is averaged over the clients that report it
+    finite and in its usual shape (a number, or a list of the length most clients send; ties: the
+    first in sorted order), its weights renormalised over them: one client's missing, non-finite or
+    odd-shaped value neither dilutes the mean nor drops the metric for everyone."""
     metrics = [next(iter(r.metric_records.values())) for r in records]
-    total = math.fsum(float(m[weighting_key]) for m in metrics)
-    terms: dict[str, list] = {}
+    by_key: dict[str, list[tuple[float, object]]] = {}
     for m in metrics:
-        share = float(m[weighting_key]) / total
+        weight = float(m[weighting_key])
         for key, value in m.items():
-            if key != weighting_key:
-                terms.setdefault(key, []).append(
-                    [v * share for v in value] if isinstance(value, list) else value * share)
-    return MetricRecord({
-        key: ([math.fsum(column) for column in zip(*values, strict=True)]
-              if isinstance(values[0], list) else math.fsum(values))
-        for key, values in terms.items()
-    })
+            if key != weighting_key and _finite_metric(value):
+                by_key.setdefault(key, []).append((weight, value))
+    out = MetricRecord()
+    for key, entries in sorted(by_key.items()):
+        shapes = [len(v) if isinstance(v, list) else -1 for _, v in entries]
+        shape = max(sorted(set(shapes)), key=shapes.count)
+        kept = [(w, v) for (w, v), n in zip(entries, shapes) if n == shape]
+        total = math.fsum(w for w, _ in kept)
+        if total <= 0:
+            continue
+        if shape < 0:
+            out[key] = math.fsum(w / total * float(v) for w, v in kept)
+        else:
+            out[key] = [math.fsum(w / total * float(v[i]) for w, v in kept) for i in range(shape)]
+    return out
+
+
+def _finite_metric(value) -> bool:
+    """A finite number, or a non-empty list of them (not a bool: a flag is no quantity to average)."""
+    values = value if isinstance(value, list) else [value]
+    return bool(values) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                for v in values)
 
 
 def _array_view(array: Array) -> np.ndarray:
@@ -821,8 +864,12 @@ def _array_record_names(content: RecordDict) -> list[str]:
     return [name for name, record in content.items() if isinstance(record, ArrayRecord)]
 
 
+REASON_CHARS = 300  # of a reason logged and recorded: a client's error text cannot flood the log
+
+
 def _reason(error: Exception) -> str:
-    return str(error) if isinstance(error, ReplyError) else f"{type(error).__name__}: {error}"
+    text = str(error) if isinstance(error, ReplyError) else f"{type(error).__name__}: {error}"
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS] + f"… ({len(text)} characters)"
 
 
 def _non_finite_keys(state: dict) -> list[str]:

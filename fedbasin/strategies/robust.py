@@ -95,11 +95,15 @@ def distance(a: dict, b: dict) -> float:
 
 def mad_outliers(values: list[float], threshold: float, negligible: float = 0.0) -> list[int]:
     """Indices ``k`` with ``x_k > med + t·max(1.4826·MAD, 0.15·med)`` and ``x_k > negligible``
-    (upper side only)."""
-    med = statistics.median(values)
-    mad = statistics.median(abs(v - med) for v in values)
+    (upper side only), the statistics over the finite values; a value that is not finite (a model
+    whose distance overflowed) is always an outlier."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return list(range(len(values)))
+    med = statistics.median(finite)
+    mad = statistics.median(abs(v - med) for v in finite)
     cut = max(med + threshold * max(MAD_SCALE * mad, RELATIVE_FLOOR * med), negligible)
-    return [i for i, v in enumerate(values) if v > cut]
+    return [i for i, v in enumerate(values) if not math.isfinite(v) or v > cut]
 
 
 def cohort_outliers(states: list[dict], center: dict | None, threshold: float) -> dict[int, str]:
