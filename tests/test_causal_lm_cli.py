@@ -37,8 +37,8 @@ FAMILIES = {
 }
 
 
-def _save(path, model_type: str, seed: int):
-    config = hf_config_class(model_type)(**{**SHAPE, **FAMILIES[model_type]})
+def _save(path, model_type: str, seed: int, **overrides):
+    config = hf_config_class(model_type)(**{**SHAPE, **FAMILIES.get(model_type, {}), **overrides})
     torch.manual_seed(seed)
     model = hf_model_class(model_type)(config)
     with torch.no_grad():  # spread the weights like a trained model's
@@ -109,6 +109,22 @@ def test_align_refines_on_text(pair, text_file, capsys, tmp_path):
         got = build_torch_model(load_checkpoint(out))(ids).logits
         want = build_torch_model(load_checkpoint(m1))(ids).logits
     assert float((got - want).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_tied_embeddings_refine_and_merge_on_text(model_type, text_file, capsys, tmp_path):
+    """A tied token table and head (stock GPT-2): the aligned model is untied, and the refinement's forward
+    passes must treat the two as separate tensors (functional_call refused them as tied before)."""
+    m0, m1 = (_save(tmp_path / f"m{seed}", model_type, seed, tie_word_embeddings=True) for seed in (1, 2))
+    out = tmp_path / "aligned"
+    assert _refine(capsys, "align", m0, m1, out, text_file, steps=2)["steps"] == 2
+    ids = torch.randint(0, VOCAB, (2, CONTEXT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = build_torch_model(load_checkpoint(out))(ids).logits
+        want = build_torch_model(load_checkpoint(m1))(ids).logits
+    assert float((got - want).abs().max()) < 1e-4
+    _refine(capsys, "merge", m0, m1, tmp_path / "merged", text_file, steps=2, extra=("--distill-steps", 2))
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
 
 
 def test_merge_refines_and_distils_on_text(pair, text_file, capsys, tmp_path):

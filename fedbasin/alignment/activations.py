@@ -185,7 +185,7 @@ def activation_match(
     def run(state: dict, x: torch.Tensor) -> dict:
         recorder.acts = {}
         with torch.no_grad():
-            torch.func.functional_call(frozen, module_state(state), (x,))
+            torch.func.functional_call(frozen, module_state(state), (x,), tie_weights=False)
         return recorder.acts
 
     seen = 0

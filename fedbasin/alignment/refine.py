@@ -352,7 +352,7 @@ def learned_refine(
                 for k, v in ref_state.items()}
 
     def forward(state: dict, x: torch.Tensor, module: nn.Module = frozen) -> torch.Tensor:
-        out = torch.func.functional_call(module, module_state(state), (x,))
+        out = torch.func.functional_call(module, module_state(state), (x,), tie_weights=False)  # aligned: untied
         return out if isinstance(out, torch.Tensor) else out.logits
 
     # two models are scored along the path at selection_lambdas; more at their centroid
