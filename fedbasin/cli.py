@@ -426,6 +426,19 @@ def check_file_output(out: str, option: str) -> None:
     _check_writable(path, option)
 
 
+def check_plot_output(out: str, option: str) -> None:
+    """A writable file whose suffix names a format matplotlib writes (png, pdf, svg, ...)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    check_file_output(out, option)
+    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    suffix = Path(out).suffix.lstrip(".").lower()
+    if suffix not in formats:
+        raise OutputError(f"{option} {out}: cannot draw a {suffix or 'suffix-less'} file; "
+                          f"name one of {', '.join(sorted(formats))}")
+
+
 # the files of a Hugging Face tokenizer saved beside a checkpoint (fast, slow BPE, SentencePiece); any of the
 # first three in a checkpoint's directory makes text data read with that tokenizer
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -1065,7 +1078,7 @@ def _check_outputs(args) -> None:
     if args.command in ("align", "merge", "train") and getattr(args, "out", None):
         outputs.append((args.out, "--out", check_checkpoint_output))
     if getattr(args, "plot", None):
-        outputs.append((args.plot, "--plot", check_file_output))
+        outputs.append((args.plot, "--plot", check_plot_output))
     for output, option, check in outputs:
         _refuse_input_as_output(output, option, args)
         check(output, option)

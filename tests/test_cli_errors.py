@@ -328,6 +328,12 @@ def test_plot_in_a_read_only_directory(models, read_only_dir, tmp_path, capsys):
                                            "--plot", target], "--plot", str(target))
 
 
+def test_a_plot_format_matplotlib_cannot_write_is_refused_before_any_work(models, tmp_path, capsys):
+    """Exit 4 in one line (was an internal error once the barrier had been computed)."""
+    _fails(capsys, tmp_path, EXIT_OUTPUT, ["barrier", models["a"], models["b"], "--data", "digits",
+                                           "--plot", tmp_path / "curve.xyz"], "--plot", "curve.xyz", "png")
+
+
 @pytest.mark.parametrize("existing", [False, True])
 def test_disk_full_at_write_time_leaves_nothing(models, tmp_path, capsys, monkeypatch, existing):
     """ENOSPC while writing the weights: one line, exit 4, no partial or temporary files, and an
