@@ -578,6 +578,7 @@ def stream_align(
     max_shard_bytes: int = 2 * 2**30,
     device: str = "cpu",
     progress: bool = False,
+    extra_files=None,
 ):
     """Align checkpoint ``candidate`` to ``reference`` layer by layer and write it to ``out``.
 
@@ -586,7 +587,8 @@ def stream_align(
     layer at a time and written shard by shard in the stored dtype (see
     :func:`fedbasin.alignment.streaming.stream_match`). Tensors outside the spec are copied.
     The output directory is written atomically and loads with ``from_pretrained``. Returns the
-    :class:`~fedbasin.alignment.streaming.StreamResult`.
+    :class:`~fedbasin.alignment.streaming.StreamResult`. ``extra_files(directory)`` adds files (e.g. a
+    tokenizer) inside the same atomic write.
     """
     from .alignment.streaming import stream_match
 
@@ -632,6 +634,8 @@ def stream_align(
         writer.close()
         updates = {field: False for _, alias, field in tied if not tie_kept.get(alias)}
         (tmp / CONFIG_FILE).write_text(fmt.config_json(fmt.with_updates(config, updates)))
+        if extra_files is not None:
+            extra_files(tmp)
 
     _atomic_replace_dir(Path(out), write)
     return result_box["result"]

@@ -445,22 +445,28 @@ TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 TOKENIZER_FILES = (*TOKENIZER_MARKERS, "merges.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.model")
 
 
-def _save(out: str, reference, standard_state: dict) -> None:
-    """Write ``standard_state`` in the reference's format and family, with the tokenizer files saved beside the
-    reference (a merged or aligned language model reads the same tokens), in one atomic write."""
+def _tokenizer_copier(checkpoint_dir):
+    """``copy(directory)``: the tokenizer files beside the checkpoint ``checkpoint_dir`` (if any) copied into it."""
     import shutil
 
-    from fedbasin.atomic import missing_ancestors
-    from fedbasin.checkpoint import save_checkpoint
+    tokenizer = [Path(checkpoint_dir) / name for name in TOKENIZER_FILES] if checkpoint_dir is not None else []
 
-    state = {k: v.cpu() for k, v in reference.adapter.from_standard(standard_state).items()}
-    tokenizer = [Path(reference.path) / name for name in TOKENIZER_FILES] if reference.path is not None else []
-
-    def copy_tokenizer(directory: Path) -> None:
+    def copy(directory: Path) -> None:
         for source in tokenizer:
             if source.is_file():
                 shutil.copyfile(source, directory / source.name)
 
+    return copy
+
+
+def _save(out: str, reference, standard_state: dict) -> None:
+    """Write ``standard_state`` in the reference's format and family, with the tokenizer files saved beside the
+    reference (a merged or aligned language model reads the same tokens), in one atomic write."""
+    from fedbasin.atomic import missing_ancestors
+    from fedbasin.checkpoint import save_checkpoint
+
+    state = {k: v.cpu() for k, v in reference.adapter.from_standard(standard_state).items()}
+    copy_tokenizer = _tokenizer_copier(reference.path)
     created = missing_ancestors(Path(out))
     try:
         save_checkpoint(out, reference.family, reference.config, state, kind=reference.kind,
@@ -560,7 +566,7 @@ def _stream_align(args) -> int:
         match = _match_options(args)
         result = stream_align(args.reference, args.candidate, args.out, mode=match.symmetry,
                               iterations=match.align_iterations, tol=match.align_tol, device=_device(args),
-                              progress=True)
+                              progress=True, extra_files=_tokenizer_copier(args.reference))
     except (FileNotFoundError, KeyError, ValueError) as exc:
         raise InputError(str(exc)) from None
     summary = {

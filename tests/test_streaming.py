@@ -111,10 +111,12 @@ def test_cli_stream_option(tmp_path, capsys):
     b = hf_model("llama", seed=1, dtype=torch.float32, **GQA)
     saved(a, tmp_path / "a")
     saved(b, tmp_path / "b")
+    (tmp_path / "a" / "tokenizer.json").write_text('{"stand-in": "tokenizer"}')  # copied as the in-memory path does
     assert main(["align", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "o"), "--stream",
                  "--iterations", "2"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["stream"] and summary["objective"][-1] > summary["initial_objective"]
+    assert (tmp_path / "o" / "tokenizer.json").read_text() == '{"stand-in": "tokenizer"}'
     out = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "o").eval()
     assert rel_err(logits(out), logits(b)) < 1e-4
     assert re.search("nowhere", cli_error(capsys, ["align", str(tmp_path / "a"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"), "--stream"]))
