@@ -8,6 +8,7 @@ import json
 import pytest
 
 from fedbasin.benchmarks import oneshot_grid
+from tests.test_tokenizer_data import NEEDS_SHARED_TEXT
 
 TINY = ["--clients", "2", "--partitions", "iid", "--seeds", "0,1", "--jobs", "1",
         "--run-config", "proxy-size=60 refine-steps=4 distill-steps=6 local-epochs=1"]
@@ -72,8 +73,8 @@ def test_a_tiny_grid_end_to_end_and_rerun_from_its_finished_runs(tmp_path, capsy
     (["--partitions", "dirichlet:-1"], "expected iid or dirichlet:ALPHA"),
     (["--run-config", "proxy-size=60 distill-steps=5 distill-teacher=median"], "distill-teacher='median'"),
     (["--synthetic", "-1"], "--synthetic >= 0"),
-    (["--synthetic", "20", "--data", "text:../shared/data/tinyshakespeare/input.txt"],
-     "--synthetic 20: synthesised inputs are images"),
+    pytest.param(["--synthetic", "20", "--data", "text:../shared/data/tinyshakespeare/input.txt"],
+                 "--synthetic 20: synthesised inputs are images", marks=NEEDS_SHARED_TEXT),
 ])
 def test_bad_input_is_refused_in_one_line_before_any_training(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

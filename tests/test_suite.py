@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fedbasin.benchmarks import suite
+from tests.test_tokenizer_data import NEEDS_SHARED_TEXT
 
 
 def _vit(path, seed: int):
@@ -197,6 +198,7 @@ def test_a_row_without_learned_serves_only_skip_learned_runs(fake_work):
     assert suite.main([*argv, "--skip-learned"]) == 0 and len(fake_work["row"]) == 2  # a fuller row serves too
 
 
+@NEEDS_SHARED_TEXT  # the text member's data must exist
 def test_train_only_measures_nothing(fake_work, tmp_path):
     assert suite.main(["--members", "digits-s01", "gpt2-s23", "--train-only", *fake_work["argv"]]) == 0
     assert fake_work["train"] == ["digits-s01", "gpt2-s23"] and fake_work["row"] == []
