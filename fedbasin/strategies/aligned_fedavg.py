@@ -71,7 +71,8 @@ SERVER_METRICS = ("align_", "refine_", "distill_", "proxy_screen", "screen_secon
                   "universe_passes", "num_clipped", "already_aligned", "num_excluded", "excluded_nodes",
                   "capped_nodes", "round_failed")
 
-# the keywords of AlignedFedAvg that the schema's option objects also hold: keyword -> the object's field
+# the keywords of AlignedFedAvg that the schema's option objects also hold: keyword -> the object's field, in the
+# order __init__ unpacks them
 _MATCH_KEYWORDS = {"mode": "symmetry", "iterations": "align_iterations", "tol": "align_tol",
                    "universe_iterations": "universe_iterations", "already_aligned": "already_aligned"}
 _ROBUST_KEYWORDS = {name: name for name in ("max_abs_weight", "max_num_examples", "max_examples_ratio",
@@ -219,15 +220,12 @@ class AlignedFedAvg(FedAvg):
                                      f"{getattr(group, field_name)!r}); pass the setting once, as a keyword or "
                                      "in the option object")
         if match is not None:  # the schema's option objects (fedbasin.options) replace the keywords they hold
-            mode, iterations, tol, universe_iterations = (match.symmetry, match.align_iterations, match.align_tol,
-                                                          match.universe_iterations)
+            mode, iterations, tol, universe_iterations, already_aligned = (
+                getattr(match, field_name) for field_name in _MATCH_KEYWORDS.values())
             head_weight = 1.0 if match.head_weight == AUTO else float(match.head_weight)
-            already_aligned = match.already_aligned
         if robust is not None:
             (max_abs_weight, max_num_examples, max_examples_ratio, outlier_threshold, proxy_screening, clip_ratio,
-             aggregator, trim_fraction) = (robust.max_abs_weight, robust.max_num_examples, robust.max_examples_ratio,
-                                           robust.outlier_threshold, robust.proxy_screening, robust.clip_ratio,
-                                           robust.aggregator, robust.trim_fraction)
+             aggregator, trim_fraction) = (getattr(robust, field_name) for field_name in _ROBUST_KEYWORDS.values())
         kwargs.setdefault("train_metrics_aggr_fn", weighted_metric_mean)
         kwargs.setdefault("evaluate_metrics_aggr_fn", weighted_metric_mean)
         super().__init__(**kwargs)
@@ -385,7 +383,7 @@ class AlignedFedAvg(FedAvg):
             )
         template = self._global
         record = self.screening[server_round] = {"excluded": [], "capped": [], "failed": ""}
-        accepted: dict[int, tuple] = {}  # node -> (message id, num-examples, content)
+        accepted: dict[int, tuple] = {}  # node -> (num-examples, content)
         decoded: dict[int, dict] = {}  # node -> state (views of the reply's bytes)
         order: dict[int, bytes] = {}  # node -> content key (reply_order_key)
         first: dict[int, str] = {}  # node -> its first reply's message id: the one that counts, usable or not
@@ -405,7 +403,7 @@ class AlignedFedAvg(FedAvg):
             except Exception as error:  # noqa: BLE001 - no client content may stop the round
                 self._exclude(server_round, node, _reason(error))
                 continue
-            accepted[node] = (msg.metadata.message_id, weight, msg.content)
+            accepted[node] = (weight, msg.content)
             if self.consume_replies:  # the state's views now hold the bytes: freed once aligned
                 for name in _array_record_names(msg.content):
                     del msg.content[name]
@@ -415,7 +413,7 @@ class AlignedFedAvg(FedAvg):
         proxy_metrics = MetricRecord()
         if self.proxy_screening > 0 and states:
             nodes, states = self._proxy_screen(server_round, nodes, states, proxy_metrics)
-        weights = self._capped_weights(server_round, nodes, [accepted[n][1] for n in nodes], "train")
+        weights = self._capped_weights(server_round, nodes, [accepted[n][0] for n in nodes], "train")
         log(INFO, "round %d: %d valid replies, %d excluded", server_round, len(states),
             len(record["excluded"]))
 
@@ -438,7 +436,7 @@ class AlignedFedAvg(FedAvg):
             else:
                 metrics = self._client_metrics(
                     server_round,
-                    [_with_weight(accepted[n][2], w, self.weighted_by_key)
+                    [_with_weight(accepted[n][1], w, self.weighted_by_key)
                      for n, w in zip(nodes, weights) if n not in self._cohort_excluded(server_round)],
                     self.train_metrics_aggr_fn,
                 )
