@@ -110,10 +110,16 @@ def _config_from_type(model_type: str, config: Mapping[str, object], vocab_size:
     from fedbasin.alignment.families import family
 
     setattr(hf_config, family(model_type).data_fields["block_size"], config["block-size"])
+    set_special_token_ids(hf_config, tokenizer)
+    return hf_config
+
+
+def set_special_token_ids(hf_config, tokenizer) -> None:
+    """A new model's bos/eos/pad ids are its tokenizer's (None where it has none), not the model
+    type's defaults (GPT-2's 50256, Llama's 1/2), which may lie outside a smaller vocabulary."""
     inner = tokenizer.tokenizer if tokenizer is not None else None
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(hf_config, name, getattr(inner, name, None))
-    return hf_config
 
 
 def _config_from_file(source: str):
@@ -278,9 +284,9 @@ def logits_only(model: nn.Module) -> nn.Module:
 
 
 def save_tokenizer(task):
-    """``write(directory)`` saving the run's Hugging Face tokenizer beside a checkpoint (None
-    for fedbasin's character tokens)."""
+    """``write(directory)`` saving the run's tokens beside a checkpoint: the Hugging Face tokenizer,
+    or the character vocabulary (``characters.json``); None for data without tokens."""
     tokenizer = getattr(task.tokenizer, "tokenizer", None)
-    if tokenizer is None:
-        return None
-    return lambda directory: tokenizer.save_pretrained(str(directory))
+    if tokenizer is not None:
+        return lambda directory: tokenizer.save_pretrained(str(directory))
+    return getattr(task.tokenizer, "save", None)

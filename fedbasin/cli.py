@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fedbasin import heap
+from fedbasin.alignment.progress import close_open_bars
 from fedbasin.commandline import (  # the README's exit-code table and the --help formatter
     EXIT_FAILED,
     EXIT_INPUT,
@@ -33,6 +34,7 @@ from fedbasin.commandline import (  # the README's exit-code table and the --hel
     EXIT_USAGE,
     HelpFormatter,
 )
+from fedbasin.data.sources import CHARACTERS_FILE
 
 # ------------------------------------------------------------------------------------------------
 # errors (exit codes: fedbasin.commandline, the table in README.md, "Command line")
@@ -69,6 +71,40 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._refuse_repeated_options(sys.argv[1:] if args is None else list(args))
+        return super().parse_known_args(args, namespace)
+
+    def _refuse_repeated_options(self, tokens: list[str]) -> None:
+        """An option's value given twice (also through its alias, or as --X and --no-X) is refused:
+        argparse would keep the last one without a word. Repeatable options (action="append") are exempt; tokens
+        after a subcommand's name are that subcommand's parser's to judge."""
+        commands = {name for a in self._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices}
+        seen: dict[str, str] = {}
+        for token in tokens:
+            if token == "--" or token in commands:
+                return
+            if not token.startswith("-") or self._negative_number_matcher.match(token):
+                continue
+            action = self._option_action(token.partition("=")[0])
+            if action is None or isinstance(action, (argparse._AppendAction, argparse._HelpAction)):
+                continue
+            spelling = token.partition("=")[0]
+            if action.dest in seen:
+                if seen[action.dest] != spelling:
+                    self.error(f"both {seen[action.dest]} and {spelling} given; give one of them")
+                if action.nargs != 0:  # a flag repeated means the same; a value given twice does not
+                    self.error(f"{spelling} given twice; give it once")
+            seen[action.dest] = spelling
+
+    def _option_action(self, text: str) -> argparse.Action | None:
+        """The action of an option spelled ``text``, or of the one long option it abbreviates."""
+        if text in self._option_string_actions:
+            return self._option_string_actions[text]
+        matches = {a for spelling, a in self._option_string_actions.items()
+                   if text.startswith("--") and spelling.startswith(text)}
+        return matches.pop() if len(matches) == 1 else None
 
 
 def _integer(text: str) -> int:
@@ -126,6 +162,12 @@ def _weights(text: str) -> list[float]:
     if not any(values):
         raise argparse.ArgumentTypeError(f"all weights are zero in {text!r}")
     return values
+
+
+def _checkpoint_output_options(p, help: str = "output checkpoint directory") -> None:
+    p.add_argument("--out", required=True, metavar="DIR", help=help)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing checkpoint at --out (with the files beside its weights)")
 
 
 def _device_option(p) -> None:
@@ -307,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "in REFERENCE's format. Prints the objective per iteration.")
     p.add_argument("reference", metavar="REFERENCE", help=CHECKPOINT_HELP)
     p.add_argument("candidate", metavar="CANDIDATE", help="checkpoint of the same architecture as REFERENCE")
-    p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint directory")
+    _checkpoint_output_options(p)
     _matching_options(p)
     _refine_options(p)
     _device_option(p)
@@ -327,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "refinement.against_models in the summary).")
     p.add_argument("reference", metavar="REFERENCE", help=CHECKPOINT_HELP + "; the merge lives in its basis")
     p.add_argument("models", nargs="+", metavar="MODEL", help="checkpoints of the same architecture")
-    p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint directory")
+    _checkpoint_output_options(p)
     p.add_argument("--weights", type=_weights, metavar="W0,W1,...",
                    help="one weight per model, REFERENCE first, normalised to sum 1 (default: equal)")
     p.add_argument("--no-align", action="store_true", help="plain weighted averaging (no alignment)")
@@ -405,17 +447,22 @@ def _check_writable(path: Path, option: str) -> None:
         raise OutputError(f"{option} {path}: {problem}")
 
 
-def check_checkpoint_output(out: str, option: str = "--out") -> None:
-    """``out`` can take a checkpoint: absent, an empty directory or an existing checkpoint
-    (replaced atomically at the end), and writable."""
+def check_checkpoint_output(out: str, option: str = "--out", overwrite: bool = False) -> None:
+    """``out`` can take a checkpoint: absent, an empty directory, or with ``overwrite`` an existing
+    checkpoint (replaced atomically at the end, files beside its weights such as train.json with
+    it); and writable. Nothing stored is replaced unless asked."""
     from fedbasin.checkpoint import CONFIG_FILE
 
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise OutputError(f"{option} {out} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not (path / CONFIG_FILE).is_file():
-        raise OutputError(f"{option} {out} is a non-empty directory without {CONFIG_FILE}, "
-                          "not a checkpoint; refusing to replace it")
+    if path.is_dir() and any(path.iterdir()):
+        if not (path / CONFIG_FILE).is_file():
+            raise OutputError(f"{option} {out} is a non-empty directory without {CONFIG_FILE}, "
+                              "not a checkpoint; refusing to replace it")
+        if not overwrite:
+            raise OutputError(f"{option} {out} already holds a checkpoint; pass --overwrite to replace it "
+                              "or choose another directory")
     _check_writable(path, option)
 
 
@@ -439,10 +486,11 @@ def check_plot_output(out: str, option: str) -> None:
                           f"name one of {', '.join(sorted(formats))}")
 
 
-# the files of a Hugging Face tokenizer saved beside a checkpoint (fast, slow BPE, SentencePiece); any of the
-# first three in a checkpoint's directory makes text data read with that tokenizer
+# the files of a Hugging Face tokenizer saved beside a checkpoint (fast, slow BPE, SentencePiece) and of a character
+# vocabulary; any of the first three in a checkpoint's directory makes text data read with that tokenizer
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-TOKENIZER_FILES = (*TOKENIZER_MARKERS, "merges.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.model")
+TOKENIZER_FILES = (*TOKENIZER_MARKERS, "merges.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+                   CHARACTERS_FILE)
 
 
 def _tokenizer_copier(checkpoint_dir):
@@ -927,8 +975,10 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
     name ``option`` and ``shown``, the data as the user gave it, else ``source``).
 
     Text is tokenised with ``tokenizer``, else with the tokenizer saved in the checkpoint's
-    directory, else character by character; blocks are the model's context length."""
+    directory, else character by character (with the model's saved characters where it has them);
+    blocks are the model's context length."""
     from fedbasin.data import load_task
+    from fedbasin.data.sources import CharTokenizer
 
     text = source.startswith("text:")
     if tokenizer and not text:
@@ -937,10 +987,15 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
         if any((Path(checkpoint.path) / name).is_file() for name in TOKENIZER_MARKERS):
             tokenizer = str(checkpoint.path)
     options = {"proxy_size": proxy_size, "proxy_at_most": proxy_at_most}
-    if text:
-        options["tokenizer"] = tokenizer
-        if checkpoint.context_length:
-            options["block_size"] = checkpoint.context_length
+    try:
+        if text:
+            options["tokenizer"] = tokenizer
+            if tokenizer is None and checkpoint.path is not None:  # a character model's own ids
+                options["characters"] = CharTokenizer.saved_characters(checkpoint.path)
+            if checkpoint.context_length:
+                options["block_size"] = checkpoint.context_length
+    except ValueError as exc:
+        raise InputError(f"{path}: {exc}") from None
     try:
         task = load_task(source, **options)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
@@ -1082,7 +1137,7 @@ def _check_outputs(args) -> None:
     """Output paths are usable, and replace no input, before any work starts."""
     outputs = []
     if args.command in ("align", "merge", "train") and getattr(args, "out", None):
-        outputs.append((args.out, "--out", check_checkpoint_output))
+        outputs.append((args.out, "--out", functools.partial(check_checkpoint_output, overwrite=args.overwrite)))
     if getattr(args, "plot", None):
         outputs.append((args.plot, "--plot", check_plot_output))
     for output, option, check in outputs:
@@ -1132,12 +1187,10 @@ def _add_train_parser(sub) -> None:
                    "hf-<model_type>, a new Hugging Face model of that registered family, written with "
                    "save_pretrained: " + ", ".join(m for m in models if m.startswith(HF_PREFIX))
                    + "; the text ones need --tokenizer (default: vit for images, gpt for text)")
-    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write (config.json + "
-                   "model.safetensors + train.json)")
+    _checkpoint_output_options(p, "checkpoint directory to write (config.json + model.safetensors + train.json)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
     p.add_argument("--tokenizer", metavar="DIR", help="text only: a Hugging Face tokenizer directory "
                    "(needed by every hf-* text model, e.g. --model hf-gpt2 or hf-llama)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
     budget = p.add_argument_group("training budget (default: the data's recipe)")
     budget.add_argument("--epochs", type=_positive_int, help="passes over the training split")
     budget.add_argument("--lr", type=_positive_float, help="peak AdamW learning rate (cosine decay to 0)")
@@ -1227,6 +1280,10 @@ def _new_model(args, task, recipe: dict):
 
         try:
             config = fmt.entry.new_config(fmt.family, shape, task.model_overrides)
+            if reads == "text":
+                from fedbasin.causal_lm import set_special_token_ids
+
+                set_special_token_ids(config, task.tokenizer)
             hf_adapter(config)  # a shape fedbasin cannot align (heads not dividing the width) fails here
         except ValueError as exc:
             raise UsageError(f"--model {name}: {_one_line(exc)}") from None
@@ -1238,12 +1295,6 @@ def _new_model(args, task, recipe: dict):
         raise UsageError(f"{exc}") from None
 
 
-def _refuse_overwrite(out: Path, overwrite: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise UsageError(f"--out {out} already exists; pass --overwrite to replace it "
-                         "or choose another directory")
-
-
 def cmd_train(args) -> int:
     import time
 
@@ -1252,7 +1303,6 @@ def cmd_train(args) -> int:
     from fedbasin.training import RECIPES, train
 
     out = Path(args.out)
-    _refuse_overwrite(out, args.overwrite)
     device = _device(args)
     kind = args.data.partition(":")[0]
     recipe = RECIPES.get(kind, RECIPES["digits"])  # an unknown source fails in load_task just below
@@ -1331,7 +1381,11 @@ def main(argv=None) -> int:
             # before any thread starts (tokenizers, torch): refinement steps, on every thread, reuse their
             # large blocks' pages (fedbasin.heap)
             heap.keep_freed_blocks()
-        return args.func(args)
+        try:
+            return args.func(args)
+        except BaseException:
+            close_open_bars()
+            raise
     except CliError as exc:
         print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
         return exc.code

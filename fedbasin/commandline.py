@@ -23,3 +23,4 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or action.default == "" or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+

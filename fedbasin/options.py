@@ -656,9 +656,8 @@ def distill_call(distill: DistillOptions) -> dict:
 
 
 def match_call(match: MatchOptions) -> dict:
-    """``weight_match`` / ``merge`` keyword arguments of ``match`` (``universe_iterations`` is the merge's own)."""
-    if match.head_weight == AUTO:
-        raise ValueError("head_weight 'auto': resolve the options for the model first (fedbasin.options.resolve_match)")
+    """``weight_match`` / ``merge`` keyword arguments of ``match`` (``universe_iterations`` is the merge's own;
+    ``head_weight`` ``auto`` is set for the model by ``weight_match``)."""
     return dict(mode=match.symmetry, iterations=match.align_iterations, tol=match.align_tol,
                 head_weight=match.head_weight)
 

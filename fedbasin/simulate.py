@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -110,9 +109,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--run-config",
-        default="",
+        action="append",
+        default=[],
         metavar='"KEY=VALUE ..."',
-        help='run-config overrides (keys below), e.g. "num-server-rounds=5 symmetry=\'permutation\'"',
+        help='run-config overrides (keys below; repeatable, as with flwr run), e.g. '
+             '"num-server-rounds=5 symmetry=\'permutation\'"',
     )
     p.add_argument(
         "--num-supernodes",
@@ -129,18 +130,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+_RUN_CONFIG_ITEM = re.compile(r"""([^\s=]+)=('[^']*'|"[^"]*"|\[[^\]]*\]|\S+)(?=\s|$)""")
+
+
 def parse_run_config(text: str) -> dict:
-    """``"k=v k=v"`` → dict. Values are TOML (``5``, ``0.1``, ``true``, ``'text'``), as with
-    ``flwr run --run-config``; a value that is not valid TOML is taken as a bare string."""
-    config = {}
-    for item in shlex.split(text):
-        key, sep, value = item.partition("=")
-        if not (key and sep and value):
-            raise ValueError(f"run-config item {item!r} is not KEY=VALUE")
+    """``"k=v k=v"`` → dict, as ``flwr run --run-config`` reads it: whitespace-separated items whose
+    values are TOML (``5``, ``0.1``, ``true``, ``'text'``, ``"a b"``, ``[1, 2]``), so a quoted value is
+    a string (``rounds='3'`` is the text "3"); a bare value that is not TOML is taken as a string."""
+    config, position = {}, 0
+    while position < len(text):
+        if text[position].isspace():
+            position += 1
+            continue
+        item = _RUN_CONFIG_ITEM.match(text, position)
+        if item is None:
+            raise ValueError(f"run-config item {text[position:].split()[0]!r} is not KEY=VALUE")
+        key, value = item.groups()
         try:
             config[key] = tomllib.loads(f"value = {value}")["value"]
         except tomllib.TOMLDecodeError:
             config[key] = value
+        position = item.end()
     return config
 
 
@@ -433,7 +443,7 @@ def run(args: argparse.Namespace) -> int:
     from fedbasin.server.server_app import UnusableModelError
 
     try:
-        overrides = parse_run_config(args.run_config)
+        overrides = parse_run_config(" ".join(args.run_config))
         if args.out:
             overrides["out-dir"] = args.out
         if args.overwrite:

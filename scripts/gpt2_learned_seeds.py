@@ -28,6 +28,18 @@ README_OPTIONS = [  # README.md, "learned alignment" row: 800 steps of 8 blocks 
     "--head-weight", "2", "--refine-steps", "800", "--refine-batch-size", "8", "--refine-eval-every", "800",
     "--refine-examples", "2048", "--refine-workers", "2", "--refine-evaluation-fraction", "0",
 ]
+def overridden(base: list[str], extra: list[str]) -> list[str]:
+    """``base`` options without those ``extra`` names (flag and values), then ``extra``: the CLI refuses an
+    option given twice, so a variant replaces the row's value instead of repeating the flag."""
+    named, kept, dropping = {t for t in extra if t.startswith("--")}, [], False
+    for token in base:
+        if token.startswith("--"):
+            dropping = token in named
+        if not dropping:
+            kept.append(token)
+    return kept + extra
+
+
 SLICES = {"test-32": ["--split", "test", "--max-blocks", "32"], "validation": ["--split", "validation"],
           "test": ["--split", "test"]}
 
@@ -53,8 +65,8 @@ def main(argv=None) -> dict:
     for seed in args.seeds:
         endpoint = args.out / f"seed{seed}"
         command = [sys.executable, "-m", "fedbasin.cli", "align", a, b, "--out", str(endpoint),
-                   "--seen-tokens", f"text:{args.text}", "--refine-data", f"text:{args.text}", *README_OPTIONS,
-                   "--refine-seed", str(seed), *args.extra.split()]
+                   "--seen-tokens", f"text:{args.text}", "--refine-data", f"text:{args.text}",
+                   *overridden(README_OPTIONS, args.extra.split()), "--refine-seed", str(seed)]
         start = time.perf_counter()
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)  # progress on stderr
         wall = time.perf_counter() - start

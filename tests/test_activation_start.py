@@ -313,9 +313,12 @@ def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsy
         got = build_torch_model(load_checkpoint(out))(x).logits
         want = build_torch_model(load_checkpoint(paths[1]))(x).logits
     assert rel_err(got, want) < 1e-5
-    assert "it needs symmetry orthogonal" in cli_error(capsys, argv + ["--symmetry", "permutation"])
+    assert "it needs symmetry orthogonal" in cli_error(capsys, argv + ["--overwrite", "--symmetry", "permutation"])
     # each step's own tokens plus 3 sampled ones: the option reaches the summary, the function is kept
-    assert main(argv + ["--refine-vocabulary-batch-samples", "3", "--out", str(tmp_path / "batch")]) == 0
+    def writing(where):  # argv with another --out
+        return [str(tmp_path / where) if a == str(out) else a for a in argv]
+
+    assert main(writing("batch") + ["--refine-vocabulary-batch-samples", "3"]) == 0
     summary = json.loads(capsys.readouterr().out)["refinement"]
     assert summary["vocabulary_batch_samples"] == 3 and summary["vocabulary"] == "proxy" and seen[-1] == 3
     assert summary["selection_loss_best"] < summary["selection_loss_start"]
@@ -323,10 +326,10 @@ def test_cli_align_from_activations_with_a_restricted_vocabulary(tmp_path, capsy
         assert rel_err(build_torch_model(load_checkpoint(tmp_path / "batch"))(x).logits, want) < 1e-5
     full = [a for a in argv if a not in ("--refine-vocabulary", "proxy")]
     for option in ("--refine-vocabulary-samples", "--refine-vocabulary-batch-samples"):
-        assert "needs vocabulary proxy|seen" in cli_error(capsys, full + [option, "3"])
+        assert "needs vocabulary proxy|seen" in cli_error(capsys, full + ["--overwrite", option, "3"])
     # with sparse soft labels: the rows the targets list join each step's own tokens
-    assert main(argv + ["--refine-vocabulary-batch-samples", "3", "--refine-soft-labels", "0.5",
-                        "--refine-soft-label-top-k", "4", "--out", str(tmp_path / "soft")]) == 0
+    assert main(writing("soft") + ["--refine-vocabulary-batch-samples", "3", "--refine-soft-labels", "0.5",
+                                   "--refine-soft-label-top-k", "4"]) == 0
     summary = json.loads(capsys.readouterr().out)["refinement"]
     assert summary["vocabulary_batch_samples"] == 3 and summary["soft_labels"] == 0.5 and seen[-1] == 3
     assert summary["selection_loss_best"] <= summary["selection_loss_start"]

@@ -111,6 +111,23 @@ def test_merge_refuses_bad_weights(models, tmp_path, capsys, weights, culprit, j
 
 
 @pytest.mark.parametrize(
+    "given, culprits",
+    [(["--iterations", "3", "--align-iterations", "5"], ["both --iterations and --align-iterations"]),
+     (["--align-iter=3", "--align-iterations", "5"], ["both --align-iter and --align-iterations"]),
+     (["--weights", "-1,1", "--weights=1,1"], ["--weights given twice"]),
+     (["--refine-data", "digits", "--refine-dual", "--no-refine-dual"], ["--refine-dual", "--no-refine-dual"])],
+)
+def test_an_option_given_twice_is_refused(models, tmp_path, capsys, given, culprits):
+    """argparse keeps the last of two values without a word; fedbasin names both instead (a flag
+    repeated, e.g. --no-align --no-align, means the same and passes)."""
+    _usage_fails(capsys, tmp_path, ["merge", models["a"], models["b"], "--out", tmp_path / "m", *given], *culprits)
+
+
+def test_a_flag_repeated_means_the_same(models, tmp_path, capsys):
+    assert main(["merge", models["a"], models["b"], "--out", str(tmp_path / "m"), "--no-align", "--no-align"]) == 0
+
+
+@pytest.mark.parametrize(
     "option, value",
     [("--max-examples", "-5"), ("--max-examples", "many"), ("--points", "0"), ("--points", "1"), ("--iterations", "2.5"),
      ("--tol", "nan"), ("--tol", "-1")],
@@ -347,8 +364,28 @@ def test_disk_full_at_write_time_leaves_nothing(models, tmp_path, capsys, monkey
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
-    _fails(capsys, tmp_path, EXIT_OUTPUT, ["merge", models["a"], models["b"], "--out", target],
+    _fails(capsys, tmp_path, EXIT_OUTPUT, ["merge", models["a"], models["b"], "--out", target,
+                                          *(["--overwrite"] if existing else [])],
            str(target), "No space left on device")
+
+
+def test_the_interrupt_line_starts_its_own_line_after_a_live_bar(models, tmp_path, capsys, monkeypatch):
+    """A Ctrl-C while a bar is drawn: the bar is cleared first, so "interrupted" is a line of its own
+    (not appended to the half-drawn bar)."""
+    import fedbasin.alignment
+    from fedbasin.alignment.progress import progress_bar
+
+    def interrupted(*args, **kwargs):
+        bar = progress_bar(10, True, "matching", "it")
+        bar.update(3)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fedbasin.alignment, "weight_match", interrupted)
+    assert main(["align", models["a"], models["b"], "--out", str(tmp_path / "o")]) == EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert "matching" in err
+    last = re.split(r"[\r\n]", err.rstrip("\n"))[-1]
+    assert last.startswith("fedbasin align: interrupted"), repr(err)
 
 
 def test_interrupt_during_write_leaves_nothing(models, tmp_path, capsys, monkeypatch):
@@ -518,7 +555,7 @@ def test_an_immutable_out_dir_is_refused_before_any_work(models, tmp_path, capsy
     target = _save_vit(tmp_path / "old", 7) if existing == "checkpoint" else tmp_path / "old"
     target.mkdir(exist_ok=True)
     immutable(target)
-    _fails(capsys, tmp_path, EXIT_OUTPUT, ["align", models["a"], models["b"], "--out", target],
+    _fails(capsys, tmp_path, EXIT_OUTPUT, ["align", models["a"], models["b"], "--out", target, "--overwrite"],
            f"--out {target}", "cannot write in")
     assert not calls
 
@@ -550,12 +587,48 @@ def test_simulate_missing_data_is_bad_input(tmp_path, capsys):
                                           f"data='text:{tmp_path / 'nowhere.txt'}'"], "nowhere.txt")
 
 
+@pytest.mark.parametrize("command", ["align", "merge", "train"])
+def test_an_existing_checkpoint_is_replaced_only_with_overwrite(models, tmp_path, capsys, monkeypatch, command):
+    """Without --overwrite an existing checkpoint at --out is refused (exit 4) before any work, and
+    every file in it stays as it was."""
+    calls = _spy_on_work(monkeypatch)
+    out = _save_vit(tmp_path / "trained", 9)
+    (out / "train.json").write_text('{"seed": 9}')
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    argv = (["train", "--data", "digits"] if command == "train" else [command, models["a"], models["b"]])
+    _fails(capsys, tmp_path, EXIT_OUTPUT, [*argv, "--out", out], f"--out {out}", "--overwrite")
+    assert not calls and {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_valid_run_still_succeeds(models, tmp_path, capsys):
-    """The checks refuse only bad input: an existing checkpoint (not an input) as --out is replaced;
-    the record of how its old weights were trained (train.json) goes with them, other files stay."""
+    """The checks refuse only bad input: an existing checkpoint (not an input) as --out is replaced
+    with --overwrite; the record of how its old weights were trained (train.json) goes with them,
+    other files stay."""
     out = _save_vit(tmp_path / "trained", 9)
     (out / "train.json").write_text('{"seed": 9}')
     (out / "tokenizer.json").write_text("{}")
-    assert main(["merge", models["a"], models["b"], "--out", str(out), "--weights", "0,1", "--iterations", "2"]) == 0
+    assert main(["merge", models["a"], models["b"], "--out", str(out), "--overwrite", "--weights", "0,1",
+                 "--iterations", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["weights"] == [0.0, 1.0]
     assert not (out / "train.json").exists() and (out / "tokenizer.json").read_text() == "{}"
+
+
+def test_a_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
+    """The console script (pyproject's entry) reports a Ctrl-C during the imports of its first
+    seconds in one line, exit 130, instead of a traceback."""
+    import tomllib
+    import types
+
+    from fedbasin import console
+
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["fedbasin"] == "fedbasin.console:entry"
+
+    class Importing(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "fedbasin.cli", Importing("fedbasin.cli"))
+    assert console.entry() == EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert err.strip() == "fedbasin: interrupted; nothing was written"

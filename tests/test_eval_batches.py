@@ -85,6 +85,7 @@ def test_cli_refinement_split_shares(tmp_path, text_file, monkeypatch, capsys):
     assert main(argv + ["--refine-selection-fraction", "0.1", "--refine-evaluation-fraction", "0"]) == 0
     summary = json.loads(capsys.readouterr().out)["refinement"]
     assert sum(len(y) for _, y in seen["selection"]) == 12 and seen["evaluation"] is None
+    argv = [*argv, "--overwrite"]  # the refusals below name their options, not the --out just written
     assert len(seen["batches"].split) == 108
     assert summary["selection_fraction"] == 0.1 and summary["evaluation_fraction"] == 0
     assert "evaluation_loss" not in summary

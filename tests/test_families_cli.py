@@ -61,6 +61,8 @@ def test_train_writes_a_checkpoint_from_pretrained_loads(trained):
             config.intermediate_size) == (model_type, 32, 2, 4, 64)
     assert (config.vocab_size, config.max_position_embeddings) == (50257, CONTEXT)  # the data's fields
     assert getattr(config, "num_key_value_heads", None) in (None, 4)  # plain multi-head attention
+    # the tokenizer's special ids (GPT-2's: bos = eos = 50256, no pad), not the family's defaults (Llama's 1/2)
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (50256, 50256, None)
     assert summaries[0]["family"] == model_type and summaries[0]["steps"] == 2
     assert all(math.isfinite(s["test_loss"]) for s in summaries)
 

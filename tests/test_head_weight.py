@@ -54,12 +54,27 @@ def test_head_weight_scales_only_the_output_head_and_changes_the_match():
     assert rel_err(run("gpt", CONFIG, four.state, probe), run("gpt", CONFIG, cand, probe)) < 1e-9
 
 
+@pytest.mark.parametrize("vocab, expected", [(400, 1.0), (2000, 2.0)])
+def test_auto_head_weight_is_the_measured_best_for_the_model_kind(vocab, expected):
+    """``head_weight="auto"`` (the schema's default) is options.HEAD_WEIGHT of what the model is: a
+    character-sized vocabulary 1, a subword one (> 1,024 tokens) 2; the same match as the value given."""
+    from fedbasin.alignment.matching import auto_head_weight
+
+    config = dict(GPT, vocab_size=vocab)
+    spec = spec_of("gpt", config)
+    ref, cand = (trained_like("gpt", config, seed=s).state_dict() for s in (1, 2))
+    assert auto_head_weight(spec, ref) == expected and auto_head_weight(*_planted("vit", VIT)[:2]) == 1.0
+    auto = weight_match(spec, ref, cand, iterations=3, tol=0.0, head_weight="auto")
+    given = weight_match(spec, ref, cand, iterations=3, tol=0.0, head_weight=expected)
+    assert auto.objective == given.objective
+
+
 def test_head_weight_without_a_token_embedding_changes_nothing_and_bad_values_are_refused():
     spec, ref, moved = _planted("vit", VIT)
     a = weight_match(spec, ref, moved, iterations=3, tol=0.0)
     b = weight_match(spec, ref, moved, iterations=3, tol=0.0, head_weight=5.0)
     assert a.objective == b.objective
-    for bad in (0.0, -1.0, float("nan"), float("inf")):
+    for bad in (0.0, -1.0, float("nan"), float("inf"), "heavy"):
         with pytest.raises(ValueError, match="head_weight"):
             weight_match(spec, ref, moved, iterations=1, head_weight=bad)
 

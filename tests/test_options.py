@@ -339,7 +339,7 @@ def test_the_strategy_takes_the_option_objects():
                              match=schema.MatchOptions(symmetry="permutation", align_iterations=7, universe_iterations=2),
                              robust=schema.RobustOptions(aggregator="median", clip_ratio=2.0, max_examples_ratio=3.0))
     assert (strategy.mode, strategy.iterations, strategy.universe_iterations) == ("permutation", 7, 2)
-    assert strategy.head_weight == 1.0  # auto outside a ServerApp that knows the model's kind
+    assert strategy.head_weight == "auto"  # set for the model by weight_match (1 for an image classifier)
     assert AlignedFedAvg(spec_of("vit", DIGITS_VIT), match=schema.MatchOptions(head_weight=2.0)).head_weight == 2.0
     assert (strategy.aggregator, strategy.clip_ratio, strategy.max_examples_ratio) == ("median", 2.0, 3.0)
     # a keyword that says otherwise than the object is refused naming both, never silently overridden
@@ -397,7 +397,7 @@ def test_the_strategy_matches_with_the_head_weight_of_its_options(monkeypatch):
 
 def test_the_library_takes_the_option_objects():
     """``weight_match``, ``merge`` and ``learned_refine`` take the schema's objects: the same result as the
-    keywords they stand for; an unresolved ``auto`` or half a pair of objects is refused."""
+    keywords they stand for (``auto`` set for the model); half a pair of objects is refused."""
     import torch
 
     from fedbasin.alignment import learned_refine, merge, weight_match
@@ -410,8 +410,9 @@ def test_the_library_takes_the_option_objects():
     by_object = weight_match(spec, a, b, match=match)
     by_keywords = weight_match(spec, a, b, mode="permutation", iterations=3, tol=0.0)
     assert by_object.objective == by_keywords.objective and len(by_object.objective) == 4
-    with pytest.raises(ValueError, match="head_weight 'auto': resolve"):
-        weight_match(spec, a, b, match=schema.MatchOptions())
+    # auto is the measured best for what the model is (an image classifier: 1), set by weight_match itself
+    assert weight_match(spec, a, b, match=schema.MatchOptions(symmetry="permutation", align_iterations=3,
+                                                              align_tol=0.0)).objective == by_object.objective
     universe = schema.MatchOptions(align_iterations=2, universe_iterations=3, head_weight=1.0)
     merged = merge(spec, [a, b, c], match=universe)
     assert len(merged.universe_change) == 3

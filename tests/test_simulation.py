@@ -141,6 +141,25 @@ def test_simulate_rejects_bad_options(tmp_path, capsys):
     ) == {"model.dim": 32, "symmetry": "permutation", "data": "text:a b.txt", "resume": True}
 
 
+def test_run_config_text_is_read_as_flwr_run_reads_it():
+    """Quoted values are TOML strings (``'3'`` is text, as ``flwr run`` takes it; a shell-like split
+    would strip the quotes and make it 3), double quotes and lists keep their spaces."""
+    assert simulate.parse_run_config("""num-server-rounds='3' data="text:a b.txt" lam=[0.2, 0.6] lr=-1e-3""") == {
+        "num-server-rounds": "3", "data": "text:a b.txt", "lam": [0.2, 0.6], "lr": -0.001}
+    with pytest.raises(ValueError, match="'b' is not KEY=VALUE"):
+        simulate.parse_run_config("a=1 b")
+
+
+def test_run_config_is_repeatable_and_a_quoted_number_is_refused(tmp_path, capsys):
+    """Every --run-config counts (as with flwr run), and num-server-rounds='3' is a string the schema
+    refuses, before any SuperLink starts."""
+    assert cli("--run-config", "min-nodes=3", "--run-config", "lr=0.1", "--num-supernodes", "2",
+               "--out", str(tmp_path)) == 2
+    assert "min-nodes=3 exceeds --num-supernodes=2" in capsys.readouterr().err
+    assert cli("--run-config", "num-server-rounds='3'", "--out", str(tmp_path)) == 2
+    assert "num-server-rounds='3' has type str" in capsys.readouterr().err
+
+
 def test_flower_commands_are_found_beside_the_interpreter(tmp_path, monkeypatch):
     """``venv/bin/fedbasin`` run without the venv's bin on PATH: flower-superlink, flower-supernode
     and flwr are taken from beside the interpreter, by simulate and by the deployment helper, and the

@@ -316,7 +316,7 @@ def test_cli_unigram_proxy_draws_the_rows_judged_trained_by_their_learned_freque
     assert float(top / rest) > 10  # f ∝ 1/rank: ~34 between ranks 1-60 and 301-600 (√ of it, ~4.6, fails)
     untrained = {k: v.float() for k, v in trained_like("gpt", CONFIG, seed=4).state_dict().items()}
     save_checkpoint(tmp_path / "fresh", "gpt", config, untrained)
-    fresh = [a if a != str(tmp_path / "cand") else str(tmp_path / "fresh") for a in argv]
+    fresh = [a if a != str(tmp_path / "cand") else str(tmp_path / "fresh") for a in argv] + ["--overwrite"]
     assert "shows no untrained token rows to tell them from: give unigram:FILE" in cli_error(capsys, fresh)
     # plain align / merge of such models: this refinement by default, within --refine-budget
     for command in ("align", "merge"):
@@ -329,7 +329,8 @@ def test_cli_unigram_proxy_draws_the_rows_judged_trained_by_their_learned_freque
         assert summary["refinement"]["proxy"] == "bigram" and recorded["model_labels"] is True
         # each synthetic proxy draws its own number of blocks (bigram 1,024, unigram 512)
         assert summary["refinement"]["proxy_examples"] == SYNTHETIC_EXAMPLES["bigram"] != SYNTHETIC_EXAMPLES["unigram"]
-    not_refined = [a if a != str(tmp_path / "cand") else str(tmp_path / "fresh") for a in plain]
+    not_refined = [a if a != str(tmp_path / "cand") else str(tmp_path / "fresh") for a in plain[:-2]] + [
+        "--overwrite", "--refine-budget", "2"]  # over plain-merge, just written
     assert "--refine-budget has no effect without --refine-data here" in cli_error(capsys, not_refined)
     assert main(not_refined[:-2]) == 0 and json.loads(capsys.readouterr().out)["data_free"] == "weight matching"
 

@@ -106,6 +106,30 @@ def test_train_gpt_on_text_and_eval_with_its_context(tmp_path, capsys):
     assert scored["loss"] == pytest.approx(summary["test_loss"], abs=1e-6) and scored["accuracy"] > 0.2
 
 
+def test_a_character_model_reads_other_text_with_its_own_ids(tmp_path, capsys):
+    """train saves the characters (characters.json); another text is read with the model's ids: a
+    text of fewer characters scores as the same characters would, a text whose character set has
+    the same size but other members (ids that would shift) is refused naming the stranger, and
+    align's output keeps the vocabulary."""
+    text = "".join(f"line {i}: to be or not to be\n" for i in range(300))
+    (tmp_path / "t.txt").write_text(text)
+    _run(capsys, "train", "--data", f"text:{tmp_path / 't.txt'}", "--out", tmp_path / "gpt", "--block-size", "16", *TINY)
+    assert json.loads((tmp_path / "gpt" / "characters.json").read_text())["characters"] == "".join(sorted(set(text)))
+    fewer = text.replace("b", "t")  # one character less: ids of 'e', 'i', ... unchanged only if read with the model's set
+    (tmp_path / "fewer.txt").write_text(fewer)
+    scored = _run(capsys, "eval", tmp_path / "gpt", "--data", f"text:{tmp_path / 'fewer.txt'}")
+    model = build_torch_model(load_checkpoint(tmp_path / "gpt")).eval()
+    task = load_task(f"text:{tmp_path / 'fewer.txt'}", block_size=16, characters="".join(sorted(set(text))))
+    assert scored["loss"] == pytest.approx(task.evaluate(model, "test")["loss"], abs=1e-6)
+    (tmp_path / "other.txt").write_text(text.replace("b", "Z"))  # as many characters, one of them new
+    error = cli_error(capsys, ["eval", str(tmp_path / "gpt"), "--data", f"text:{tmp_path / 'other.txt'}"])
+    assert "outside the" in error and "'Z'" in error
+    _run(capsys, "train", "--data", f"text:{tmp_path / 't.txt'}", "--out", tmp_path / "gpt1", "--block-size", "16",
+         "--seed", "1", *TINY)
+    _run(capsys, "align", tmp_path / "gpt", tmp_path / "gpt1", "--out", tmp_path / "aligned", "--iterations", "2")
+    assert (tmp_path / "aligned" / "characters.json").read_bytes() == (tmp_path / "gpt" / "characters.json").read_bytes()
+
+
 def test_train_hf_vit_writes_a_hugging_face_checkpoint(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     summary = _run(capsys, "train", "--data", "digits", "--model", "hf-vit", "--out", tmp_path / "hf", *TINY)

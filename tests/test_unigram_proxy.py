@@ -163,6 +163,7 @@ def test_unigram_proxy_from_the_cli(tmp_path, monkeypatch, capsys):
         before = build_torch_model(original)(tokens).logits
         after = build_torch_model(aligned)(tokens).logits
     assert float((after - before).norm() / before.norm()) < 1e-5
+    argv = [*argv, "--overwrite"]  # the refusals below name their options, not the --out just written
     assert "labelled by the models' predictions alone" in cli_error(capsys, argv + ["--refine-soft-labels", "0.5"])
     missing = [a if a != f"unigram:{text}" else f"unigram:{tmp_path / 'missing.txt'}" for a in argv]
     assert f"--refine-data unigram:{tmp_path / 'missing.txt'}: text file" in cli_error(capsys, missing)

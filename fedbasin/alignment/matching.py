@@ -42,7 +42,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from fedbasin import heap
-from fedbasin.options import MatchOptions, match_call
+from fedbasin.options import AUTO, HEAD_WEIGHT, MatchOptions, match_call, model_kind
 
 from .canonical import canonicalize, fold_tiny, to_gauge
 from .group import (
@@ -631,6 +631,13 @@ class _Matcher:
         return score
 
 
+def auto_head_weight(spec: SymmetrySpec, state: dict) -> float:
+    """``head_weight`` ``auto`` for the model ``state`` holds: :data:`~fedbasin.options.HEAD_WEIGHT` of its
+    kind (no token embedding: an image classifier; else a causal LM of its vocabulary's size)."""
+    vocab = int(state[spec.embedding_keys[0]].shape[0]) if spec.embedding_keys else None
+    return HEAD_WEIGHT[model_kind("text" if vocab else "images", vocab)]
+
+
 def weight_match(
     spec: SymmetrySpec,
     reference: dict,
@@ -679,20 +686,23 @@ def weight_match(
     ``canonical`` is returned (``state`` is an empty dict). Results are the same either way.
 
     ``head_weight``: factor on the objective weight of the output head over the vocabulary
-    (see the module docstring; no effect on models without a token embedding).
+    (see the module docstring; no effect on models without a token embedding); ``"auto"``: the
+    measured best for what the model is (:func:`auto_head_weight`).
     ``like``: the reference's norm gains, whose tiny dims the aligned candidate folds alike
     (:func:`~fedbasin.alignment.canonical.fold_tiny`; default: ``reference``'s own; give the
     original gains when ``reference`` is already canonical, e.g. a universe): before matching
     where the candidate's own gain is small too (same basis, e.g. trained from the reference),
     and after it (aligned basis) everywhere.
-    ``match``: the options schema's :class:`~fedbasin.options.MatchOptions` (``auto`` resolved); when
-    given, its values replace ``mode``, ``iterations``, ``tol`` and ``head_weight``.
+    ``match``: the options schema's :class:`~fedbasin.options.MatchOptions` (``auto`` values are set
+    for the model here); when given, its values replace ``mode``, ``iterations``, ``tol`` and ``head_weight``.
     """
     if match is not None:
         return weight_match(spec, reference, candidate, weighting=weighting, init=init, progress=progress,
                             token_rows=token_rows, release=release, like=like, **match_call(match))
-    if not (math.isfinite(head_weight) and head_weight > 0):
-        raise ValueError(f"head_weight must be a finite number > 0, got {head_weight}")
+    if head_weight == AUTO:
+        head_weight = auto_head_weight(spec, reference)
+    if not (isinstance(head_weight, (int, float)) and math.isfinite(head_weight) and head_weight > 0):
+        raise ValueError(f"head_weight must be a finite number > 0 or 'auto', got {head_weight!r}")
     inferred = None
     if isinstance(token_rows, str):
         if token_rows != "auto":

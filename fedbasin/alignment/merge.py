@@ -202,8 +202,9 @@ def merge(
     permutations), so the passes hold one form of each model, never two; a weight-0 model (an
     alignment target only, handed to ``combine`` unaligned in later passes) keeps its raw dict.
 
-    ``match``: the options schema's :class:`~fedbasin.options.MatchOptions` (``auto`` resolved); when
-    given, its values replace ``mode``, ``iterations``, ``tol``, ``head_weight`` and ``universe_iterations``.
+    ``match``: the options schema's :class:`~fedbasin.options.MatchOptions` (``auto`` values are set for
+    the model by :func:`weight_match`); when given, its values replace ``mode``, ``iterations``, ``tol``,
+    ``head_weight`` and ``universe_iterations``.
     """
     if match is not None:
         return merge(spec, states, weights=weights, reference=reference, universe_tol=universe_tol, align=align,

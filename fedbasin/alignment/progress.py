@@ -12,3 +12,12 @@ def progress_bar(total: int, enabled: bool, desc: str, unit: str):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, leave=False, disable=not enabled)
+
+
+def close_open_bars() -> None:
+    """Clear every live bar, so that a message printed next (an error, "interrupted") starts its own
+    line instead of being appended to a half-drawn bar."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()

@@ -359,7 +359,10 @@ _MEASURED = ("import atexit, os, runpy\n"
 
 
 def run_cli(arguments: list[str], log: Path | None = None) -> CliRun:
-    """``python -m fedbasin.cli ARGUMENTS`` in a child process; its stderr goes to ``log``."""
+    """``python -m fedbasin.cli ARGUMENTS`` in a child process; its stderr goes to ``log``. A rerun
+    replaces the endpoints and merges of the suite's own work directory (``--overwrite``)."""
+    if arguments[0] in ("align", "merge"):
+        arguments = [*arguments, "--overwrite"]
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "out", "w+b") as out, \

@@ -21,6 +21,7 @@ different seeds are always scored on examples none of them has seen.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +37,35 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 CIFAR10_SHAPE = (32, 32, 3)  # one decoded image: height, width, RGB
 
 
+#: the character vocabulary of a character-level model, saved beside its weights
+CHARACTERS_FILE = "characters.json"
+
+
 class CharTokenizer:
-    """Character-level tokenizer: token id = index of the character in the sorted vocabulary."""
+    """Character-level tokenizer: token id = index of the character in the sorted vocabulary (the
+    characters of ``text``). Saved as :data:`CHARACTERS_FILE` beside a model, so that another text
+    is read with the model's ids (or refused), not with ids of its own character set."""
 
     def __init__(self, text: str):
         self.chars = sorted(set(text))
         self.index = {c: i for i, c in enumerate(self.chars)}
+
+    def save(self, directory: str | Path) -> None:
+        (Path(directory) / CHARACTERS_FILE).write_text(json.dumps({"characters": "".join(self.chars)}))
+
+    @staticmethod
+    def saved_characters(directory: str | Path) -> str | None:
+        """The characters saved in ``directory`` (None: no :data:`CHARACTERS_FILE`); ValueError if unreadable."""
+        file = Path(directory) / CHARACTERS_FILE
+        if not file.is_file():
+            return None
+        try:
+            characters = json.loads(file.read_text(encoding="utf-8"))["characters"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{file} is not a character vocabulary ({type(error).__name__}: {error})") from None
+        if not isinstance(characters, str) or len(set(characters)) != len(characters):
+            raise ValueError(f"{file}: 'characters' must be a string of distinct characters")
+        return characters
 
     @property
     def vocab_size(self) -> int:
@@ -50,7 +74,7 @@ class CharTokenizer:
     def encode(self, text: str) -> torch.Tensor:
         unknown = sorted(set(text) - self.index.keys())
         if unknown:
-            raise ValueError(f"characters outside the vocabulary: {unknown[:10]}")
+            raise ValueError(f"characters outside the {len(self.chars)}-character vocabulary: {unknown[:10]}")
         return torch.tensor([self.index[c] for c in text], dtype=torch.long)
 
     def decode(self, ids) -> str:
@@ -190,6 +214,7 @@ def load_task(
     test_fraction: float = 0.2,
     tokenizer: str | None = None,
     proxy_at_most: bool = False,
+    characters: str | None = None,
 ) -> Task:
     """Load a data source (see the module docstring) as a :class:`Task`.
 
@@ -198,18 +223,19 @@ def load_task(
     one training example always left). ``test_fraction`` applies
     to sources without a test split of their own (digits, a single parquet file); that split is
     drawn with :data:`TEST_SPLIT_SEED`, so the test split never depends on ``seed``. ``tokenizer``:
-    a Hugging Face tokenizer directory for text sources (others refuse it). Results are
+    a Hugging Face tokenizer directory for text sources (others refuse it); ``characters``: the
+    character vocabulary of a character-level model (else the text's own characters). Results are
     cached per process: treat the returned task as read-only.
     """
     kind, _, arg = source.partition(":")
-    if tokenizer is not None and kind != "text":
+    if (tokenizer is not None or characters is not None) and kind != "text":
         raise ValueError(f"a tokenizer applies to text sources only, not {source!r}")
     if kind == "digits" and not arg:
         task = _digits(test_fraction)
     elif kind == "cifar10":
         task = _cifar10(arg, test_fraction)
     elif kind == "text" and arg:
-        task = _text(arg, block_size, tokenizer)
+        task = _text(arg, block_size, tokenizer, characters)
     else:
         raise ValueError(
             f"unknown data source {source!r}; expected digits, cifar10, cifar10:PATH or text:PATH"
@@ -324,7 +350,7 @@ def _image_split(source, table) -> Split:
                  _normalize_cifar)
 
 
-def _text(path: str, block_size: int, tokenizer_dir: str | None = None) -> Task:
+def _text(path: str, block_size: int, tokenizer_dir: str | None = None, characters: str | None = None) -> Task:
     hub_id = path.removeprefix("hub:") if path.startswith("hub:") else None
     where = Path(path).expanduser()
     if hub_id:
@@ -344,7 +370,7 @@ def _text(path: str, block_size: int, tokenizer_dir: str | None = None) -> Task:
         raise ValueError(f"text source {where} is not a file")
     else:
         raise FileNotFoundError(f"text file {where} does not exist (for a hub dataset use text:hub:ID)")
-    tokenizer = HFTokenizer(tokenizer_dir) if tokenizer_dir else CharTokenizer(text)
+    tokenizer = HFTokenizer(tokenizer_dir) if tokenizer_dir else CharTokenizer(text if characters is None else characters)
     ids = tokenizer.encode(text)
     cut = int(0.9 * len(ids))
     overrides = {"vocab_size": tokenizer.vocab_size, "block_size": block_size}

@@ -504,7 +504,7 @@ def _student_seconds(model: nn.Module, live: dict, trained: list[torch.Tensor], 
 
     def step() -> None:
         model.train()
-        logits = _logits_of(torch.func.functional_call(model, live, (x,)))
+        logits = _logits_of(torch.func.functional_call(model, live, (x,)))  # tied keys share one tensor (live)
         loss = (1 - label_weight) * distillation_loss(logits, target, temperature)
         if label_weight > 0:
             loss = loss + label_weight * loss_fn(logits, y)
@@ -640,8 +640,8 @@ def ensemble_distill(
     live, own_keys = trainable_state(model, student, in_place)
     training = model.training
 
-    def student_logits(x: torch.Tensor) -> torch.Tensor:
-        return _logits_of(torch.func.functional_call(model, live, (x,)))
+    def student_logits(x: torch.Tensor) -> torch.Tensor:  # the student stays tied where the module is: one
+        return _logits_of(torch.func.functional_call(model, live, (x,)))  # tensor per tied group (trainable_state)
 
     def split_loss(split: list[Batch]) -> float:
         model.eval()

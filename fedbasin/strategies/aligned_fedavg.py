@@ -149,7 +149,8 @@ class AlignedFedAvg(FedAvg):
     match, robust : fedbasin.options.MatchOptions, fedbasin.options.RobustOptions, optional
         The schema's option objects (what the CLI and the run config build); given, they replace the
         matching keywords (``mode``, ``iterations``, ``tol``, ``universe_iterations``; ``head_weight``, the
-        head's weight in the objective, comes only from here: 1 without it or when ``auto``) or the
+        head's weight in the objective, comes only from here: ``auto`` without it, the measured best for
+        what the model is, :func:`~fedbasin.alignment.matching.auto_head_weight`) or the
         screening and aggregation keywords above.
     **kwargs
         ``FedAvg`` options (``fraction_train``, ``min_train_nodes``, ...).
@@ -208,7 +209,7 @@ class AlignedFedAvg(FedAvg):
         robust: RobustOptions | None = None,
         **kwargs,
     ) -> None:
-        head_weight = 1.0
+        head_weight = AUTO  # the measured best for what the model is, set by weight_match
         given = locals()  # a keyword set away from its default must not be overridden unseen by an option object
         for group, names in ((match, _MATCH_KEYWORDS), (robust, _ROBUST_KEYWORDS)):
             if group is None:
@@ -222,7 +223,7 @@ class AlignedFedAvg(FedAvg):
         if match is not None:  # the schema's option objects (fedbasin.options) replace the keywords they hold
             mode, iterations, tol, universe_iterations, already_aligned = (
                 getattr(match, field_name) for field_name in _MATCH_KEYWORDS.values())
-            head_weight = 1.0 if match.head_weight == AUTO else float(match.head_weight)
+            head_weight = match.head_weight if match.head_weight == AUTO else float(match.head_weight)
         if robust is not None:
             (max_abs_weight, max_num_examples, max_examples_ratio, outlier_threshold, proxy_screening, clip_ratio,
              aggregator, trim_fraction) = (getattr(robust, field_name) for field_name in _ROBUST_KEYWORDS.values())
