@@ -70,9 +70,12 @@ def pretrained_dir(source: str) -> Path:
         return where
     from huggingface_hub import snapshot_download
 
+    from fedbasin.data.hub import hub_access
+
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "tokenizer*"]
     try:
-        return Path(snapshot_download(source, allow_patterns=patterns))
+        with hub_access():
+            return Path(snapshot_download(source, allow_patterns=patterns))
     except Exception as error:  # noqa: BLE001 - offline, unknown id, gated repository
         raise RuntimeError(f"hf-pretrained {source!r}: could not download it from the Hugging Face "
                            f"hub ({type(error).__name__}: {error}); offline, give a local directory") from None

@@ -44,6 +44,7 @@ from torch import nn
 
 from .alignment.adapters import Adapter
 from .atomic import exchange, publish, sweep_stale, temporary_sibling
+from .data.sources import TOKENIZER_FILES
 from .formats import FAMILY_FIELD, ModelFormat, detect, for_kind, kind_of, same_values  # noqa: F401  (FAMILY_FIELD: re-exported)
 
 CONFIG_FILE = "config.json"
@@ -298,14 +299,14 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-#: files that describe one checkpoint's weights (how they were trained): replaced with them, never
-#: carried over to the weights that replace them
+#: files that describe one checkpoint's weights (how they were trained, the token ids they read): replaced
+#: with them, never carried over to the weights that replace them
 TRAIN_RECORD = "train.json"  # what `fedbasin train` wrote these weights with
-WEIGHT_RECORDS = (TRAIN_RECORD,)
+WEIGHT_RECORDS = (TRAIN_RECORD, *TOKENIZER_FILES)
 
 
 def _keep_sidecars(old: Path, new: Path) -> None:
-    """Copy files of the checkpoint being replaced (tokenizer, README, ...) that ``new`` lacks;
+    """Copy files of the checkpoint being replaced (README, ...) that ``new`` lacks;
     weights, ``config.json`` and the records of the old weights (:data:`WEIGHT_RECORDS`) are
     never carried over: they would describe weights that are gone."""
     for item in old.iterdir():

@@ -34,7 +34,7 @@ from fedbasin.commandline import (  # the README's exit-code table and the --hel
     EXIT_USAGE,
     HelpFormatter,
 )
-from fedbasin.data.sources import CHARACTERS_FILE
+from fedbasin.data.sources import TOKENIZER_FILES, TOKENIZER_MARKERS
 
 # ------------------------------------------------------------------------------------------------
 # errors (exit codes: fedbasin.commandline, the table in README.md, "Command line")
@@ -81,7 +81,7 @@ class _Parser(argparse.ArgumentParser):
         argparse would keep the last one without a word. Repeatable options (action="append") are exempt; tokens
         after a subcommand's name are that subcommand's parser's to judge."""
         commands = {name for a in self._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices}
-        seen: dict[str, str] = {}
+        seen: dict[str, tuple[str, str]] = {}
         for token in tokens:
             if token == "--" or token in commands:
                 return
@@ -90,13 +90,16 @@ class _Parser(argparse.ArgumentParser):
             action = self._option_action(token.partition("=")[0])
             if action is None or isinstance(action, (argparse._AppendAction, argparse._HelpAction)):
                 continue
-            spelling = token.partition("=")[0]
+            spelling = token.partition("=")[0]  # as typed; `option`: the one it stands for (an abbreviation's)
+            option = next(s for s in action.option_strings if s.startswith(spelling))
             if action.dest in seen:
-                if seen[action.dest] != spelling:
-                    self.error(f"both {seen[action.dest]} and {spelling} given; give one of them")
+                typed, before = seen[action.dest]
+                if before != option:
+                    self.error(f"both {typed} and {spelling} given; give one of them")
                 if action.nargs != 0:  # a flag repeated means the same; a value given twice does not
-                    self.error(f"{spelling} given twice; give it once")
-            seen[action.dest] = spelling
+                    self.error(f"{spelling} given twice; give it once" if typed == spelling else
+                               f"both {typed} and {spelling} given (one option); give it once")
+            seen[action.dest] = spelling, option
 
     def _option_action(self, text: str) -> argparse.Action | None:
         """The action of an option spelled ``text``, or of the one long option it abbreviates."""
@@ -167,7 +170,8 @@ def _weights(text: str) -> list[float]:
 def _checkpoint_output_options(p, help: str = "output checkpoint directory") -> None:
     p.add_argument("--out", required=True, metavar="DIR", help=help)
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing checkpoint at --out (with the files beside its weights)")
+                   help="replace an existing checkpoint at --out (its weights and what describes them: config, "
+                   "train.json, tokenizer; other files, e.g. a README, stay)")
 
 
 def _device_option(p) -> None:
@@ -484,13 +488,6 @@ def check_plot_output(out: str, option: str) -> None:
     if suffix not in formats:
         raise OutputError(f"{option} {out}: cannot draw a {suffix or 'suffix-less'} file; "
                           f"name one of {', '.join(sorted(formats))}")
-
-
-# the files of a Hugging Face tokenizer saved beside a checkpoint (fast, slow BPE, SentencePiece) and of a character
-# vocabulary; any of the first three in a checkpoint's directory makes text data read with that tokenizer
-TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-TOKENIZER_FILES = (*TOKENIZER_MARKERS, "merges.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-                   CHARACTERS_FILE)
 
 
 def _tokenizer_copier(checkpoint_dir):
@@ -810,6 +807,7 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
     from fedbasin.checkpoint import build_torch_model
     from fedbasin.data import unigram_blocks
     from fedbasin.options import (
+        AUTO,
         CLI,
         WEIGHTS_PROXIES,
         RefineOptions,
@@ -872,6 +870,9 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
             "soft_label_top_k": options.soft_label_top_k, "dual": options.dual,
             "vocabulary": options.vocabulary, "vocabulary_samples": options.vocabulary_samples,
             "vocabulary_batch_samples": options.vocabulary_batch_samples}
+    for f in dataclasses.fields(options):  # every other setting the run used, given or auto (lambda, group, ...)
+        if f.name not in ("budget", "workers", "steps") and getattr(options, f.name) != AUTO:  # budget_seconds,
+            info.setdefault(f.name.rstrip("_"), getattr(options, f.name))  # batch_workers, the run's steps: below
     if args.refine_data in WEIGHTS_PROXIES:
         info["frequencies"] = "weights"
     elif task.tokenizer is not None:

@@ -31,10 +31,10 @@ README_OPTIONS = [  # README.md, "learned alignment" row: 800 steps of 8 blocks 
 def overridden(base: list[str], extra: list[str]) -> list[str]:
     """``base`` options without those ``extra`` names (flag and values), then ``extra``: the CLI refuses an
     option given twice, so a variant replaces the row's value instead of repeating the flag."""
-    named, kept, dropping = {t for t in extra if t.startswith("--")}, [], False
+    named, kept, dropping = {t.partition("=")[0] for t in extra if t.startswith("--")}, [], False
     for token in base:
         if token.startswith("--"):
-            dropping = token in named
+            dropping = token.partition("=")[0] in named
         if not dropping:
             kept.append(token)
     return kept + extra
@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
         endpoint = args.out / f"seed{seed}"
         command = [sys.executable, "-m", "fedbasin.cli", "align", a, b, "--out", str(endpoint),
                    "--seen-tokens", f"text:{args.text}", "--refine-data", f"text:{args.text}",
-                   *overridden(README_OPTIONS, args.extra.split()), "--refine-seed", str(seed)]
+                   *overridden([*README_OPTIONS, "--refine-seed", str(seed)], args.extra.split())]
         start = time.perf_counter()
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)  # progress on stderr
         wall = time.perf_counter() - start
@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
         measured = json.loads((args.out / f"{name}.json").read_text())["rows"]
         for seed in args.seeds:
             rows[seed][name] = round(measured[f"aligned seed{seed}"]["barrier"], 4)
-    summary = {"options": README_OPTIONS + args.extra.split(), "seeds": rows, "slices": {}}
+    summary = {"options": overridden(README_OPTIONS, args.extra.split()), "seeds": rows, "slices": {}}
     for name in ["wall_seconds", *args.slices]:
         values = [rows[s][name] for s in args.seeds]
         spread = statistics.stdev(values) if len(values) > 1 else 0.0

@@ -263,14 +263,18 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, saved, monkeypatch)
 
 
 def test_overwrite_replaces_weights_keeps_sidecars_and_refuses_foreign_dirs(tmp_path, saved):
-    (saved / "tokenizer.json").write_text("{}")
+    (saved / "README.md").write_text("notes")
+    (saved / "tokenizer.json").write_text("{}")  # the ids the replaced weights read
     (saved / "train.json").write_text('{"seed": 0}')  # describes the weights being replaced
     other = fedbasin_model("gpt", GPT, seed=1)
-    save_checkpoint(saved, "gpt", other.config, other.state_dict())
+    save_checkpoint(saved, "gpt", other.config, other.state_dict(),
+                    extra_files=lambda d: (d / "characters.json").write_text('{"characters": "ab"}'))
     state = load_checkpoint(saved).state
     assert all(torch.equal(state[k], v) for k, v in other.state_dict().items())
-    assert (saved / "tokenizer.json").read_text() == "{}"
-    assert not (saved / "train.json").exists()  # never left beside weights it does not describe
+    assert (saved / "README.md").read_text() == "notes"
+    # never left beside weights they do not describe: a stale tokenizer would outrank the new characters.json
+    assert not (saved / "train.json").exists() and not (saved / "tokenizer.json").exists()
+    assert (saved / "characters.json").is_file()
     assert leftovers(tmp_path) == []
     foreign = tmp_path / "home"
     foreign.mkdir()

@@ -124,7 +124,7 @@ def test_an_option_given_twice_is_refused(models, tmp_path, capsys, given, culpr
 
 
 def test_a_flag_repeated_means_the_same(models, tmp_path, capsys):
-    assert main(["merge", models["a"], models["b"], "--out", str(tmp_path / "m"), "--no-align", "--no-align"]) == 0
+    assert main(["merge", models["a"], models["b"], "--out", str(tmp_path / "m"), "--no-align", "--no-al"]) == 0
 
 
 @pytest.mark.parametrize(
@@ -602,15 +602,17 @@ def test_an_existing_checkpoint_is_replaced_only_with_overwrite(models, tmp_path
 
 def test_valid_run_still_succeeds(models, tmp_path, capsys):
     """The checks refuse only bad input: an existing checkpoint (not an input) as --out is replaced
-    with --overwrite; the record of how its old weights were trained (train.json) goes with them,
-    other files stay."""
+    with --overwrite; what described its old weights (train.json, the tokenizer they read) goes with
+    them, other files stay."""
     out = _save_vit(tmp_path / "trained", 9)
     (out / "train.json").write_text('{"seed": 9}')
     (out / "tokenizer.json").write_text("{}")
+    (out / "README.md").write_text("notes")
     assert main(["merge", models["a"], models["b"], "--out", str(out), "--overwrite", "--weights", "0,1",
                  "--iterations", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["weights"] == [0.0, 1.0]
-    assert not (out / "train.json").exists() and (out / "tokenizer.json").read_text() == "{}"
+    assert not (out / "train.json").exists() and not (out / "tokenizer.json").exists()
+    assert (out / "README.md").read_text() == "notes"
 
 
 def test_a_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):

@@ -4,6 +4,7 @@ sized by a time budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -63,6 +64,23 @@ def test_combinations_are_refused_naming_both_options(capsys, tmp_path):
     line = cli_error(capsys, ["align", *models, "--out", tmp_path / "o", "--refine-data", "digits",
                               "--refine-start", "activations", "--symmetry", "permutation"])
     assert "--refine-start activations --symmetry permutation" in line
+
+
+def test_the_summary_records_every_refinement_setting_the_run_used(tmp_path, capsys):
+    """Given or chosen by auto, each setting is in ``refinement`` (lambda, group, schedule, batch, the
+    keep-best interval of a run with --refine-steps), so the summary repeats the run."""
+    from fedbasin.cli import main
+
+    models = _digits_pair(tmp_path)
+    assert main([str(a) for a in ["align", *models, "--out", tmp_path / "o", "--refine-data", "digits",
+                                  "--refine-steps", "6", "--refine-lambda", "0.3,0.7", "--refine-group", "invertible",
+                                  "--refine-examples", "200", "--refine-eval-every", "3"]]) == 0
+    summary = json.loads(capsys.readouterr().out)["refinement"]
+    assert (summary["lambda"], summary["group"], summary["eval_every"], summary["steps"]) == ("0.3,0.7", "invertible", 3, 6)
+    assert (summary["schedule"], summary["batch_size"], summary["permutations"]) == (
+        summary["auto"]["schedule"], summary["auto"]["batch_size"], summary["auto"]["permutations"])
+    names = {f.name.rstrip("_") for f in dataclasses.fields(schema.RefineOptions)} - {"budget", "workers"}
+    assert names <= summary.keys()
 
 
 def test_older_spellings_still_work():

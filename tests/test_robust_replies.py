@@ -322,3 +322,35 @@ def test_a_distance_that_is_not_finite_is_an_outlier():
     assert mad_outliers([1.0, 1.1, float("nan"), 0.9], 3.5) == [2]
     assert mad_outliers([1.0, float("inf"), 0.9, 1.05], 3.5) == [1]
 
+
+
+@pytest.mark.parametrize("alignment", [False, True])
+def test_replies_the_cohort_rule_excludes_do_not_move_the_count_cap(alignment):
+    """Two far-off replies reporting n = 1 each would pull the lower-median cap of (1, 1, 100, 200, 300)
+    to 100 and the honest weights to equal; the cap is taken over the replies the cohort rule keeps, so
+    the aggregate and the recorded caps are those of the honest replies alone (cap 200)."""
+    spec, base, copies = world()
+    honest = [reply(n, ArrayRecord(s), num_examples=100 * (i + 1)) for i, (n, s) in enumerate(zip(HONEST, copies))]
+    generator = torch.Generator().manual_seed(5)
+    far = [reply(node, ArrayRecord({k: v + torch.randn(v.shape, generator=generator, dtype=v.dtype)
+                                    for k, v in base.items()}), num_examples=1) for node in (44, 55)]
+    strategy = strategy_for(spec, base, alignment=alignment)
+    arrays, metrics = strategy.aggregate_train(2, [*honest, *far])
+    assert sorted(metrics["excluded_nodes"]) == [44, 55] and metrics["round_failed"] == 0
+    alone = strategy_for(spec, base, alignment=alignment)
+    expected, expected_metrics = alone.aggregate_train(2, honest)
+    assert strategy.screening[2]["capped"] == alone.screening[2]["capped"] == [
+        {"node": 33, "stage": "train", "num_examples": 300, "weight": 200}]
+    assert metrics["capped_nodes"] == expected_metrics["capped_nodes"] == [33]
+    for key, value in expected.to_torch_state_dict().items():
+        torch.testing.assert_close(arrays.to_torch_state_dict()[key], value)
+
+
+def test_a_lone_reply_s_cap_is_recorded():
+    """Round 1 of independently initialised clients with one usable reply: no cohort to screen, the
+    model is that reply, and its capped count is still recorded."""
+    spec, base, copies = world()
+    strategy = strategy_for(spec, base, independent_init=True, max_num_examples=50)
+    arrays, metrics = strategy.aggregate_train(1, [reply(11, ArrayRecord(copies[0]), num_examples=100)])
+    assert metrics["capped_nodes"] == [11] and metrics["round_failed"] == 0
+    assert strategy.screening[1]["capped"] == [{"node": 11, "stage": "train", "num_examples": 100, "weight": 50}]

@@ -124,6 +124,9 @@ def test_a_character_model_reads_other_text_with_its_own_ids(tmp_path, capsys):
     (tmp_path / "other.txt").write_text(text.replace("b", "Z"))  # as many characters, one of them new
     error = cli_error(capsys, ["eval", str(tmp_path / "gpt"), "--data", f"text:{tmp_path / 'other.txt'}"])
     assert "outside the" in error and "'Z'" in error
+    (tmp_path / "gpt" / "characters.json").write_text('{"characters": "ba"}')  # ids are ranks: order matters
+    assert "sorted order" in cli_error(capsys, ["eval", str(tmp_path / "gpt"), "--data", f"text:{tmp_path / 't.txt'}"])
+    (tmp_path / "gpt" / "characters.json").write_text(json.dumps({"characters": "".join(sorted(set(text)))}))
     _run(capsys, "train", "--data", f"text:{tmp_path / 't.txt'}", "--out", tmp_path / "gpt1", "--block-size", "16",
          "--seed", "1", *TINY)
     _run(capsys, "align", tmp_path / "gpt", tmp_path / "gpt1", "--out", tmp_path / "aligned", "--iterations", "2")

@@ -117,7 +117,7 @@ class RefineResult:
     diverged_step: int = 0  # the step whose loss or maps became non-finite (training stopped there); 0: none
     steps: int = 0  # the training steps the run was given (sized from the budget when steps=None)
     stopped_at_budget: int = 0  # a budgeted run whose later steps ran slower than timed stopped at this step
-    eval_every: int = 0  # a budgeted run's keep-best check interval (with ``steps``, it repeats the run)
+    eval_every: int = 0  # the keep-best check interval (a budgeted run's, with ``steps``, repeats the run)
     relapses: list[int] = field(default_factory=list)  # checks that sent training back to the best maps
     # wall seconds by phase: "start" (weight matching), "labels" (soft labels), "checks" (every pass over the
     # selection and evaluation splits, the start's included) and "steps" (training); with "seconds", where a budget went
@@ -479,7 +479,8 @@ def learned_refine(
 
         best_states, best_elements = movers, [GroupElement.identity(spec) for _ in movers]
         best = initial
-        result = RefineResult([], [], [], initial_loss=initial, start_mode=start_mode, trimmed=trimmed)
+        result = RefineResult([], [], [], initial_loss=initial, start_mode=start_mode, trimmed=trimmed,
+                              eval_every=0 if sized else eval_every)  # a sized run sets it once sized
         if evaluation is not None:
             result.evaluation_initial_loss = centroid_loss(ref_state, base, evaluation)
         result.history.append((0, initial))

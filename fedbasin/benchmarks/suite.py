@@ -200,8 +200,9 @@ def check_inputs(members: list[Member], args) -> None:
     for flag, command, variants in (("--variant", "align", args.variants), ("--merge-variant", "merge",
                                                                              args.merge_variants)):
         for name, options in variants.items():  # the CLI's own parser: a bad flag is refused before any work
+            seeded = ["--refine-seed", "1"] if args.refine_seeds else []  # as the @sS runs add it
             if pairs and (why := cli_usage_error([command, "A", "B", "--out", "C", "--refine-data",
-                                                  data_spec(pairs[0], args), *options])):
+                                                  data_spec(pairs[0], args), *options, *seeded])):
                 raise ValueError(f"{flag} {name}: {why}")
     if args.glmc_path is not None:
         if not Path(args.glmc_path).is_dir():

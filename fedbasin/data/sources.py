@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .hub import hub_access
 from .task import Split, Task
 
 CIFAR10_HUB_ID = "uoft-cs/cifar10"
@@ -39,6 +40,13 @@ CIFAR10_SHAPE = (32, 32, 3)  # one decoded image: height, width, RGB
 
 #: the character vocabulary of a character-level model, saved beside its weights
 CHARACTERS_FILE = "characters.json"
+#: the files of a Hugging Face tokenizer saved beside a checkpoint (fast, slow BPE, SentencePiece): any of these
+#: in a checkpoint's directory makes text data read with that tokenizer
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+#: every file that says how text becomes the ids a checkpoint's weights read: copied to an aligned or merged
+#: output, replaced with the weights (never left beside weights that read other ids)
+TOKENIZER_FILES = (*TOKENIZER_MARKERS, "merges.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+                   "chat_template.jinja", CHARACTERS_FILE)
 
 
 class CharTokenizer:
@@ -63,8 +71,9 @@ class CharTokenizer:
             characters = json.loads(file.read_text(encoding="utf-8"))["characters"]
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(f"{file} is not a character vocabulary ({type(error).__name__}: {error})") from None
-        if not isinstance(characters, str) or len(set(characters)) != len(characters):
-            raise ValueError(f"{file}: 'characters' must be a string of distinct characters")
+        if not isinstance(characters, str) or list(characters) != sorted(set(characters)):
+            raise ValueError(f"{file}: 'characters' must be a string of distinct characters in sorted order "
+                             "(a token id is a character's rank)")
         return characters
 
     @property
@@ -92,7 +101,8 @@ class HFTokenizer:
         where = Path(path).expanduser()
         if not where.is_dir() and is_hub_id(str(path)):
             try:  # a hub id such as "gpt2" or "org/name" (needs the network)
-                self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+                with hub_access():
+                    self.tokenizer = AutoTokenizer.from_pretrained(str(path))
             except Exception as error:  # noqa: BLE001 - offline, unknown id, gated repository
                 raise RuntimeError(f"tokenizer {path!r} is not a local directory and could not be loaded "
                                    f"from the Hugging Face hub ({type(error).__name__})") from None
@@ -282,7 +292,8 @@ def _cifar10(path: str, test_fraction: float) -> Task:
         from datasets import load_dataset
 
         try:
-            splits = load_dataset(CIFAR10_HUB_ID)
+            with hub_access():
+                splits = load_dataset(CIFAR10_HUB_ID)
         except Exception as error:  # offline machines land here
             raise RuntimeError(
                 f"could not load {CIFAR10_HUB_ID!r} from the Hugging Face hub ({error}); "
@@ -357,7 +368,8 @@ def _text(path: str, block_size: int, tokenizer_dir: str | None = None, characte
         from datasets import load_dataset
 
         try:
-            text = "\n".join(load_dataset(hub_id, split="train")["text"])
+            with hub_access():
+                text = "\n".join(load_dataset(hub_id, split="train")["text"])
         except Exception as error:
             raise RuntimeError(f"could not load {hub_id!r} from the Hugging Face hub ({error})") from error
         where = Path(hub_id)

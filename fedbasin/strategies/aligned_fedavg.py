@@ -414,7 +414,17 @@ class AlignedFedAvg(FedAvg):
         proxy_metrics = MetricRecord()
         if self.proxy_screening > 0 and states:
             nodes, states = self._proxy_screen(server_round, nodes, states, proxy_metrics)
-        weights = self._capped_weights(server_round, nodes, [accepted[n][0] for n in nodes], "train")
+        counts = {n: accepted[n][0] for n in nodes}
+        # provisional weights (the reference among the replies); the averaging weights are capped again over the
+        # replies the cohort rule keeps (a reply it excludes must not move the cap: _capped_weights via reweigh)
+        weights = capped_counts(list(counts.values()), self.max_num_examples, self.max_examples_ratio)[0]
+        used: dict[int, float] = {}  # node -> the weight it was averaged with
+
+        def reweigh(kept: list) -> list[float]:
+            final = self._capped_weights(server_round, kept, [counts[n] for n in kept], "train")
+            used.update(zip(kept, final))
+            return final
+
         log(INFO, "round %d: %d valid replies, %d excluded", server_round, len(states),
             len(record["excluded"]))
 
@@ -425,7 +435,7 @@ class AlignedFedAvg(FedAvg):
         else:
             t_align = time.perf_counter()
             try:
-                merged, align_metrics = self._merge(server_round, template, nodes, states, weights)
+                merged, align_metrics = self._merge(server_round, template, nodes, states, weights, reweigh)
                 if bad := _non_finite_keys(merged):
                     raise ValueError(f"the aggregate has non-finite values in {bad[:5]}")
             except CohortSplit as split:
@@ -437,7 +447,7 @@ class AlignedFedAvg(FedAvg):
             else:
                 metrics = self._client_metrics(
                     server_round,
-                    [_with_weight(accepted[n][1], w, self.weighted_by_key)
+                    [_with_weight(accepted[n][1], used.get(n, w), self.weighted_by_key)
                      for n, w in zip(nodes, weights) if n not in self._cohort_excluded(server_round)],
                     self.train_metrics_aggr_fn,
                 )
@@ -491,7 +501,7 @@ class AlignedFedAvg(FedAvg):
         return metrics
 
     def _merge(
-        self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list
+        self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list, reweigh=None
     ) -> tuple[dict, dict]:
         """The aligned merge, then ``distill`` (when given) from the clients the screening kept."""
         # the merge empties states and their dicts: the teachers are the clients' outputs cached
@@ -504,7 +514,7 @@ class AlignedFedAvg(FedAvg):
             teachers = list(zip(nodes, cached if cached is not None else [dict(s) for s in states]))
             del cached
         prepared = time.perf_counter() - started
-        merged, metrics = self._aligned_merge(server_round, previous, nodes, states, weights)
+        merged, metrics = self._aligned_merge(server_round, previous, nodes, states, weights, reweigh)
         if self.distill is None:
             return merged, metrics
         started = time.perf_counter()
@@ -525,12 +535,13 @@ class AlignedFedAvg(FedAvg):
                               **({"distill_lr": result.lr} if hasattr(result, "lr") else {})}  # (sized by the steps)
 
     def _aligned_merge(
-        self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list
+        self, server_round: int, previous: ArrayRecord, nodes: list, states: list, weights: list, reweigh=None
     ) -> tuple[dict, dict]:
         """Merged state (cohort screened and aggregated in the aligned basis) and metrics.
 
         The client models are taken out of ``states`` (the list is emptied), so that the merge
-        can let each go once it is aligned."""
+        can let each go once it is aligned. ``weights`` choose the reference; ``reweigh(nodes)``, when
+        given, gives the averaging weights of the nodes the cohort rule keeps (else ``weights``)."""
         owners = list(nodes)  # node id per entry; None: the previous global model (weight 0)
         models, weights = list(states), list(weights)
         states.clear()
@@ -540,10 +551,12 @@ class AlignedFedAvg(FedAvg):
         if self.device is not None:  # the round's matching, screening and merge run there
             models = [{k: v.to(self.device) for k, v in m.items()} for m in models]
         states = models
-        combiner = self._combiner(server_round, owners, release=self.refine is None)
+        combiner = self._combiner(server_round, owners, release=self.refine is None, reweigh=reweigh)
         if not self.alignment:
             return combiner.combine(states, weights), {"align_gain": 0.0, **combiner.metrics}
         if len(states) == 1:
+            if reweigh is not None:  # no cohort to screen: the cap is still recorded
+                reweigh([owner for owner in owners if owner is not None])
             return states[0], {"align_gain": 0.0}
         if owners[0] is None and self.refine is None and self.already_aligned == "average":
             # the replies the cohort rule excludes do not decide (one garbage reply would force alignment);
@@ -572,12 +585,13 @@ class AlignedFedAvg(FedAvg):
         return result.state, {"align_gain": float(sum(gains) / len(gains)) if gains else 0.0,
                               "universe_passes": len(result.universe_change), **combiner.metrics}
 
-    def _combiner(self, server_round: int, owners: list, release: bool) -> _ScreeningCombiner:
+    def _combiner(self, server_round: int, owners: list, release: bool, reweigh=None) -> _ScreeningCombiner:
         """The round's :class:`_ScreeningCombiner` (``owners``: node id per merged model, None for
-        the previous global model; ``release``: the merge hands the client models over)."""
+        the previous global model; ``release``: the merge hands the client models over; ``reweigh``:
+        the averaging weights of the kept nodes)."""
         return _ScreeningCombiner(
             owners, release, self.outlier_threshold, self.clip_ratio, self.aggregator, self.trim_fraction,
-            exclude=lambda node, reason: self._exclude(server_round, node, reason, stage="cohort"))
+            exclude=lambda node, reason: self._exclude(server_round, node, reason, stage="cohort"), reweigh=reweigh)
 
     def _exclude(self, server_round: int, node: int, reason: str, stage: str = "reply") -> None:
         log(WARNING, "round %d: excluding reply from node %d: %s", server_round, node, reason)
@@ -725,13 +739,17 @@ class _ScreeningCombiner(Combiner):
     weight-0 entry (previous global model) is only the centre; the first call excludes cohort
     outliers (``exclude(node, reason)``; the decision, :attr:`kept`, holds for later universe
     passes, and an even split raises :class:`CohortSplit`), then updates are clipped and the rest
-    aggregated (``release``: emptying the client models' dicts key by key). After the first call
+    aggregated (``release``: emptying the client models' dicts key by key) with the weights
+    ``reweigh(kept nodes)`` gives, once, when given (counts capped over the kept cohort only), else
+    the weights each call passes. After the first call
     the centre is read only to clip (:attr:`reads_unweighted`). :attr:`metrics` holds
     ``screen_seconds`` (summed over the calls) and ``num_clipped`` (the last call's)."""
 
     def __init__(self, owners: list, release: bool, outlier_threshold: float, clip_ratio: float,
-                 aggregator: str, trim_fraction: float, exclude: Callable[[int, str], None]):
-        self.owners, self.release, self.exclude = owners, release, exclude
+                 aggregator: str, trim_fraction: float, exclude: Callable[[int, str], None],
+                 reweigh: Callable[[list], list[float]] | None = None):
+        self.owners, self.release, self.exclude, self.reweigh = owners, release, exclude, reweigh
+        self.kept_weights: list[float] | None = None
         self.outlier_threshold, self.clip_ratio = outlier_threshold, clip_ratio
         self.aggregator, self.trim_fraction = aggregator, trim_fraction
         self.kept: list[int] | None = None  # the clients the first call kept (indices into owners)
@@ -758,7 +776,10 @@ class _ScreeningCombiner(Combiner):
                     f"{camps[0]} and {camps[1]} (closest across {split[2]:.4g} > {SPLIT_RATIO:g} × "
                     f"widest within {split[3]:.4g}); no rule can tell which camp is honest")
             self.reads_unweighted = self.clip_ratio > 0  # later calls need the centre only to clip
-        group, group_weights = [states[k] for k in self.kept], [weights[k] for k in self.kept]
+            if self.reweigh is not None:
+                self.kept_weights = self.reweigh([owners[k] for k in kept])
+        group = [states[k] for k in self.kept]
+        group_weights = self.kept_weights if self.kept_weights is not None else [weights[k] for k in self.kept]
         if self.clip_ratio > 0:
             group, clipped = clip_updates(
                 group, coordinate_median(group) if center is None else center, self.clip_ratio
