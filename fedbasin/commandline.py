@@ -17,10 +17,10 @@ EXIT_TERMINATED = 143  # SIGTERM (fedbasin simulate): 128 + 15, as a shell repor
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: X)" where an option has a real default (not None, False or "")."""
+    """Appends "(default: X)" where an option has a real default (not None, False, "" or [])."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default == "" or "default" in (action.help or ""):
+        if action.default is None or action.default is False or action.default in ("", []) or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

@@ -770,7 +770,7 @@ class _ScreeningCombiner(Combiner):
                 self.exclude(owners[clients[i]], reason)
             kept = self.kept = [k for i, k in enumerate(clients) if i not in outliers]
             if self.outlier_threshold > 0 and (split := equal_split([states[k] for k in kept])):
-                camps = [sorted(owners[kept[i]] for i in camp) for camp in split[:2]]
+                camps = sorted(sorted(owners[kept[i]] for i in camp) for camp in split[:2])  # a stable message
                 raise CohortSplit(
                     f"no majority: the {len(kept)} replies split into two equal camps, nodes "
                     f"{camps[0]} and {camps[1]} (closest across {split[2]:.4g} > {SPLIT_RATIO:g} × "
