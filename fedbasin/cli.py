@@ -87,11 +87,11 @@ class _Parser(argparse.ArgumentParser):
                 return
             if not token.startswith("-") or self._negative_number_matcher.match(token):
                 continue
-            action = self._option_action(token.partition("=")[0])
-            if action is None or isinstance(action, (argparse._AppendAction, argparse._HelpAction)):
+            spelling = token.partition("=")[0]  # as typed
+            found = self._option_named(spelling)
+            if found is None or isinstance(found[0], (argparse._AppendAction, argparse._HelpAction)):
                 continue
-            spelling = token.partition("=")[0]  # as typed; `option`: the one it stands for (an abbreviation's)
-            option = next(s for s in action.option_strings if s.startswith(spelling))
+            action, option = found  # option: the spelling it stands for (an abbreviation's full name)
             if action.dest in seen:
                 typed, before = seen[action.dest]
                 if before != option:
@@ -101,13 +101,14 @@ class _Parser(argparse.ArgumentParser):
                                f"both {typed} and {spelling} given (one option); give it once")
             seen[action.dest] = spelling, option
 
-    def _option_action(self, text: str) -> argparse.Action | None:
-        """The action of an option spelled ``text``, or of the one long option it abbreviates."""
+    def _option_named(self, text: str) -> tuple[argparse.Action, str] | None:
+        """``(action, option string)`` of the option spelled ``text``, or of the one long option it
+        abbreviates (None: no option, or an ambiguous abbreviation argparse refuses itself)."""
         if text in self._option_string_actions:
-            return self._option_string_actions[text]
-        matches = {a for spelling, a in self._option_string_actions.items()
+            return self._option_string_actions[text], text
+        matches = {(a, spelling) for spelling, a in self._option_string_actions.items()
                    if text.startswith("--") and spelling.startswith(text)}
-        return matches.pop() if len(matches) == 1 else None
+        return matches.pop() if len(matches) == 1 else None  # several: argparse's own "ambiguous option"
 
 
 def _integer(text: str) -> int:
@@ -870,9 +871,12 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
             "soft_label_top_k": options.soft_label_top_k, "dual": options.dual,
             "vocabulary": options.vocabulary, "vocabulary_samples": options.vocabulary_samples,
             "vocabulary_batch_samples": options.vocabulary_batch_samples}
-    for f in dataclasses.fields(options):  # every other setting the run used, given or auto (lambda, group, ...)
-        if f.name not in ("budget", "workers", "steps") and getattr(options, f.name) != AUTO:  # budget_seconds,
-            info.setdefault(f.name.rstrip("_"), getattr(options, f.name))  # batch_workers, the run's steps: below
+    # every other setting the run used, given or chosen (lambda, group, ...); budget, workers and steps are
+    # recorded as budget_seconds, batch_workers and the run's own steps, an auto left unset not at all
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if f.name not in ("budget", "workers", "steps") and value != AUTO:
+            info.setdefault(f.name.rstrip("_"), value)
     if args.refine_data in WEIGHTS_PROXIES:
         info["frequencies"] = "weights"
     elif task.tokenizer is not None:
@@ -988,15 +992,15 @@ def _task_for(checkpoint, source: str, tokenizer: str | None, path: str, command
         if any((Path(checkpoint.path) / name).is_file() for name in TOKENIZER_MARKERS):
             tokenizer = str(checkpoint.path)
     options = {"proxy_size": proxy_size, "proxy_at_most": proxy_at_most}
-    try:
-        if text:
-            options["tokenizer"] = tokenizer
-            if tokenizer is None and checkpoint.path is not None:  # a character model's own ids
+    if text:
+        options["tokenizer"] = tokenizer
+        if tokenizer is None and checkpoint.path is not None:  # a character model's own ids
+            try:
                 options["characters"] = CharTokenizer.saved_characters(checkpoint.path)
-            if checkpoint.context_length:
-                options["block_size"] = checkpoint.context_length
-    except ValueError as exc:
-        raise InputError(f"{path}: {exc}") from None
+            except ValueError as exc:
+                raise InputError(f"{path}: {exc}") from None
+        if checkpoint.context_length:
+            options["block_size"] = checkpoint.context_length
     try:
         task = load_task(source, **options)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:

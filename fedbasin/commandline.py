@@ -20,7 +20,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" where an option has a real default (not None, False, "" or [])."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default in ("", []) or "default" in (action.help or ""):
+        if action.default is None or action.default is False or action.default in ("", []) \
+                or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
-

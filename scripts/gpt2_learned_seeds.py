@@ -28,6 +28,8 @@ README_OPTIONS = [  # README.md, "learned alignment" row: 800 steps of 8 blocks 
     "--head-weight", "2", "--refine-steps", "800", "--refine-batch-size", "8", "--refine-eval-every", "800",
     "--refine-examples", "2048", "--refine-workers", "2", "--refine-evaluation-fraction", "0",
 ]
+
+
 def overridden(base: list[str], extra: list[str]) -> list[str]:
     """``base`` options without those ``extra`` names (flag and values), then ``extra``: the CLI refuses an
     option given twice, so a variant replaces the row's value instead of repeating the flag."""

@@ -382,7 +382,10 @@ def _text(path: str, block_size: int, tokenizer_dir: str | None = None, characte
         raise ValueError(f"text source {where} is not a file")
     else:
         raise FileNotFoundError(f"text file {where} does not exist (for a hub dataset use text:hub:ID)")
-    tokenizer = HFTokenizer(tokenizer_dir) if tokenizer_dir else CharTokenizer(text if characters is None else characters)
+    if tokenizer_dir:
+        tokenizer = HFTokenizer(tokenizer_dir)
+    else:  # the model's own characters where it saved them, else the text's
+        tokenizer = CharTokenizer(text if characters is None else characters)
     ids = tokenizer.encode(text)
     cut = int(0.9 * len(ids))
     overrides = {"vocab_size": tokenizer.vocab_size, "block_size": block_size}
