@@ -676,39 +676,42 @@ def _refined_merge(args, checkpoints, states, match) -> tuple[dict, dict]:
     summary = {**info, **result.summary()}
     if distill is not None:
         merged, summary["distillation"] = distill(merged, [s for s, w in zip(states, weights) if w > 0])
-    if proxy.split is not None:
+    if proxy.test is not None:
         paths = [args.reference, *args.models]
         summary["against_models"] = _against_models(checkpoints[0], proxy, merged, states, paths)
     return merged, summary
 
 
+# The test examples a merge is scored on beside its models: the first ones, at most this many and at most
+# AGAINST_MODELS_TARGETS predicted targets (512 blocks of 128 tokens; one pass of three GPT-2 suite models ~12 s)
+AGAINST_MODELS_EXAMPLES, AGAINST_MODELS_TARGETS = 2048, 65536
+
+
 def _against_models(ref, proxy: _Proxy, merged: dict, states: list[dict], paths) -> dict:
-    """The written merge beside its models on the proxy's held-out part (the evaluation split, or the
-    selection split keep-best chose on when there is none: :func:`fedbasin.server.distill.merge_against_members`),
-    and one stderr line saying whether the merge is better than the best of them."""
+    """The written merge beside its models (:func:`fedbasin.server.distill.merge_against_members`) on the test
+    split of ``--refine-data``, which neither the refinement nor the distillation read (its first examples, see
+    :data:`AGAINST_MODELS_EXAMPLES`), and one stderr line saying whether the merge is better than the best of them."""
     from fedbasin.server.distill import merge_against_members
     from fedbasin.training import cross_entropy
     from fedbasin.weights import holding_weights
 
-    rows, cut, data = proxy.in_vocabulary(ref.spec, merged)
-    split, name = (data.evaluation, "evaluation") if data.evaluation else (data.selection, "selection")
+    rows, cut, split = proxy.test_in_vocabulary(ref.spec, merged)
     module_states = [ref.adapter.from_standard(cut(s)) for s in (merged, *states)]
     device = next(iter(merged.values())).device
     with holding_weights(proxy.module, module_states[0], device, reshaped=rows is not None):
         found = merge_against_members(proxy.module, module_states[0], module_states[1:], cross_entropy, split,
                                       progress=True)
     gap, best = found["merge_minus_best_model"], found["best_model"]
-    where = ("held-out evaluation split" if name == "evaluation"
-             else "selection split (keep-best chose the merge on it; there is no evaluation split)")
     points = 100 * gap["accuracy"]
     accuracy = ("level in accuracy" if abs(points) < 0.05
                 else f"{'ahead' if points > 0 else 'behind'} by {abs(points):.1f} points of accuracy")
-    print(f"fedbasin merge: on the proxy's {where}, {found['examples']} examples of --refine-data: loss of the "
+    print(f"fedbasin merge: on {found['examples']} examples of the test split of --refine-data (read by neither "
+          f"the refinement nor the distillation): loss of the "
           f"merge {found['merge']['loss']:.4f}, of the best model ({paths[best]}) {found['models'][best]['loss']:.4f}, "
           f"of the models' ensemble {found['ensemble']['loss']:.4f}; the merge is "
           f"{'better than' if gap['loss'] < 0 else 'behind'} the best model by {abs(gap['loss']):.4f} in loss, "
           f"{accuracy}", file=sys.stderr)
-    return {"split": name, "vocabulary": None if rows is None else len(rows.ids), **found}
+    return {"split": "test", "vocabulary": None if rows is None else len(rows.ids), **found}
 
 
 @dataclasses.dataclass
@@ -720,6 +723,7 @@ class _Proxy:
     module: torch.nn.Module
     options: object
     vocabulary: torch.Tensor | None = None  # the refinement's training vocabulary (token ids; None: every token)
+    test: object = None  # the data's test split (never read by the refinement); None for a proxy the models label
 
     def streams(self, split=None):
         """``split`` (default: the proxy's own) cut into training / selection / evaluation parts as the
@@ -745,6 +749,22 @@ class _Proxy:
             return None, (lambda s: s), self.streams()
         rows = TrainingVocabulary(spec, state, self.vocabulary)
         return rows, rows.cut, self.streams(rows.renumber_split(self.split))
+
+    def test_in_vocabulary(self, spec, state: dict):
+        """``(rows, cut, batches)`` as :meth:`in_vocabulary` gives them, for the test split's first examples
+        (:data:`AGAINST_MODELS_EXAMPLES`): the vocabulary is the refinement's and the test tokens, so every
+        target is scored."""
+        from fedbasin.alignment.vocabulary import TrainingVocabulary
+        from fedbasin.config import eval_batch_size
+
+        per_example = self.test.targets[0].numel()
+        test = self.test.subset(torch.arange(min(len(self.test), AGAINST_MODELS_EXAMPLES,
+                                                 max(1, AGAINST_MODELS_TARGETS // per_example))))
+        rows, cut = None, (lambda s: s)
+        if self.vocabulary is not None:
+            rows = TrainingVocabulary(spec, state, torch.cat([self.vocabulary, test.token_ids()]))
+            cut, test = rows.cut, rows.renumber_split(test)
+        return rows, cut, list(test.batches(eval_batch_size(test, self.module, most=32)))
 
 
 def _distiller(args, ref, kind: str, proxy: _Proxy):
@@ -881,7 +901,8 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
         info["frequencies"] = "weights"
     elif task.tokenizer is not None:
         info["tokenizer"] = str(getattr(task.tokenizer, "path", "character-level"))
-    return refine, info, _Proxy(None if unigram else proxy, module, options, vocabulary)
+    test = None if args.refine_data in WEIGHTS_PROXIES or not len(task.test) else task.test
+    return refine, info, _Proxy(None if unigram else proxy, module, options, vocabulary, test)
 
 
 def _default_data_free(args, checkpoint, states: list[dict], match, summary: dict) -> None:
@@ -1323,8 +1344,12 @@ def cmd_train(args) -> int:
     stats = train(module, task.train, epochs=epochs, lr=lr, batch_size=batch_size, device=device,
                   seed=args.seed, weight_decay=args.weight_decay, progress=True)  # Ctrl-C: nothing written
     seconds = time.perf_counter() - t0
-    test = task.evaluate(module, "test", device=device)
     model = module.model if isinstance(module, _Logits) else module
+    if diverged := [k for k, v in model.state_dict().items() if v.is_floating_point() and not bool(v.isfinite().all())]:
+        print(f"fedbasin train: training diverged ({diverged[0]} holds NaN or infinite values after {epochs} epochs at "
+              f"lr {lr}); nothing was written to {out}: try a lower --lr", file=sys.stderr)
+        return EXIT_FAILED
+    test = task.evaluate(module, "test", device=device)
     summary = {"command": "train", "out": str(out), "data": args.data, "model": args.model or task.family,
                "kind": fmt.kind, "family": fmt.family, "seed": args.seed, "epochs": epochs, "lr": lr,
                "batch_size": batch_size, "train_examples": len(task.train), **stats,

@@ -62,7 +62,7 @@ def resolve_run_config(run_config: Mapping[str, object] | None = None) -> dict:
         if key in schema:
             _, f, opt = schema[key]
             try:
-                config[key] = convert(f, opt, value)
+                config[key] = convert(f, opt, value, typed=True)
             except ValueError as error:
                 problems.append(f"run-config {key}={value!r}: {error}")
             continue

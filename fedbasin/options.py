@@ -27,6 +27,7 @@ from typing import Any
 
 AUTO = "auto"
 CLI, RUN = "cli", "run"  # the surfaces an option appears on
+PYTHON = "python"  # the Python API's option objects (every option; named by class and field in messages)
 
 
 @dataclass(frozen=True)
@@ -227,14 +228,18 @@ def _type_of(f: dataclasses.Field) -> type:
     return type(default)
 
 
-def convert(f: dataclasses.Field, opt: Option, value):
-    """``value`` (a string from the command line or a TOML value) as the field's type, ``"auto"``
-    kept; ``ValueError`` with what was expected."""
+def convert(f: dataclasses.Field, opt: Option, value, typed: bool = False):
+    """``value`` (a string from the command line, or with ``typed`` a TOML value, whose numbers and booleans
+    are not strings: ``'3'`` is refused as a run-config number) as the field's type, ``"auto"`` kept;
+    ``ValueError`` with what was expected."""
     if value in opt.legacy:
         return opt.legacy[value]
     if opt.auto and value == AUTO:
         return AUTO
     kind = _type_of(f)
+    if typed and kind is not str and isinstance(value, str):
+        raise ValueError(f"expected {({bool: 'true or false', int: 'an integer'}).get(kind, 'a number')}"
+                         f"{' or auto' * opt.auto} (unquoted), got the string {value!r}")
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -253,6 +258,22 @@ def convert(f: dataclasses.Field, opt: Option, value):
     if not isinstance(value, str):
         raise ValueError(f"expected a string, got {value!r}")
     return value
+
+
+def type_problem(f: dataclasses.Field, opt: Option, value) -> str | None:
+    """Why ``value`` is not of the field's type (None when it is; ``"auto"`` where allowed): what the
+    command line and the run config convert (:func:`convert`), an option object built in Python may hold."""
+    if opt.auto and value == AUTO:
+        return None
+    kind = _type_of(f)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    rule = isinstance(value, StepsSizedRate)  # a resolved rate that follows the run's steps (resolve_distill)
+    fits = {bool: isinstance(value, bool), int: number and isinstance(value, int), float: number or rule}.get(
+        kind, isinstance(value, str))
+    if fits:
+        return None
+    expected = {bool: "True or False", int: "an integer", float: "a number"}.get(kind, "a string")
+    return f"expected {expected}{' or auto' * opt.auto}, got {type(value).__name__}"
 
 
 def value_problem(opt: Option, value, surface: str = CLI) -> str | None:
@@ -286,37 +307,55 @@ def parse_lambda(text: str) -> tuple[float, float]:
 
 
 def render(name: str, value, surface: str) -> str:
-    """An option as the user wrote it: ``--refine-lr 0.01`` or ``refine-lr=0.01``."""
+    """An option as the user wrote it: ``--refine-lr 0.01``, ``refine-lr=0.01`` or (the Python API,
+    ``name`` its class and field) ``RefineOptions.lr=0.01``."""
+    if surface == PYTHON:
+        return f"{name}={value!r}"
     return f"--{name} {value}" if surface == CLI else f"run-config {name}={value!r}"
 
 
-def problems(options: Iterable, surface: str, data: str | None = None) -> list[str]:
-    """One line per refused value or combination of the option objects ``options`` (any of the
-    groups), as ``surface`` names them; ``data``: the refinement data spec when known (text rules)."""
+def _name(cls, f: dataclasses.Field, surface: str) -> str:
+    return f"{cls.__name__}.{f.name}" if surface == PYTHON else key(cls, f)
+
+
+def problems(options: Iterable, surface: str, data: str | None = None, combinations: bool = True) -> list[str]:
+    """One line per refused value or (with ``combinations``) combination of the option objects ``options``
+    (any of the groups), as ``surface`` names them; ``data``: the refinement data spec when known (text rules)."""
     by_type = {type(o): o for o in options}
-    found = []
+    found, typed = [], True
     for cls, obj in by_type.items():
-        for name, f, opt in schema_fields(cls):
+        for _, f, opt in schema_fields(cls):
             value = getattr(obj, f.name)
-            if (why := value_problem(opt, value, surface)) is not None:
+            wrong_type = type_problem(f, opt, value)
+            typed = typed and wrong_type is None
+            if (why := wrong_type or value_problem(opt, value, surface)) is not None:
                 separator = ("; " if why.startswith("expected") else " ") if surface == RUN else ": "
-                found.append(f"{render(name, value, surface)}{separator}{why}")
+                found.append(f"{render(_name(cls, f, surface), value, surface)}{separator}{why}")
     refine, match = by_type.get(RefineOptions), by_type.get(MatchOptions)
-    if refine is not None:
-        found += [_joined(keys, refine, match, surface, why) for keys, why in _refine_rules(refine, match, data)]
+    if refine is not None and typed:  # (the rules read well-typed values; a rule of one option is its value's)
+        found += [_joined(keys, refine, match, surface, why) for keys, why in _refine_rules(refine, match, data)
+                  if combinations or len(keys) == 1]
     return found
 
 
+def checked(*options, combinations: bool = True) -> None:
+    """The Python API's check of option objects (any of the groups): ``ValueError`` naming the first
+    refused value or (with ``combinations``) combination, as :func:`problems` finds them for the command line
+    and the run config."""
+    if found := problems(options, PYTHON, combinations=combinations):
+        raise ValueError(found[0])
+
+
 def _joined(keys, refine, match, surface, why) -> str:
-    def value_of(name):
+    def rendered(name):
         for obj in (refine, match):
             if obj is not None:
                 for k, f, _ in schema_fields(type(obj)):
                     if k == name:
-                        return getattr(obj, f.name)
-        return None
+                        return render(_name(type(obj), f, surface), getattr(obj, f.name), surface)
+        return render(name, None, surface)
 
-    return " ".join(render(k, value_of(k), surface) for k in keys) + (" " if surface == RUN else ": ") + why
+    return " ".join(rendered(k) for k in keys) + (" " if surface == RUN else ": ") + why
 
 
 def _refine_rules(r: RefineOptions, m: MatchOptions | None, data: str | None) -> list[tuple[tuple[str, ...], str]]:
@@ -369,7 +408,7 @@ def from_values(cls, values: Mapping[str, Any], surface: str = RUN):
     for name, f, opt in schema_fields(cls):
         if name in values:
             try:
-                kwargs[f.name] = convert(f, opt, values[name])
+                kwargs[f.name] = convert(f, opt, values[name], typed=surface == RUN)
             except ValueError as error:
                 wrong.append(f"{render(name, values[name], surface)}: {error}")
     if wrong:
@@ -642,6 +681,7 @@ def resolve_refine(options: RefineOptions, kind: str, *, synthetic: str | None =
 def robust_call(robust: RobustOptions) -> dict:
     """:class:`~fedbasin.strategies.AlignedFedAvg` screening/aggregation keyword arguments (``proxy_screening``
     needs the server's proxy loss as well: the ServerApp adds it)."""
+    checked(robust)
     return {f.name: getattr(robust, f.name) for f in fields(RobustOptions) if f.name != "proxy_screening"}
 
 
@@ -649,6 +689,7 @@ def distill_call(distill: DistillOptions) -> dict:
     """``ensemble_distill`` keyword arguments of resolved distillation options (:func:`resolve_distill`): the
     student's learning rate, the temperature, the labels' weight and how the ensemble combines its teachers
     (the steps, the budget and the ``augment`` views, which need the data's shape, are the caller's)."""
+    checked(distill)
     if AUTO in (distill.lr, distill.temperature, distill.label_weight):
         raise ValueError("distillation options 'auto': resolve them for the model first (fedbasin.options.resolve_distill)")
     return dict(lr=distill.lr, temperature=distill.temperature, label_weight=distill.label_weight,
@@ -658,6 +699,7 @@ def distill_call(distill: DistillOptions) -> dict:
 def match_call(match: MatchOptions) -> dict:
     """``weight_match`` / ``merge`` keyword arguments of ``match`` (``universe_iterations`` is the merge's own;
     ``head_weight`` ``auto`` is set for the model by ``weight_match``)."""
+    checked(match)
     return dict(mode=match.symmetry, iterations=match.align_iterations, tol=match.align_tol,
                 head_weight=match.head_weight)
 
@@ -666,6 +708,9 @@ def refine_call(resolved: ResolvedRefine, match: MatchOptions) -> dict:
     """``learned_refine`` keyword arguments of resolved refinement options and the matching options of its
     start (data, vocabulary ids and the model are the caller's). ``steps`` None: sized by the budget."""
     r = resolved.options
+    # each value; the combinations depend on the data (unigram: soft labels of the models), which the callers
+    # check with it before resolving, and learned_refine refuses what it cannot run
+    checked(r, match, combinations=False)
     start = r.start
     return dict(
         steps=resolved.steps, budget=r.budget, evaluations=resolved.evaluations,

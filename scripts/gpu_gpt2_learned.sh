@@ -63,7 +63,7 @@ learned() {  # learned NAME SECONDS STEPS BATCH [align options...]: one refined 
     local name=$1 limit=$2 steps=$(($3 / div)) batch=$4; shift 4
     local vocabulary=(--refine-vocabulary seen --refine-vocabulary-samples 2048)  # unless the options name their own
     case " $* " in *" --refine-vocabulary "*) vocabulary=() ;; esac  # (an option given twice is refused)
-    step "align_$name" "$limit" $python -m fedbasin.cli align "$R/seed0" "$R/seed1" --out "$work/$name" \
+    step "align_$name" "$limit" $python -m fedbasin align "$R/seed0" "$R/seed1" --out "$work/$name" \
         --device "$device" --seen-tokens "text:$T" --refine-data "text:$T" --refine-group invertible \
         --refine-lambda 0.2 0.6 --refine-permutations fixed --refine-lr 0.003 --refine-schedule cosine \
         "${vocabulary[@]}" --head-weight 2 --refine-examples 2048 \

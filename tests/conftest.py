@@ -65,6 +65,21 @@ def pytest_report_header(config):
     return f"MUTATION ACTIVE: {name} ({MUTATIONS[name].__doc__.strip()})" if name else None
 
 
+@pytest.fixture(autouse=True)
+def _same_random_state_in_every_test():
+    """Each test starts from the same global random state (torch, numpy, random): a test that draws from the
+    global generators then gets the same numbers whichever tests ran before it in its xdist worker (a test
+    of the collusion check once failed on CI for that reason)."""
+    import random
+
+    import numpy
+    import torch
+
+    random.seed(0)
+    numpy.random.seed(0)
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def calls(monkeypatch) -> list[dict]:
     """Every ``ensemble_distill`` call of the CLI, recorded (teachers counted) and run for 4 steps instead of

@@ -19,8 +19,9 @@ from fedbasin.alignment import (
     to_gauge,
     weight_match,
 )
-from fedbasin.alignment.interpolation import interpolate, loss_barrier
+from fedbasin.alignment.adapters import fedbasin_adapter
 from fedbasin.alignment.canonical import tiny_gains
+from fedbasin.alignment.interpolation import interpolate, loss_barrier
 
 from .helpers import GPT, VIT, inputs, loss, rel_err, run, spec_of, trained_like, variant_id, variants
 
@@ -168,6 +169,10 @@ def test_loss_barrier_definition():
     assert barrier == pytest.approx(3.0 - 1.5) and at == 0.5
     with pytest.raises(ValueError, match="contain 0 and 1"):
         loss_barrier([0.2, 0.5], [1.0, 2.0])
+    with pytest.raises(ValueError, match="3 λ values but 2 losses"):
+        loss_barrier([0.0, 0.5, 1.0], [1.0, 2.0])
+    barrier, at = loss_barrier([0.0, 0.5, 1.0], [1.0, math.nan, 1.0])  # a diverged midpoint: unknown, not 0
+    assert math.isnan(barrier) and at == 0.5
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -193,6 +198,26 @@ def test_bad_inputs_raise_clear_errors():
         weight_match(spec, a, a, mode="rotation")
     with pytest.raises(ValueError, match="at least 2"):
         merge(spec, [a])
+    # keys outside the spec count too: another depth (a block the spec does not name), a NaN in any tensor
+    deeper = trained_like(family, dict(config, depth=config["depth"] + 1), seed=1).state_dict()
+    with pytest.raises(ValueError, match=rf"^candidate: \d+ key\(s\) in one of the two models only, e.g. "
+                                         rf"blocks\.{config['depth']}\..* \(in the candidate\); different architectures"):
+        weight_match(spec, a, deeper)
+    extra_in_reference = {**a, "junk": torch.zeros(3)}
+    with pytest.raises(ValueError, match=r"model 1: 1 key\(s\) .* e.g. junk \(in the model 0\)"):
+        merge(spec, [extra_in_reference, a])
+    other_bias = {**a, "head.bias": torch.zeros(a["head.bias"].shape[0] + 1, dtype=a["head.bias"].dtype)}
+    with pytest.raises(ValueError, match=r"head\.bias has shape"):
+        merge(spec, [a, other_bias])
+    with pytest.raises(ValueError, match="merge weights must be a list of numbers, one per model, got '1,2'"):
+        merge(spec, [a, a], weights="1,2")
+    with pytest.raises(ValueError, match="reference index 1.0 out of range"):
+        merge(spec, [a, a], reference=1.0)
+    with pytest.raises(ValueError, match=f"config must be the {family} family's config dataclass"):
+        fedbasin_adapter(family, config)  # a dict, as build_model takes it
+    nan_bias = {**a, "head.bias": torch.full_like(a["head.bias"], math.nan)}
+    with pytest.raises(ValueError, match=r"head\.bias contains NaN"):
+        merge(spec, [a, nan_bias])
 
 
 def test_zero_gain_with_bias_cannot_be_folded():

@@ -164,10 +164,32 @@ def test_a_subword_lm_merge_distils_by_default_over_the_refinements_vocabulary(t
         moved = (off[key] != on[key]).any(dim=1)
         assert 0 < int(moved.sum()) <= distilled["vocabulary"], key
     assert any(not torch.equal(off[k], on[k]) for k in off if k not in ("model.embed_tokens.weight", "lm_head.weight"))
-    # the written merge beside its models on the held-out split, in the same vocabulary: the distillation's figure
+    # the written merge beside its models on the text's test split, over the refinement's vocabulary and the test
+    # tokens (every target scored)
     against = summary["against_models"]
-    assert (against["split"], against["vocabulary"], len(against["models"])) == ("evaluation", distilled["vocabulary"], 2)
-    assert against["merge"]["loss"] == pytest.approx(distilled["evaluation_loss"], rel=1e-5)
+    assert (against["split"], len(against["models"])) == ("test", 2)
+    assert distilled["vocabulary"] <= against["vocabulary"] < VOCAB // 5
+
+
+def test_a_subword_lm_merge_is_scored_on_the_test_text_over_its_seen_tokens(text_file, capsys, tmp_path):
+    """``against_models`` of a subword LM merge: each model's loss on the text's test blocks, its softmax over the
+    tokens of the training and test text (the refinement's vocabulary and every test target), computed here
+    from the full model's logits at those tokens."""
+    from fedbasin.data import load_task
+    from fedbasin.training import cross_entropy
+
+    m0, m1 = _save(tmp_path / "m0", "llama", 1), _save(tmp_path / "m1", "llama", 2)
+    summary = _refine(capsys, "merge", m0, m1, tmp_path / "m", text_file, steps=2, extra=["--distill-steps", 0])
+    against = summary["against_models"]
+    task = load_task(f"text:{text_file}", tokenizer=str(m0), block_size=CONTEXT)
+    ids = torch.unique(torch.cat([task.train.token_ids(), task.test.token_ids()]))
+    lookup = torch.full((VOCAB,), -1, dtype=torch.long)
+    lookup[ids] = torch.arange(len(ids))
+    assert against["vocabulary"] == len(ids) and against["examples"] == len(task.test)
+    for path, found in zip((m0, m1), against["models"]):
+        with torch.no_grad():
+            logits = build_torch_model(load_checkpoint(path))(task.test.inputs).logits[..., ids]
+        assert found["loss"] == pytest.approx(float(cross_entropy(logits, lookup[task.test.targets])), rel=1e-4)
 
 
 def test_images_are_refused_in_one_line_naming_the_family(pair, capsys):

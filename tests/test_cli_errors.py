@@ -634,3 +634,15 @@ def test_a_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
     assert console.entry() == EXIT_INTERRUPTED
     err = capsys.readouterr().err
     assert err.strip() == "fedbasin: interrupted; nothing was written"
+
+
+def test_python_dash_m_fedbasin_is_the_console_script(monkeypatch):
+    """``python -m fedbasin`` runs the console script's entry (its one-line Ctrl-C included)."""
+    import runpy
+
+    from fedbasin import console
+
+    monkeypatch.setattr(console, "entry", lambda: 7)
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("fedbasin", run_name="__main__")
+    assert exit_.value.code == 7

@@ -143,31 +143,39 @@ def test_an_ensemble_of_different_architectures_is_refused(models, capsys, tmp_p
     assert line.endswith("--ensemble probabilities has no effect with one CHECKPOINT (it combines several)")
 
 
-def test_the_merge_is_scored_beside_its_models_on_the_held_out_split(models, capsys, tmp_path):
-    """The summary's ``against_models``: the merge, each model and their ensemble on the proxy's evaluation split;
-    with ``--weights 1,0`` the written merge is model 0, so their scores agree, and the stderr line names the
-    best model and the gap."""
+def test_the_merge_is_scored_beside_its_models_on_the_test_split(models, capsys, tmp_path, monkeypatch):
+    """The summary's ``against_models``: the merge, each model and their ensemble on the test split of
+    ``--refine-data`` (which the refinement and the distillation never read); with ``--weights 1,0`` the written
+    merge is model 0, so their scores agree, and the stderr line names the best model and the gap."""
+    from fedbasin.data import load_task
+    from fedbasin.models import build_model
+    from fedbasin.server.distill import mean_loss
+    from fedbasin.training import cross_entropy
+
     assert main(["merge", *models, "--out", str(tmp_path / "m"), *REFINE, "--distill-steps", "0",
                  "--weights", "1,0"]) == 0
     captured = capsys.readouterr()
     found = json.loads(captured.out)["refinement"]["against_models"]
-    assert found["split"] == "evaluation" and found["examples"] == 40  # 20 % of the 200 proxy examples
+    test = load_task("digits").test
+    assert found["split"] == "test" and found["examples"] == len(test)  # all of it (under the cap)
     assert len(found["models"]) == 2 and found["models"][0] != found["models"][1]
     assert found["merge"]["loss"] == pytest.approx(found["models"][0]["loss"], abs=1e-6)
     assert found["merge"]["accuracy"] == found["models"][0]["accuracy"]
+    module = build_model("vit", load_checkpoint(models[1]).config).eval()
+    module.load_state_dict(load_checkpoint(models[1]).state)
+    assert found["models"][1]["loss"] == pytest.approx(
+        mean_loss(module, cross_entropy, list(test.batches(64)), "cpu"), rel=1e-5)  # the test split, not the proxy's
     best = found["best_model"]
     assert found["merge_minus_best_model"]["loss"] == pytest.approx(
         found["merge"]["loss"] - found["models"][best]["loss"])
     (line,) = [x for x in captured.err.splitlines() if "of the best model" in x]
     assert models[best] in line and f"{found['ensemble']['loss']:.4f}" in line
+    assert f"on {len(test)} examples of the test split of --refine-data" in line
 
-    # without an evaluation split the selection split (which kept the merge) is scored, and the line says so
-    assert main(["merge", *models, "--out", str(tmp_path / "s"), *REFINE, "--distill-steps", "0",
-                 "--refine-evaluation-fraction", "0"]) == 0
-    captured = capsys.readouterr()
-    found = json.loads(captured.out)["refinement"]["against_models"]
-    assert (found["split"], found["examples"]) == ("selection", 40)
-    assert "selection split (keep-best chose the merge on it" in captured.err
+    # a large test split: its first examples, up to the cap
+    monkeypatch.setattr("fedbasin.cli.AGAINST_MODELS_EXAMPLES", 50)
+    assert main(["merge", *models, "--out", str(tmp_path / "c"), *REFINE, "--distill-steps", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["refinement"]["against_models"]["examples"] == 50
 
 
 def test_merge_against_members_scores_each_state_and_the_mean_logit_ensemble():

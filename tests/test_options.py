@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,20 @@ def test_an_option_on_both_surfaces_has_one_name_default_and_check(name, f, opt,
     assert refused.value.problems[0].startswith(f"run-config {name}=")
     line = cli_error(capsys, ["merge", "a", "b", "--out", tmp_path / "o", f"--{name}", bad])
     assert f"--{name}" in line and "\n" not in line
+
+
+def test_a_run_config_number_or_boolean_in_quotes_is_refused():
+    """A TOML value is typed: ``head-weight = "2"`` is a string, refused as the run config's other keys refuse
+    ``num-server-rounds = "3"`` (the command line's flags, text by nature, convert)."""
+    with pytest.raises(RunConfigError) as refused:
+        resolve_run_config({"head-weight": "2", "refine-budget": "60", "distill-teacher": "logits"})
+    assert refused.value.problems == [
+        "run-config head-weight='2': expected a number or auto (unquoted), got the string '2'",
+        "run-config refine-budget='60': expected a number (unquoted), got the string '60'"]
+    assert resolve_run_config({"head-weight": "auto", "refine-budget": 60})["refine-budget"] == 60.0
+    assert schema.from_values(schema.MatchOptions, {"head-weight": "2"}, schema.CLI).head_weight == 2.0
+    with pytest.raises(ValueError, match="head-weight='2': expected a number or auto"):
+        schema.from_values(schema.MatchOptions, {"head-weight": "2"})
 
 
 def test_combinations_are_refused_naming_both_options(capsys, tmp_path):
@@ -436,9 +451,38 @@ def test_the_library_takes_the_option_objects():
     assert len(merged.universe_change) == 3
     assert torch.equal(merged.state["head.weight"], merge(spec, [a, b, c], iterations=2, universe_iterations=3
                                                           ).state["head.weight"])
-    with pytest.raises(ValueError, match="together"):
-        learned_refine(spec, build_model("vit", DIGITS_VIT), a, [b], None, iter([]), [],
-                       options=schema.resolve_refine(schema.RefineOptions(), schema.IMAGE))
+
+    # a RefineOptions as it is: auto set for what the reference is (an image classifier), the match's defaults
+    from fedbasin.alignment import proxy_streams
+    from fedbasin.data import load_task
+    from fedbasin.training import cross_entropy
+
+    proxy = load_task("digits", seed=0).train.subset(torch.arange(200))
+
+    def refined(**options):
+        data = proxy_streams(proxy, 32, seed=0)
+        return learned_refine(spec, build_model("vit", DIGITS_VIT), a, [b], cross_entropy, data.batches,
+                              data.selection, **options).states[0]
+    given = schema.RefineOptions(steps=2, workers=1)
+    resolved = schema.resolve_refine(given, schema.IMAGE)
+    assert resolved.options != given and resolved.options.lr == schema.KIND_SETTINGS[schema.IMAGE]["lr"]
+    by_resolved = refined(options=resolved, match=schema.MatchOptions())
+    for key, value in refined(options=given).items():
+        assert torch.equal(value, by_resolved[key]), key
+    # the objects are checked as the command line checks its flags, in one line naming the field
+    for options, message in ((dict(options=schema.RefineOptions(lr=-1.0)), "RefineOptions.lr=-1.0: must be greater"),
+                             (dict(match=schema.MatchOptions(align_iterations="3")),
+                              "MatchOptions.align_iterations='3': expected an integer, got str"),
+                             (dict(options=schema.RefineOptions(lambda_="0.9,0.1")),
+                              "RefineOptions.lambda_='0.9,0.1': must be 'LO,HI'")):
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            refined(**options)
+    with pytest.raises(ValueError, match=r"^MatchOptions.align_iterations=0: must be at least 1$"):
+        weight_match(spec, a, b, match=schema.MatchOptions(align_iterations=0))
+    with pytest.raises(ValueError, match=r"^MatchOptions.align_iterations=0: must be at least 1$"):
+        weight_match(spec, a, b, iterations=0)
+    with pytest.raises(ValueError, match=r"^MatchOptions.universe_iterations=0: must be at least 1$"):
+        merge(spec, [a, b], universe_iterations=0)
 
 
 

@@ -17,6 +17,7 @@ from fedbasin.alignment import (
     to_gauge,
     weight_match,
 )
+from fedbasin.options import MatchOptions, RobustOptions
 from fedbasin.strategies import AlignedFedAvg
 
 from .helpers import DIGITS_VIT, VIT, max_diff, spec_of, trained_digits_vit
@@ -103,6 +104,10 @@ def test_server_side_refinement_output_is_what_gets_averaged():
     (dict(refine="learned"), "refine must be callable"),
     (dict(distill="feddf"), "distill must be callable"),
     (dict(refine=lambda *a, **k: None, alignment=False), "refine needs alignment"),
+    # option objects are checked by the schema when the strategy is built, not in every round
+    (dict(match=MatchOptions(head_weight=-1.0)), r"^MatchOptions.head_weight=-1.0: must be greater than 0$"),
+    (dict(match=MatchOptions(head_weight="x")), r"^MatchOptions.head_weight='x': expected a number or auto, got str$"),
+    (dict(robust=RobustOptions(max_abs_weight="1e6")), r"^RobustOptions.max_abs_weight='1e6': expected a number"),
 ])
 def test_bad_strategy_arguments_raise_clear_errors(options, message):
     with pytest.raises(ValueError, match=message):

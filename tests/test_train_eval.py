@@ -171,6 +171,14 @@ def test_interrupted_training_writes_nothing(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_diverged_training_writes_nothing(tmp_path, capsys):
+    """Weights that diverged (NaN) are not saved as a checkpoint: exit 1, one line naming the tensor."""
+    assert main(["train", "--data", "digits", "--out", str(tmp_path / "x"), *TINY, "--lr", "1e30"]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"training diverged \(\S+ holds NaN or infinite values .*nothing was written", line)
+    assert not (tmp_path / "x").exists()
+
+
 def test_eval_names_mismatched_data(digits_pair, tmp_path, capsys):
     root, _ = digits_pair
     (tmp_path / "t.txt").write_text("abc " * 200)

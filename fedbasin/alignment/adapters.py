@@ -8,6 +8,7 @@ models are stored in the standard layout already (each registers the input side 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -79,6 +80,9 @@ def fedbasin_adapter(family: str, config) -> Adapter:
     """Spec of a fedbasin model (``ViT``, ``GPT``, ...: a registered family) with the given config (dataclass)."""
     if family not in _NATIVE_INPUTS:
         raise ValueError(f"no symmetry spec for model family {family!r}")
+    if not dataclasses.is_dataclass(config):
+        raise ValueError(f"config must be the {family} family's config dataclass (e.g. "
+                         f"fedbasin.models.make_config({family!r}, values)), got {type(config).__name__}")
     c = config
     norm_bias = "norm_f.bias" if (c.bias and c.norm == "layernorm") else None
     rotary = "half" if getattr(c, "position", "learned") == "rope" else None

@@ -6,6 +6,7 @@ on a λ grid (default 11 points, 0 and 1 included).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,12 +38,18 @@ def lambda_grid(points: int = 11) -> list[float]:
 
 
 def loss_barrier(lambdas: list[float], losses: list[float]) -> tuple[float, float]:
-    """(barrier, λ at the max) from losses on a grid containing λ = 0 (θ_B) and λ = 1 (θ_A)."""
+    """(barrier, λ at the max) from losses on a grid containing λ = 0 (θ_B) and λ = 1 (θ_A):
+    ``max_λ L(λ) − (λ·L(1) + (1 − λ)·L(0))``; NaN (at the first such λ) when a loss on the path is not
+    finite, since the barrier is then unknown (``max`` would skip a NaN)."""
+    if len(lambdas) != len(losses):
+        raise ValueError(f"{len(lambdas)} λ values but {len(losses)} losses")
     by_lam = dict(zip(lambdas, losses))
     if 0.0 not in by_lam or 1.0 not in by_lam:
         raise ValueError("the λ grid must contain 0 and 1")
     la, lb = by_lam[1.0], by_lam[0.0]
     gaps = [loss - (lam * la + (1 - lam) * lb) for lam, loss in zip(lambdas, losses)]
+    if unknown := [i for i, gap in enumerate(gaps) if not math.isfinite(gap)]:
+        return math.nan, lambdas[unknown[0]]
     i = max(range(len(gaps)), key=gaps.__getitem__)
     return gaps[i], lambdas[i]
 

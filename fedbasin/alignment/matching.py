@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +41,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from fedbasin import heap
-from fedbasin.options import AUTO, HEAD_WEIGHT, MatchOptions, match_call, model_kind
+from fedbasin.options import AUTO, HEAD_WEIGHT, MatchOptions, checked, match_call, model_kind
 
 from .canonical import canonicalize, fold_tiny, to_gauge
 from .group import (
@@ -631,11 +630,16 @@ class _Matcher:
         return score
 
 
-def auto_head_weight(spec: SymmetrySpec, state: dict) -> float:
-    """``head_weight`` ``auto`` for the model ``state`` holds: :data:`~fedbasin.options.HEAD_WEIGHT` of its
-    kind (no token embedding: an image classifier; else a causal LM of its vocabulary's size)."""
+def kind_of_state(spec: SymmetrySpec, state: dict) -> str:
+    """What the model ``state`` holds is (:func:`~fedbasin.options.model_kind`): no token embedding, an image
+    classifier; else a causal LM of its vocabulary's size."""
     vocab = int(state[spec.embedding_keys[0]].shape[0]) if spec.embedding_keys else None
-    return HEAD_WEIGHT[model_kind("text" if vocab else "images", vocab)]
+    return model_kind("text" if vocab else "images", vocab)
+
+
+def auto_head_weight(spec: SymmetrySpec, state: dict) -> float:
+    """``head_weight`` ``auto`` for the model ``state`` holds: :data:`~fedbasin.options.HEAD_WEIGHT` of its kind."""
+    return HEAD_WEIGHT[kind_of_state(spec, state)]
 
 
 def weight_match(
@@ -699,10 +703,9 @@ def weight_match(
     if match is not None:
         return weight_match(spec, reference, candidate, weighting=weighting, init=init, progress=progress,
                             token_rows=token_rows, release=release, like=like, **match_call(match))
+    checked(MatchOptions(align_iterations=iterations, align_tol=tol, head_weight=head_weight))
     if head_weight == AUTO:
         head_weight = auto_head_weight(spec, reference)
-    if not (isinstance(head_weight, (int, float)) and math.isfinite(head_weight) and head_weight > 0):
-        raise ValueError(f"head_weight must be a finite number > 0 or 'auto', got {head_weight!r}")
     inferred = None
     if isinstance(token_rows, str):
         if token_rows != "auto":

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import abc
 import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from fedbasin.options import MatchOptions, match_call
+from fedbasin.options import MatchOptions, checked, match_call
 
 from .canonical import canonicalize, to_gauge
 from .group import GroupElement, apply_group, inverse
@@ -142,6 +143,9 @@ def as_combiner(combine: Combiner | Callable[[list, list], dict] | None) -> Comb
 def _normalise_weights(weights, n):
     if weights is None:
         return [1.0] * n
+    if isinstance(weights, (str, bytes)) or not all(isinstance(w, numbers.Real) and not isinstance(w, bool)
+                                                     for w in weights):
+        raise ValueError(f"merge weights must be a list of numbers, one per model, got {weights!r}")
     weights = [float(w) for w in weights]
     if len(weights) != n:
         raise ValueError(f"got {len(weights)} merge weights for {n} models")
@@ -211,9 +215,10 @@ def merge(
                      weighting=weighting, progress=progress, token_rows=token_rows, combine=combine, release=release,
                      universe_iterations=match.universe_iterations, **match_call(match))
     t0 = time.perf_counter()
+    checked(MatchOptions(universe_iterations=universe_iterations))
     if len(states) < 2:
         raise ValueError(f"merging needs at least 2 models, got {len(states)}")
-    if not 0 <= reference < len(states):
+    if isinstance(reference, bool) or not isinstance(reference, int) or not 0 <= reference < len(states):
         raise ValueError(f"reference index {reference} out of range for {len(states)} models")
     weights = _normalise_weights(weights, len(states))
     combine = as_combiner(combine)
@@ -241,7 +246,7 @@ def merge(
         others = [found for k, found in enumerate(inferred) if k != reference and found is not None]
         if any(w is not None for w in per_model):  # the reference (re-aligned in later passes): the mean
             per_model[reference] = torch.stack([f.weights for f in others]).mean(dim=0)  # over the others
-    passes = max(universe_iterations, 1)
+    passes = universe_iterations
     for i in range(len(states)):  # bad gains fail here, before any alignment starts
         canonicalize(spec, states[i], names[i], validate=False)
     # models whose raw dict stays readable for later passes: all without release (the caller's),

@@ -24,12 +24,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedbasin.options import MatchOptions, ResolvedRefine, refine_call
+from fedbasin.options import (
+    MatchOptions,
+    RefineOptions,
+    ResolvedRefine,
+    refine_call,
+    resolve_refine,
+)
 
 from .canonical import canonicalize, to_gauge
 from .group import GroupElement, apply_group, compose
 from .keep_best import all_finite, check_step_options, keep_best_record
-from .matching import MODES, weight_match
+from .matching import MODES, kind_of_state, weight_match
 from .merge import Combiner, as_combiner, merge
 from .parametrize import GROUPS, _Delta
 from .progress import progress_bar
@@ -270,16 +276,21 @@ def learned_refine(
     ``to_module_state`` maps a standard-layout state to the module's own keys (an adapter's
     ``from_standard``; it must be differentiable). Outputs with a ``.logits`` field are unwrapped.
 
-    ``options`` and ``match``: the options schema's resolved refinement options and the matching
-    options of the start (:func:`fedbasin.options.resolve_refine`, :class:`~fedbasin.options.MatchOptions`);
-    given together, their values (:func:`fedbasin.options.refine_call`) replace the keyword arguments
-    they name — the one translation from the schema, for the CLI and the ServerApp alike.
+    ``options`` and ``match``: the options schema's refinement options (a :class:`~fedbasin.options.RefineOptions`,
+    whose ``auto`` values are set for what ``reference`` is and where it lies, or one resolved by
+    :func:`fedbasin.options.resolve_refine`) and the matching options of the start
+    (:class:`~fedbasin.options.MatchOptions`); either given (the other then takes its defaults), their values
+    (:func:`fedbasin.options.refine_call`, which checks them) replace the keyword arguments they name — the one
+    translation from the schema, for the CLI and the ServerApp alike.
     """
     if options is not None or match is not None:
-        if options is None or match is None:
-            raise ValueError("learned_refine takes the option objects together: options= and match=")
+        if options is None or isinstance(options, RefineOptions):
+            options = resolve_refine(options or RefineOptions(), kind_of_state(spec, reference),
+                                     gpu=next(iter(reference.values())).is_cuda)
+        if not isinstance(options, ResolvedRefine):
+            raise ValueError(f"options must be a fedbasin.options.RefineOptions, got {type(options).__name__}")
         given = {k: v for k, v in locals().items() if k not in ("options", "match")}
-        return learned_refine(**{**given, **refine_call(options, match)})
+        return learned_refine(**{**given, **refine_call(options, match or MatchOptions())})
     if permutations not in ("ste", "sinkhorn", "fixed"):
         raise ValueError(f"permutations must be 'ste', 'sinkhorn' or 'fixed', got {permutations!r}")
     if group not in GROUPS:

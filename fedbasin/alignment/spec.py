@@ -171,20 +171,26 @@ class SymmetrySpec:
                         f"{what}: {lin.weight} has shape {tuple(state[lin.weight].shape)}; "
                         f"expected MLP width {n} on axis {ax}"
                     )
-        for key in sorted(self.keys()):
+        for key in sorted(k for k, t in state.items() if isinstance(t, torch.Tensor)):  # the spec's and the rest
             t = state[key]
             if t.is_floating_point() and t.numel() and not all(map(math.isfinite, map(float, t.aminmax()))):
                 raise ValueError(f"{what}: {key} contains NaN or infinite values")
 
 
 def check_compatible(spec: SymmetrySpec, reference: dict, candidate: dict, names=("reference", "candidate")):
-    """Both states fit ``spec`` and every spec'd tensor has the same shape in both."""
+    """Both states fit ``spec``, hold the same keys and every tensor has the same shape in both (a model with
+    another depth, norm or position scheme differs in its keys; one with another head count of the same width
+    does not: that the spec's config is the models' is the caller's to know)."""
     spec.validate(reference, names[0])
     spec.validate(candidate, names[1])
-    for key in sorted(spec.keys()):
-        if reference[key].shape != candidate[key].shape:
+    if only := sorted(set(reference) ^ set(candidate)):
+        side = names[1] if only[0] in candidate else names[0]
+        raise ValueError(f"{names[1]}: {len(only)} key(s) in one of the two models only, e.g. {only[0]} (in the "
+                         f"{side}); different architectures?")
+    for key in sorted(reference):
+        if isinstance(reference[key], torch.Tensor) and reference[key].shape != getattr(candidate[key], "shape", None):
             raise ValueError(
-                f"{names[1]}: {key} has shape {tuple(candidate[key].shape)} but the {names[0]} has "
+                f"{names[1]}: {key} has shape {tuple(getattr(candidate[key], 'shape', ()))} but the {names[0]} has "
                 f"{tuple(reference[key].shape)} (different architectures?)"
             )
 

@@ -38,7 +38,7 @@ from fedbasin.alignment import (
     refined_merge,
     shares_basis,
 )
-from fedbasin.options import AUTO, MatchOptions, RobustOptions, run_config_choices
+from fedbasin.options import AUTO, MatchOptions, RobustOptions, checked, run_config_choices
 from fedbasin.scratch import arrays_on_disk
 from fedbasin.strategies.robust import (
     AGGREGATORS,
@@ -209,6 +209,7 @@ class AlignedFedAvg(FedAvg):
         robust: RobustOptions | None = None,
         **kwargs,
     ) -> None:
+        checked(*(group for group in (match, robust) if group is not None))
         head_weight = AUTO  # the measured best for what the model is, set by weight_match
         given = locals()  # a keyword set away from its default must not be overridden unseen by an option object
         for group, names in ((match, _MATCH_KEYWORDS), (robust, _ROBUST_KEYWORDS)):
