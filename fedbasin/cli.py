@@ -439,8 +439,20 @@ def _standard(checkpoint, device: torch.device | None = None) -> dict:
 def _same_architecture(reference, other, role: str, path: str) -> None:
     from fedbasin.checkpoint import architecture_mismatch
 
+    from fedbasin.data.sources import CharTokenizer
+
     if why := architecture_mismatch(reference, other):
         raise InputError(f"{role} {path}: {why}")
+    if reference.path is None or other.path is None:
+        return
+    try:  # a character model's ids are its characters' ranks: two tables of one size may still differ
+        mine, theirs = CharTokenizer.saved_characters(reference.path), CharTokenizer.saved_characters(other.path)
+    except ValueError as exc:
+        raise InputError(f"{role} {path}: {exc}") from None
+    if mine is not None and theirs is not None and mine != theirs:
+        first = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+        raise InputError(f"{role} {path}: its characters.json differs from {reference.path}'s (token {first} is "
+                         f"{theirs[first]!r} there, {mine[first]!r} here): the models read different token ids")
 
 
 def _check_writable(path: Path, option: str) -> None:
@@ -458,6 +470,8 @@ def check_checkpoint_output(out: str, option: str = "--out", overwrite: bool = F
     it); and writable. Nothing stored is replaced unless asked."""
     from fedbasin.checkpoint import CONFIG_FILE
 
+    if not str(out):
+        raise UsageError(f"{option} is empty: give the output checkpoint directory")
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise OutputError(f"{option} {out} exists and is not a directory")
@@ -1162,7 +1176,7 @@ def _refuse_input_as_output(output: str, option: str, args) -> None:
 def _check_outputs(args) -> None:
     """Output paths are usable, and replace no input, before any work starts."""
     outputs = []
-    if args.command in ("align", "merge", "train") and getattr(args, "out", None):
+    if args.command in ("align", "merge", "train") and getattr(args, "out", None) is not None:
         outputs.append((args.out, "--out", functools.partial(check_checkpoint_output, overwrite=args.overwrite)))
     if getattr(args, "plot", None):
         outputs.append((args.plot, "--plot", check_plot_output))

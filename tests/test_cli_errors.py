@@ -300,6 +300,12 @@ def test_out_is_an_existing_file(models, tmp_path, capsys, monkeypatch):
     assert target.read_text() == "precious" and not calls
 
 
+def test_an_empty_out_is_refused_before_the_work(models, tmp_path, capsys, monkeypatch):
+    calls = _spy_on_work(monkeypatch)
+    _fails(capsys, tmp_path, EXIT_USAGE, ["align", models["a"], models["b"], "--out", ""], "--out is empty")
+    assert not calls
+
+
 def test_out_is_a_non_checkpoint_directory(models, tmp_path, capsys, monkeypatch):
     calls = _spy_on_work(monkeypatch)
     target = tmp_path / "photos"

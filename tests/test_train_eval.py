@@ -131,6 +131,15 @@ def test_a_character_model_reads_other_text_with_its_own_ids(tmp_path, capsys):
          "--seed", "1", *TINY)
     _run(capsys, "align", tmp_path / "gpt", tmp_path / "gpt1", "--out", tmp_path / "aligned", "--iterations", "2")
     assert (tmp_path / "aligned" / "characters.json").read_bytes() == (tmp_path / "gpt" / "characters.json").read_bytes()
+    # a model of another character table of the same size reads other ids: not aligned, merged or compared with it
+    (tmp_path / "other.txt").write_text(text.replace("b", "Z"))
+    _run(capsys, "train", "--data", f"text:{tmp_path / 'other.txt'}", "--out", tmp_path / "gptZ", "--block-size",
+         "16", *TINY)
+    for argv in (["align", tmp_path / "gpt", tmp_path / "gptZ", "--out", tmp_path / "az"],
+                 ["merge", tmp_path / "gpt", tmp_path / "gptZ", "--out", tmp_path / "mz"]):
+        error = cli_error(capsys, [str(a) for a in argv])
+        assert f"{tmp_path / 'gptZ'}: its characters.json differs from {tmp_path / 'gpt'}'s (token 13 is 'Z' there, 'b' here)" in error
+    assert not (tmp_path / "az").exists() and not (tmp_path / "mz").exists()
 
 
 def test_train_hf_vit_writes_a_hugging_face_checkpoint(tmp_path, capsys):
