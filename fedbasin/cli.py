@@ -438,7 +438,6 @@ def _standard(checkpoint, device: torch.device | None = None) -> dict:
 
 def _same_architecture(reference, other, role: str, path: str) -> None:
     from fedbasin.checkpoint import architecture_mismatch
-
     from fedbasin.data.sources import CharTokenizer
 
     if why := architecture_mismatch(reference, other):
@@ -697,7 +696,7 @@ def _refined_merge(args, checkpoints, states, match) -> tuple[dict, dict]:
 
 
 # The test examples a merge is scored on beside its models: the first ones, at most this many and at most
-# AGAINST_MODELS_TARGETS predicted targets (512 blocks of 128 tokens; one pass of three GPT-2 suite models ~12 s)
+# AGAINST_MODELS_TARGETS predicted targets (512 blocks of 128 tokens), one pass of the merge and of each model
 AGAINST_MODELS_EXAMPLES, AGAINST_MODELS_TARGETS = 2048, 65536
 
 
