@@ -33,7 +33,7 @@ import math
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,8 @@ class Checkpoint:
     state: the tensors with the model's ``state_dict()`` keys (tied entries share one tensor).
     adapter: spec + translation between ``state`` and the standard layout.
     path: the directory it was loaded from, if any.
+    stored_dtype: the floating dtype its file holds when ``state`` was converted for computing
+    (:func:`in_float32`); None: ``state``'s own.
     """
 
     kind: str
@@ -72,6 +74,7 @@ class Checkpoint:
     state: dict[str, torch.Tensor]
     adapter: Adapter
     path: Path | None = None
+    stored_dtype: torch.dtype | None = None
 
     @property
     def model_type(self) -> str:
@@ -197,6 +200,18 @@ def _read_config(path: Path) -> dict:
     return data
 
 
+def _write_safetensors(tensors: dict, file: Path) -> None:
+    """``save_file``, its I/O failures (a full disk, a quota) raised as the ``OSError`` they are
+    (safetensors reports them as ``SafetensorError("... (os error 28)")``)."""
+    try:
+        safetensors.torch.save_file(tensors, str(file), metadata={"format": "pt"})
+    except safetensors.SafetensorError as e:
+        if found := re.search(r"\(os error (\d+)\)", str(e)):
+            code = int(found.group(1))
+            raise OSError(code, os.strerror(code), str(file)) from e
+        raise
+
+
 def _read_safetensors(file: Path) -> dict:
     try:
         return safetensors.torch.load_file(str(file), device="cpu")
@@ -261,6 +276,21 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     _check_finite(state, str(weights_path))
     _alias_ties(fmt, config, state, str(weights_path))
     return Checkpoint(fmt.kind, family, config, state, fmt.adapter(config), path)
+
+
+def cast_floating(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``state`` with its floating tensors as ``dtype``; entries sharing one tensor (ties) still do."""
+    cast: dict[int, torch.Tensor] = {}
+    return {k: cast.setdefault(id(v), v.to(dtype)) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def in_float32(checkpoint: Checkpoint) -> Checkpoint:
+    """The checkpoint computing in float32 (the data's dtype: a float16, bfloat16 or float64 model evaluates,
+    aligns and merges as float32); ``stored_dtype`` remembers the file's dtype, for writing results in it."""
+    stored = _state_dtype(checkpoint.state)
+    if stored in (None, torch.float32):
+        return checkpoint
+    return replace(checkpoint, state=cast_floating(checkpoint.state, torch.float32), stored_dtype=stored)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,8 +425,7 @@ def save_checkpoint(
 
     def write(tmp: Path) -> None:
         (tmp / CONFIG_FILE).write_text(config_text)
-        tensors = _file_tensors(file_state)
-        safetensors.torch.save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        _write_safetensors(_file_tensors(file_state), tmp / WEIGHTS_FILE)
         if extra_files is not None:
             extra_files(tmp)
 

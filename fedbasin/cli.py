@@ -35,6 +35,7 @@ from fedbasin.commandline import (  # the README's exit-code table and the --hel
     HelpFormatter,
 )
 from fedbasin.data.sources import TOKENIZER_FILES, TOKENIZER_MARKERS
+from fedbasin.options import INT64
 
 # ------------------------------------------------------------------------------------------------
 # errors (exit codes: fedbasin.commandline, the table in README.md, "Command line")
@@ -113,9 +114,12 @@ class _Parser(argparse.ArgumentParser):
 
 def _integer(text: str) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -INT64 <= value < INT64:  # torch and numpy take int64 seeds and sizes
+        raise argparse.ArgumentTypeError(f"expected an integer below 2**63, got {text}")
+    return value
 
 
 def _number(text: str) -> float:
@@ -152,6 +156,9 @@ _positive_float = _bounded(_number, 0, True, "a number > 0")
 _unit_float = _bounded(_number, 0, False, "a number in [0, 1]", high=1)
 
 
+MAX_POINTS = 1001  # barrier --points: a λ step of 0.001 (each point evaluates the model on the whole split)
+
+
 def _weights(text: str) -> list[float]:
     """Comma-separated finite weights >= 0, not all zero."""
     values = []
@@ -165,6 +172,8 @@ def _weights(text: str) -> list[float]:
         values.append(value)
     if not any(values):
         raise argparse.ArgumentTypeError(f"all weights are zero in {text!r}")
+    if not math.isfinite(sum(values)):
+        raise argparse.ArgumentTypeError(f"the weights' sum overflows in {text!r}; give them on a smaller scale")
     return values
 
 
@@ -398,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", choices=["train", "test"], help="split the losses are measured on")
     p.add_argument("--max-examples", type=_nonnegative_int, default=2000, metavar="N",
                    help="evaluate on the first N examples of the split (0: all)")
-    p.add_argument("--points", type=_bounded(_integer, 2, False, "an integer >= 2"), default=11, help="λ grid size (≥ 2), λ evenly spaced in [0, 1]")
+    points = _bounded(_integer, 2, False, f"an integer from 2 to {MAX_POINTS}", high=MAX_POINTS)
+    p.add_argument("--points", type=points, default=11, help=f"λ grid size (2 to {MAX_POINTS}), λ evenly spaced in [0, 1]")
     p.add_argument("--align", action="store_true", help="align B to A first; report vanilla and aligned curves")
     p.add_argument("--plot", metavar="PNG", help="also draw the curves (vanilla, aligned) to this PNG file")
     _matching_options(p)
@@ -422,10 +432,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(path: str, role: str):
-    from fedbasin.checkpoint import load_checkpoint
+    """The checkpoint at ``path``, computing in float32 (outputs are written in its stored dtype)."""
+    from fedbasin.checkpoint import in_float32, load_checkpoint
 
     try:
-        return load_checkpoint(path)
+        return in_float32(load_checkpoint(path))
     except (OSError, ValueError, ImportError) as exc:
         raise InputError(f"{role} {path}: {exc}") from None
 
@@ -522,9 +533,11 @@ def _save(out: str, reference, standard_state: dict) -> None:
     """Write ``standard_state`` in the reference's format and family, with the tokenizer files saved beside the
     reference (a merged or aligned language model reads the same tokens), in one atomic write."""
     from fedbasin.atomic import missing_ancestors
-    from fedbasin.checkpoint import save_checkpoint
+    from fedbasin.checkpoint import cast_floating, save_checkpoint
 
     state = {k: v.cpu() for k, v in reference.adapter.from_standard(standard_state).items()}
+    if reference.stored_dtype is not None:  # computed in float32 (_load): written as the reference's file is
+        state = cast_floating(state, reference.stored_dtype)
     copy_tokenizer = _tokenizer_copier(reference.path)
     created = missing_ancestors(Path(out))
     try:
@@ -572,8 +585,20 @@ def _gains(spec, state: dict) -> dict:
     return {n.weight: state[n.weight] for n in spec.norms if n.weight}
 
 
+def _finite_or_null(value):
+    """``value`` with every NaN or infinite float as ``None``: the summary stays valid JSON (``null``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
 def _emit(summary: dict) -> int:
-    json.dump(summary, sys.stdout, indent=2)
+    """The command's summary on stdout as strict JSON (a non-finite number is ``null``)."""
+    json.dump(_finite_or_null(summary), sys.stdout, indent=2, allow_nan=False)
     sys.stdout.write("\n")
     return 0
 
@@ -1109,7 +1134,8 @@ def cmd_barrier(args) -> int:
         return task.evaluate(_Logits(build_torch_model(a, state)), split, device=device)["loss"]
 
     try:
-        curves = {"vanilla": interpolation_curve(a.state, b.state, loss_of, points=args.points)}
+        curves = {"vanilla": interpolation_curve(a.state, b.state, loss_of, points=args.points, progress=True,
+                                                 desc="vanilla path")}
         if args.align:
             match = _for_model(_match_options(args), a)
             result = weight_match(a.spec, _standard(a, device), _standard(b, device), match=match,
@@ -1118,7 +1144,8 @@ def cmd_barrier(args) -> int:
             if result.token_rows is not None:
                 summary["token_rows"] = result.token_rows
             aligned = a.adapter.from_standard({k: v.cpu() for k, v in result.state.items()})  # A's side
-            curves["aligned"] = interpolation_curve(_gauged_form(a, summary), aligned, loss_of, points=args.points)
+            curves["aligned"] = interpolation_curve(_gauged_form(a, summary), aligned, loss_of, points=args.points,
+                                                    progress=True, desc="aligned path")
     except ValueError as exc:
         raise InputError(str(exc)) from None
     summary.update(curves["aligned" if args.align else "vanilla"].to_dict())
@@ -1206,6 +1233,9 @@ _SHAPE_OPTIONS = ("dim", "depth", "heads", "mlp_dim", "patch_size", "norm", "act
 _FEDBASIN_ONLY = ("norm", "activation", "position")
 
 
+DEFAULT_BLOCK_SIZE = 64  # train --block-size on text
+
+
 def _add_train_parser(sub) -> None:
     p = sub.add_parser(
         "train", formatter_class=HelpFormatter,
@@ -1227,7 +1257,7 @@ def _add_train_parser(sub) -> None:
                    "save_pretrained: " + ", ".join(m for m in models if m.startswith(HF_PREFIX))
                    + "; the text ones need --tokenizer (default: vit for images, gpt for text)")
     _checkpoint_output_options(p, "checkpoint directory to write (config.json + model.safetensors + train.json)")
-    p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
+    p.add_argument("--seed", type=_integer, default=0, help="initialisation and batch-order seed")
     p.add_argument("--tokenizer", metavar="DIR", help="text only: a Hugging Face tokenizer directory "
                    "(needed by every hf-* text model, e.g. --model hf-gpt2 or hf-llama)")
     budget = p.add_argument_group("training budget (default: the data's recipe)")
@@ -1245,7 +1275,8 @@ def _add_train_parser(sub) -> None:
     shape.add_argument("--mlp-dim", type=_positive_int, help="MLP hidden units")
     shape.add_argument("--patch-size", type=_positive_int, help="images: patch side in pixels (default: 2 for "
                        "digits, 4 for cifar10)")
-    shape.add_argument("--block-size", type=_positive_int, default=64, help="text: tokens per example (context)")
+    shape.add_argument("--block-size", type=_positive_int, help=f"text: tokens per example (context; default "
+                       f"{DEFAULT_BLOCK_SIZE})")
     shape.add_argument("--norm", choices=["layernorm", "rmsnorm"], help="fedbasin models: norm (default: layernorm)")
     shape.add_argument("--activation", choices=["gelu", "relu", "swiglu"],
                        help="fedbasin models: MLP activation (default: gelu)")
@@ -1346,23 +1377,37 @@ def cmd_train(args) -> int:
     kind = args.data.partition(":")[0]
     recipe = RECIPES.get(kind, RECIPES["digits"])  # an unknown source fails in load_task just below
     max_train = recipe["max_train_examples"] if args.max_train_examples is None else args.max_train_examples
+    if kind != "text" and args.block_size is not None:
+        raise UsageError(f"--block-size applies to text data only, not --data {args.data}")
     task = _load_data(args.data, args.tokenizer, max_train_examples=max_train,
-                     **({"block_size": args.block_size} if kind == "text" else {}))
+                     **({"block_size": args.block_size or DEFAULT_BLOCK_SIZE} if kind == "text" else {}))
     module, fmt, config = _new_model(args, task, recipe)
     epochs, lr, batch_size = (recipe[k] if getattr(args, k) is None else getattr(args, k)
                               for k in ("epochs", "lr", "batch_size"))
     print(f"fedbasin train: {args.model or task.family} on {task.name} ({len(task.train)} examples, "
           f"{epochs} epochs, seed {args.seed}, {device})", file=sys.stderr)
+
+    def diverged(why: str) -> int:
+        print(f"fedbasin train: training diverged ({why}, {epochs} epochs at lr {lr}); nothing was written to "
+              f"{out}: try a lower --lr", file=sys.stderr)
+        return EXIT_FAILED
+
     t0 = time.perf_counter()
-    stats = train(module, task.train, epochs=epochs, lr=lr, batch_size=batch_size, device=device,
-                  seed=args.seed, weight_decay=args.weight_decay, progress=True)  # Ctrl-C: nothing written
+    try:
+        stats = train(module, task.train, epochs=epochs, lr=lr, batch_size=batch_size, device=device,
+                      seed=args.seed, weight_decay=args.weight_decay, progress=True)  # Ctrl-C: nothing written
+    except RuntimeError as exc:  # an optimiser step beyond float32 ("cannot be converted ... without overflow")
+        if "overflow" not in str(exc):
+            raise
+        close_open_bars()
+        return diverged("an optimiser step overflowed float32")
     seconds = time.perf_counter() - t0
     model = module.model if isinstance(module, _Logits) else module
-    if diverged := [k for k, v in model.state_dict().items() if v.is_floating_point() and not bool(v.isfinite().all())]:
-        print(f"fedbasin train: training diverged ({diverged[0]} holds NaN or infinite values after {epochs} epochs at "
-              f"lr {lr}); nothing was written to {out}: try a lower --lr", file=sys.stderr)
-        return EXIT_FAILED
+    if bad := [k for k, v in model.state_dict().items() if v.is_floating_point() and not bool(v.isfinite().all())]:
+        return diverged(f"{bad[0]} holds NaN or infinite values")
     test = task.evaluate(module, "test", device=device)
+    if not math.isfinite(test["loss"]):
+        return diverged(f"the test loss is {test['loss']}")
     summary = {"command": "train", "out": str(out), "data": args.data, "model": args.model or task.family,
                "kind": fmt.kind, "family": fmt.family, "seed": args.seed, "epochs": epochs, "lr": lr,
                "batch_size": batch_size, "train_examples": len(task.train), **stats,
@@ -1444,6 +1489,9 @@ def main(argv=None) -> int:
         print(f"{prog}: out of GPU memory ({_one_line(exc)[:160]}); nothing was written; try --device cpu",
               file=sys.stderr)
         return EXIT_FAILED
+    except MemoryError:  # (torch's CPU allocator raises RuntimeError "can't allocate memory": below)
+        print(f"{prog}: out of memory; nothing was written", file=sys.stderr)
+        return EXIT_FAILED
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
             print(f"{prog}: {exc.filename or 'output'}: {exc.strerror}", file=sys.stderr)
@@ -1453,6 +1501,11 @@ def main(argv=None) -> int:
     except Exception as exc:  # a bug: one line unless asked for the traceback
         if os.environ.get("FEDBASIN_DEBUG"):
             raise
+        if isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc):  # too large for this machine
+            wanted = re.search(r"allocate (\d+) bytes", str(exc))
+            size = f" ({int(wanted.group(1)) / 2**30:,.1f} GiB in one allocation)" if wanted else ""
+            print(f"{prog}: out of memory{size}; nothing was written", file=sys.stderr)
+            return EXIT_FAILED
         print(f"{prog}: internal error: {type(exc).__name__}: {_one_line(exc)} "
               "(rerun with FEDBASIN_DEBUG=1 for the traceback and please report it)", file=sys.stderr)
         return EXIT_INTERNAL

@@ -27,6 +27,8 @@ from typing import Any
 
 AUTO = "auto"
 CLI, RUN = "cli", "run"  # the surfaces an option appears on
+INT64 = 2**63  # integers are int64 to torch and numpy: larger ones are refused, not overflowed
+MAX_BUDGET = 1e7  # seconds (about 116 days): a budget beyond it is a typo, and its step count would overflow
 PYTHON = "python"  # the Python API's option objects (every option; named by class and field in messages)
 
 
@@ -94,12 +96,12 @@ class RefineOptions:
     PREFIX = "refine-"
     budget: float = option(120.0, "seconds the refinement may take (start, labelling, steps and keep-best "
                            "checks; in Flower, per round); the steps follow from timing the first ones (a GPU buys "
-                           "more in the same time); 0 with steps auto: no refinement", low=0, metavar="SECONDS")
+                           "more in the same time); 0 with steps auto: no refinement", low=0, high=MAX_BUDGET, metavar="SECONDS")
     steps: int | str = option(AUTO, "optimiser steps (auto: as many as the budget allows; 0: no refinement)", low=0,
                               auto=True)
     examples: int | str = option(AUTO, "proxy examples taken from the data's training split (by default 60%% "
-                                 "train the maps, 20%% select the alignment kept, 20%% only report its loss)",
-                                 low=1, auto=True, surfaces=(CLI,))
+                                 "train the maps, 20%% select the alignment kept, 20%% only report its loss; at least 2: "
+                                 "one trains, one selects)", low=2, auto=True, surfaces=(CLI,))
     selection_fraction: float = option(0.2, "share of the proxy examples keep-best scores (exactly) to choose the "
                                        "alignment kept; must be > 0", low=0, high=1.0, surfaces=(CLI,), metavar="F")
     evaluation_fraction: float | str = option(AUTO, "share of the proxy examples whose loss is only reported; 0: "
@@ -165,7 +167,7 @@ class DistillOptions:
                               low=0, auto=True)
     budget: float = option(120.0, "with distill-steps auto: seconds one distillation may take (per round in Flower; "
                            "caching the models' outputs, the steps and keep-best checks); the steps follow from timing "
-                           "one step before the first; 0: no distillation", low=0, metavar="SECONDS")
+                           "one step before the first; 0: no distillation", low=0, high=MAX_BUDGET, metavar="SECONDS")
     lr: float | str = option(AUTO, "Adam learning rate of the student; auto: for image classifiers sized by the "
                              "run's steps (0.0005 up to 250, rising to 0.002 at 1500 and beyond), 0.001 for language "
                              "models (0.0001 in fedbasin merge of subword LMs)", low=0, open_low=True, auto=True)
@@ -287,6 +289,8 @@ def value_problem(opt: Option, value, surface: str = CLI) -> str | None:
         return None
     if not math.isfinite(value):
         return "must be finite"
+    if isinstance(value, int) and not -INT64 <= value < INT64:  # torch's and numpy's seeds and counts
+        return "must be below 2**63"
     if opt.low is not None and (value < opt.low or (opt.open_low and value == opt.low)):
         return f"must be {'greater than' if opt.open_low else 'at least'} {opt.low}"
     if opt.high is not None and (value > opt.high or (opt.open_high and value == opt.high)):
@@ -314,13 +318,17 @@ def render(name: str, value, surface: str) -> str:
     return f"--{name} {value}" if surface == CLI else f"run-config {name}={value!r}"
 
 
-def _name(cls, f: dataclasses.Field, surface: str) -> str:
-    return f"{cls.__name__}.{f.name}" if surface == PYTHON else key(cls, f)
+def _name(cls, f: dataclasses.Field, surface: str, names: Mapping[str, str] | None = None) -> str:
+    if surface != PYTHON:
+        return key(cls, f)
+    return (names or {}).get(f.name, f"{cls.__name__}.{f.name}")
 
 
-def problems(options: Iterable, surface: str, data: str | None = None, combinations: bool = True) -> list[str]:
+def problems(options: Iterable, surface: str, data: str | None = None, combinations: bool = True,
+             names: Mapping[str, str] | None = None) -> list[str]:
     """One line per refused value or (with ``combinations``) combination of the option objects ``options``
-    (any of the groups), as ``surface`` names them; ``data``: the refinement data spec when known (text rules)."""
+    (any of the groups), as ``surface`` names them; ``data``: the refinement data spec when known (text rules);
+    ``names``: the Python API's own names of fields (a function's keywords, ``{"align_iterations": "iterations"}``)."""
     by_type = {type(o): o for o in options}
     found, typed = [], True
     for cls, obj in by_type.items():
@@ -330,29 +338,29 @@ def problems(options: Iterable, surface: str, data: str | None = None, combinati
             typed = typed and wrong_type is None
             if (why := wrong_type or value_problem(opt, value, surface)) is not None:
                 separator = ("; " if why.startswith("expected") else " ") if surface == RUN else ": "
-                found.append(f"{render(_name(cls, f, surface), value, surface)}{separator}{why}")
+                found.append(f"{render(_name(cls, f, surface, names), value, surface)}{separator}{why}")
     refine, match = by_type.get(RefineOptions), by_type.get(MatchOptions)
     if refine is not None and typed:  # (the rules read well-typed values; a rule of one option is its value's)
-        found += [_joined(keys, refine, match, surface, why) for keys, why in _refine_rules(refine, match, data)
+        found += [_joined(keys, refine, match, surface, why, names) for keys, why in _refine_rules(refine, match, data)
                   if combinations or len(keys) == 1]
     return found
 
 
-def checked(*options, combinations: bool = True) -> None:
+def checked(*options, combinations: bool = True, names: Mapping[str, str] | None = None) -> None:
     """The Python API's check of option objects (any of the groups): ``ValueError`` naming the first
     refused value or (with ``combinations``) combination, as :func:`problems` finds them for the command line
-    and the run config."""
-    if found := problems(options, PYTHON, combinations=combinations):
+    and the run config (``names``: fields a function takes as keywords of other names)."""
+    if found := problems(options, PYTHON, combinations=combinations, names=names):
         raise ValueError(found[0])
 
 
-def _joined(keys, refine, match, surface, why) -> str:
+def _joined(keys, refine, match, surface, why, names=None) -> str:
     def rendered(name):
         for obj in (refine, match):
             if obj is not None:
                 for k, f, _ in schema_fields(type(obj)):
                     if k == name:
-                        return render(_name(type(obj), f, surface), getattr(obj, f.name), surface)
+                        return render(_name(type(obj), f, surface, names), getattr(obj, f.name), surface)
         return render(name, None, surface)
 
     return " ".join(rendered(k) for k in keys) + (" " if surface == RUN else ": ") + why

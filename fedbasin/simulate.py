@@ -136,7 +136,8 @@ _RUN_CONFIG_ITEM = re.compile(r"""([^\s=]+)=('[^']*'|"[^"]*"|\[[^\]]*\]|\S+)(?=\
 def parse_run_config(text: str) -> dict:
     """``"k=v k=v"`` → dict, as ``flwr run --run-config`` reads it: whitespace-separated items whose
     values are TOML (``5``, ``0.1``, ``true``, ``'text'``, ``"a b"``, ``[1, 2]``), so a quoted value is
-    a string (``rounds='3'`` is the text "3"); a bare value that is not TOML is taken as a string."""
+    a string (``rounds='3'`` is the text "3"); a bare value that is not TOML is taken as a string.
+    A key given twice is refused (``flwr run`` would keep the last without a word)."""
     config, position = {}, 0
     while position < len(text):
         if text[position].isspace():
@@ -146,6 +147,8 @@ def parse_run_config(text: str) -> dict:
         if item is None:
             raise ValueError(f"run-config item {text[position:].split()[0]!r} is not KEY=VALUE")
         key, value = item.groups()
+        if key in config:
+            raise ValueError(f"run-config {key} given twice; give it once")
         try:
             config[key] = tomllib.loads(f"value = {value}")["value"]
         except tomllib.TOMLDecodeError:
@@ -283,9 +286,9 @@ class RunFailed(RuntimeError):
     """The run started but did not end as ``finished:completed`` (exit code 1)."""
 
 
-class DataMissing(FileNotFoundError):
-    """An input the run config names (data, hf-pretrained, an hf-config file) cannot be found
-    (exit code 3)."""
+class InputUnusable(FileNotFoundError):
+    """An input the run config names (data, hf-pretrained, an hf-config file) cannot be found or
+    read (exit code 3)."""
 
 
 def _check_out_dir(config: dict) -> Path:
@@ -371,12 +374,12 @@ def simulate(config: dict, num_supernodes: int = DEFAULT_SUPERNODES, verbose: bo
         )
     try:
         task = task_from_config(config)
-    except FileNotFoundError as error:
-        raise DataMissing(f"run-config data={config['data']!r}: {_one_line(error)}") from None
+    except (OSError, ValueError, RuntimeError) as error:  # missing, unreadable, not UTF-8, too few examples
+        raise InputUnusable(f"run-config data={config['data']!r}: {_one_line(error)}") from None
     try:
         model_from_config(task, config, seed=config["seed"])
     except FileNotFoundError as error:  # hf-pretrained / hf-config naming no file: an input is missing
-        raise DataMissing(_one_line(error)) from None
+        raise InputUnusable(_one_line(error)) from None
     project = project or project_dir()
     out = _check_out_dir(config)
     run_config = " ".join(f"{k}={toml_value(v)}" for k, v in {**config, "out-dir": str(out)}.items())
@@ -457,7 +460,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OUTPUT
     except (UnusableModelError, RunFailed, OSError) as error:  # OSError: e.g. flwr not installed
         print(f"fedbasin simulate: {_one_line(error)}", file=sys.stderr)
-        return EXIT_INPUT if isinstance(error, DataMissing) else EXIT_FAILED
+        return EXIT_INPUT if isinstance(error, InputUnusable) else EXIT_FAILED
     except (ValueError, RuntimeError) as error:
         for line in str(error).splitlines():  # a refused run config: one line per key at fault
             print(f"fedbasin simulate: {line}", file=sys.stderr)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors
 import safetensors.torch
 import torch
 
@@ -168,6 +169,102 @@ def test_options_at_their_defaults_or_enabled_are_accepted(models, tmp_path, cap
     capsys.readouterr()
 
 
+@pytest.mark.parametrize("argv, culprits", [
+    (["align", "--refine-data", "digits", "--refine-seed", str(2**70)], ["--refine-seed", "below 2**63"]),
+    (["align", "--refine-data", "digits", "--refine-budget", "1e308"], ["--refine-budget", "at most"]),
+    (["merge", "--refine-data", "digits", "--distill-budget", "1e12"], ["--distill-budget", "at most"]),
+    (["align", "--refine-data", "digits", "--refine-examples", "1"], ["--refine-examples", "at least 2"]),
+    (["align", "--iterations", str(2**63)], ["--iterations", "below 2**63"]),
+    (["merge", "--weights=1e308,1e308"], ["--weights", "sum overflows"]),
+])
+def test_huge_or_too_small_numbers_are_refused_naming_the_option(models, tmp_path, capsys, argv, culprits):
+    """Values beyond what the work can take (an int64 seed, a budget whose step count overflows, a
+    proxy too small to split, weights whose sum is infinite) are usage errors naming the option, not
+    internal errors (exit 70) or late input errors."""
+    command, *options = argv
+    _usage_fails(capsys, tmp_path, [command, models["a"], models["b"], "--out", tmp_path / "o", *options], *culprits)
+
+
+def test_the_smallest_proxy_refines(models, tmp_path, capsys):
+    """Two proxy examples: one trains, one selects, none is left to report on (was a ZeroDivisionError)."""
+    assert main(["align", models["a"], models["b"], "--out", str(tmp_path / "o"), "--refine-data", "digits",
+                 "--refine-examples", "2", "--refine-steps", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["refinement"]["proxy_examples"] == 2
+
+
+def test_barrier_points_are_bounded_and_shown(models, tmp_path, capsys):
+    """--points has an upper bound (1e20 points allocated 4 GB before failing), and each path's points
+    draw a progress bar."""
+    _usage_fails(capsys, tmp_path, ["barrier", models["a"], models["b"], "--data", "digits", "--points", "1002"],
+                 "--points", "from 2 to 1001")
+    assert main(["barrier", models["a"], models["b"], "--data", "digits", "--max-examples", "20", "--points", "3",
+                 "--align"]) == 0
+    err = capsys.readouterr().err
+    assert "vanilla path" in err and "aligned path" in err
+
+
+def test_summaries_are_strict_json(capsys):
+    """A non-finite number in a summary is JSON null (bare NaN is not JSON; other tools refuse it)."""
+    assert cli._emit({"loss": float("nan"), "curve": [1.0, float("inf")], "nested": {"x": -float("inf")}}) == 0
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    assert json.loads(capsys.readouterr().out, parse_constant=refuse) == {
+        "loss": None, "curve": [1.0, None], "nested": {"x": None}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_checkpoints_of_other_float_dtypes_evaluate_merge_and_keep_their_dtype(models, tmp_path, capsys, dtype):
+    """A float16 or float64 checkpoint (align writes them) evaluates, interpolates and refines as float32
+    (was an internal error on the dtype of the inputs), and what is written keeps the reference's dtype."""
+    from fedbasin.checkpoint import load_checkpoint
+
+    def stored_as(name, source):
+        checkpoint = load_checkpoint(source)
+        state = {k: v.to(dtype) for k, v in checkpoint.state.items()}
+        return str(save_checkpoint(tmp_path / name, "vit", checkpoint.config, state))
+
+    a, b = stored_as("a", models["a"]), stored_as("b", models["b"])
+
+    def run(*argv):
+        assert main([str(x) for x in argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    ours, reference = run("eval", a, "--data", "digits"), run("eval", models["a"], "--data", "digits")
+    assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-2)  # the same model, rounded to the dtype
+    assert run("eval", a, b, "--data", "digits")["examples"] == reference["examples"]
+    assert run("barrier", a, b, "--data", "digits", "--max-examples", "20", "--points", "3")["barrier"] >= 0
+    run("align", a, b, "--out", tmp_path / "aligned", "--refine-data", "digits", "--refine-steps", "2")
+    run("merge", a, b, "--out", tmp_path / "merged")
+    for written in ("aligned", "merged"):
+        assert {v.dtype for v in load_checkpoint(tmp_path / written).state.values()} == {dtype}
+
+
+def test_diverged_or_too_large_training_writes_nothing(tmp_path, capsys):
+    """A learning rate whose optimiser step overflows float32 (was an internal error), or whose model
+    gives a NaN test loss from finite weights (was saved with exit 0), and a model too large for memory:
+    exit 1 in one line, nothing written."""
+    out = tmp_path / "model"
+
+    def fails_after_starting(*argv):  # train says what it trains first, then the error (its last line)
+        assert main(["train", "--data", "digits", "--out", str(out), *argv]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == "" and "Traceback" not in captured.err and not out.exists()
+        return _error_lines(captured.err)[-1]
+
+    for lr, why in (("1e300", "an optimiser step overflowed float32"), ("1e30", "the test loss is nan")):
+        line = fails_after_starting("--epochs", "1", "--max-train-examples", "64", "--lr", lr)
+        assert "training diverged" in line and why in line and "--lr" in line, line
+    line = fails_after_starting("--mlp-dim", "99999999999")
+    assert line.startswith("fedbasin train: out of memory (") and "GiB" in line, line
+    _usage_fails(capsys, tmp_path, ["train", "--data", "digits", "--out", out, "--seed", str(2**64)],
+                 "--seed", "below 2**63")
+    _fails(capsys, tmp_path, EXIT_USAGE, ["train", "--data", "digits", "--out", out, "--block-size", "8"],
+           "--block-size applies to text data only")
+
+
 def test_weight_count_must_match_the_models(models, tmp_path, capsys):
     _fails(capsys, tmp_path, EXIT_USAGE, ["merge", models["a"], models["b"], "--out", tmp_path / "m",
                                           "--weights", "1,2,3"], "--weights has 3 values for 2 models")
@@ -229,7 +326,8 @@ def _edited_copy(models, name: str, config: dict | None = None, tensors: dict | 
 
 @pytest.mark.parametrize("name, config, tensor, words", [
     ("integer", None, torch.zeros(32, dtype=torch.int64), ("blocks.0.mlp.up.bias", "dtype int64", "floating point")),
-    ("negative", {"dim": -16}, None, ("config.json", "invalid vit config", "negative dimension")),
+    ("negative", {"dim": -16}, None, ("config.json", "invalid vit config", "dim is -16; expected a positive integer")),
+    ("no heads", {"heads": 0}, None, ("config.json", "heads is 0; expected a positive integer")),  # was ZeroDivisionError
     ("typed", {"depth": "one"}, None, ("config.json", "depth is 'one'; expected int")),
 ])
 def test_a_malformed_config_or_tensor_is_refused_at_load(models, tmp_path, capsys, name, config, tensor, words):
@@ -358,15 +456,20 @@ def test_a_plot_format_matplotlib_cannot_write_is_refused_before_any_work(models
 
 
 @pytest.mark.parametrize("existing", [False, True])
-def test_disk_full_at_write_time_leaves_nothing(models, tmp_path, capsys, monkeypatch, existing):
+@pytest.mark.parametrize("raised", ["OSError", "SafetensorError"])
+def test_disk_full_at_write_time_leaves_nothing(models, tmp_path, capsys, monkeypatch, existing, raised):
     """ENOSPC while writing the weights: one line, exit 4, no partial or temporary files, and an
-    existing checkpoint at --out (and created parent directories) untouched/removed."""
+    existing checkpoint at --out (and created parent directories) untouched/removed. safetensors
+    itself reports a full disk as ``SafetensorError("... (os error 28)")`` (seen on a full tmpfs)."""
     target = tmp_path / "deep" / "er" / "merged"
     if existing:
         _save_vit(target, 7)
 
     def full(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"\0" * 100)  # a partial file, then the disk is full
+        if raised == "SafetensorError":
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device "
+                                              "(os error 28)")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
@@ -591,6 +694,21 @@ def test_simulate_refuses_an_unusable_out_dir_with_exit_4(tmp_path, capsys, monk
 def test_simulate_missing_data_is_bad_input(tmp_path, capsys):
     _fails(capsys, tmp_path, EXIT_INPUT, ["simulate", "--out", tmp_path / "run", "--run-config",
                                           f"data='text:{tmp_path / 'nowhere.txt'}'"], "nowhere.txt")
+
+
+def test_simulate_unreadable_data_is_bad_input_naming_the_key(tmp_path, capsys):
+    """A data file that exists but cannot be read as text is an input error (3) naming the run-config key
+    (was a usage error without the key)."""
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"caf\xe9 \xff\xfe")
+    _fails(capsys, tmp_path, EXIT_INPUT, ["simulate", "--out", tmp_path / "run", "--run-config",
+                                          f"data='text:{latin}'"], "run-config data=", "not UTF-8")
+
+
+def test_simulate_refuses_a_run_config_key_given_twice(tmp_path, capsys):
+    """flwr would keep the last of two values without a word."""
+    _fails(capsys, tmp_path, EXIT_USAGE, ["simulate", "--out", tmp_path / "run", "--run-config", "seed=1 seed=2"],
+           "run-config seed given twice")
 
 
 @pytest.mark.parametrize("command", ["align", "merge", "train"])

@@ -95,12 +95,19 @@ def test_server_side_refinement_output_is_what_gets_averaged():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(mode="rotation"), "symmetry mode must be one of"),
-    (dict(iterations=0), "iterations must be an integer >= 1, got 0"),
-    (dict(iterations=2.5), "iterations must be an integer >= 1, got 2.5"),
-    (dict(universe_iterations=0), "universe_iterations must be an integer >= 1, got 0"),
-    (dict(tol=-1e-3), "tol must be a finite number >= 0, got -0.001"),
-    (dict(tol=math.nan), "tol must be a finite number >= 0, got nan"),
+    # the plain keywords are checked by the schema's rules too, named as the keyword
+    (dict(mode="rotation"), r"^mode='rotation': expected one of orthogonal \| permutation$"),
+    (dict(iterations=0), r"^iterations=0: must be at least 1$"),
+    (dict(iterations=2.5), r"^iterations=2.5: expected an integer, got float$"),
+    (dict(universe_iterations=0), r"^universe_iterations=0: must be at least 1$"),
+    (dict(tol=-1e-3), r"^tol=-0.001: must be at least 0$"),
+    (dict(tol=math.nan), r"^tol=nan: must be finite$"),
+    (dict(aggregator="mode"), r"^aggregator='mode': expected one of mean \| trimmed-mean \| median$"),
+    (dict(trim_fraction=0.5), r"^trim_fraction=0.5: must be below 0.5$"),
+    (dict(max_abs_weight=0), r"^max_abs_weight=0: must be greater than 0$"),
+    (dict(clip_ratio=-1.0), r"^clip_ratio=-1.0: must be at least 0$"),
+    (dict(outlier_threshold=math.inf), r"^outlier_threshold=inf: must be finite$"),
+    (dict(max_num_examples=2.5), r"^max_num_examples=2.5: expected an integer, got float$"),
     (dict(refine="learned"), "refine must be callable"),
     (dict(distill="feddf"), "distill must be callable"),
     (dict(refine=lambda *a, **k: None, alignment=False), "refine needs alignment"),
@@ -112,3 +119,10 @@ def test_server_side_refinement_output_is_what_gets_averaged():
 def test_bad_strategy_arguments_raise_clear_errors(options, message):
     with pytest.raises(ValueError, match=message):
         AlignedFedAvg(spec_of("vit", VIT), **options)
+
+
+def test_a_count_written_as_a_float_is_still_a_count():
+    """max_num_examples is documented as a number: 1e6 (a float) keeps working as the cap 1,000,000."""
+    strategy = AlignedFedAvg(spec_of("vit", VIT), max_num_examples=1e6, iterations=3, tol=0)
+    assert strategy.max_num_examples == 1_000_000 and isinstance(strategy.max_num_examples, int)
+    assert strategy.iterations == 3 and strategy.tol == 0

@@ -184,7 +184,7 @@ def test_diverged_training_writes_nothing(tmp_path, capsys):
     """Weights that diverged (NaN) are not saved as a checkpoint: exit 1, one line naming the tensor."""
     assert main(["train", "--data", "digits", "--out", str(tmp_path / "x"), *TINY, "--lr", "1e30"]) == 1
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.search(r"training diverged \(\S+ holds NaN or infinite values .*nothing was written", line)
+    assert re.search(r"training diverged \(\S+ holds NaN or infinite values, .*nothing was written", line)
     assert not (tmp_path / "x").exists()
 
 

@@ -55,9 +55,17 @@ def loss_barrier(lambdas: list[float], losses: list[float]) -> tuple[float, floa
 
 
 @torch.no_grad()
-def interpolation_curve(a: dict, b: dict, loss_fn: Callable[[dict], float], points: int = 11) -> Curve:
-    """Evaluate ``loss_fn`` (state dict → loss) along the path from ``b`` (λ=0) to ``a`` (λ=1)."""
+def interpolation_curve(a: dict, b: dict, loss_fn: Callable[[dict], float], points: int = 11,
+                        progress: bool = False, desc: str = "interpolating") -> Curve:
+    """Evaluate ``loss_fn`` (state dict → loss) along the path from ``b`` (λ=0) to ``a`` (λ=1)
+    (``progress``: a bar over the points, named ``desc``)."""
+    from .progress import progress_bar
+
     lambdas = lambda_grid(points)
-    losses = [float(loss_fn(interpolate(a, b, lam))) for lam in lambdas]
+    losses = []
+    with progress_bar(len(lambdas), progress, desc, "point") as bar:
+        for lam in lambdas:
+            losses.append(float(loss_fn(interpolate(a, b, lam))))
+            bar.update()
     barrier, argmax = loss_barrier(lambdas, losses)
     return Curve(lambdas, losses, barrier, argmax)

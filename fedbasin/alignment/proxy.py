@@ -108,14 +108,14 @@ def split_share_problem(selection_fraction: float, evaluation_fraction: float) -
 def proxy_streams(proxy, batch_size: int, seed: int = 0, selection_fraction: float = 0.2,
                   evaluation_fraction: float = 0.2, eval_batch_size: int = 256) -> ProxyStreams:
     """Split ``proxy`` (a :class:`fedbasin.data.Split`) into training / selection / evaluation parts
-    (evaluation may be 0: then ``evaluation`` is None); the training part as a
-    :class:`TrainingStream`."""
+    (evaluation may be 0, or leave no example to train on: then ``evaluation`` is None); the training
+    part as a :class:`TrainingStream`."""
     if problem := split_share_problem(selection_fraction, evaluation_fraction):
         raise ValueError(f"proxy split shares selection {selection_fraction!r}, evaluation {evaluation_fraction!r}: "
                          f"{problem}")
     rest, selection = proxy.split(selection_fraction, seed=seed)
     evaluation = None
-    if evaluation_fraction > 0:
+    if evaluation_fraction > 0 and len(rest) > 1:
         share = evaluation_fraction / (1.0 - selection_fraction)
         rest, evaluation = rest.split(share, seed=seed + 1)
         evaluation = list(evaluation.batches(eval_batch_size))

@@ -60,6 +60,8 @@ class NativeFamily:
             value = values[f.name]
             if not (type(value) is kind or (kind is float and type(value) is int)):
                 raise ValueError(f"{self.name} config field {f.name} is {value!r}; expected {kind.__name__}")
+            if kind is int and value < 1:  # every integer field is a size or a count
+                raise ValueError(f"{self.name} config field {f.name} is {value}; expected a positive integer")
         return self.config(**values)
 
     def build(self, config, seed: int = 0) -> nn.Module:

@@ -38,10 +38,9 @@ from fedbasin.alignment import (
     refined_merge,
     shares_basis,
 )
-from fedbasin.options import AUTO, MatchOptions, RobustOptions, checked, run_config_choices
+from fedbasin.options import AUTO, MatchOptions, RobustOptions, checked
 from fedbasin.scratch import arrays_on_disk
 from fedbasin.strategies.robust import (
-    AGGREGATORS,
     SPLIT_RATIO,
     aggregate,
     capped_counts,
@@ -52,9 +51,6 @@ from fedbasin.strategies.robust import (
     proxy_outliers,
 )
 
-MODES = ("orthogonal", "permutation")
-# what a round whose clients share the broadcast's basis gets: the schema's choices (MatchOptions.already_aligned)
-ALREADY_ALIGNED = run_config_choices()["already-aligned"]
 
 
 class ReplyError(ValueError):
@@ -210,7 +206,6 @@ class AlignedFedAvg(FedAvg):
         **kwargs,
     ) -> None:
         checked(*(group for group in (match, robust) if group is not None))
-        head_weight = AUTO  # the measured best for what the model is, set by weight_match
         given = locals()  # a keyword set away from its default must not be overridden unseen by an option object
         for group, names in ((match, _MATCH_KEYWORDS), (robust, _ROBUST_KEYWORDS)):
             if group is None:
@@ -221,13 +216,21 @@ class AlignedFedAvg(FedAvg):
                     raise ValueError(f"{keyword}={value!r} contradicts {type(group).__name__}({field_name}="
                                      f"{getattr(group, field_name)!r}); pass the setting once, as a keyword or "
                                      "in the option object")
-        if match is not None:  # the schema's option objects (fedbasin.options) replace the keywords they hold
-            mode, iterations, tol, universe_iterations, already_aligned = (
-                getattr(match, field_name) for field_name in _MATCH_KEYWORDS.values())
-            head_weight = match.head_weight if match.head_weight == AUTO else float(match.head_weight)
-        if robust is not None:
-            (max_abs_weight, max_num_examples, max_examples_ratio, outlier_threshold, proxy_screening, clip_ratio,
-             aggregator, trim_fraction) = (getattr(robust, field_name) for field_name in _ROBUST_KEYWORDS.values())
+        # the plain keywords are the same options: as option objects, checked by the schema's rules (one place)
+        keywords = {name: given[name] for name in (*_MATCH_KEYWORDS, *_ROBUST_KEYWORDS)}
+        if isinstance(count := keywords["max_num_examples"], float) and count.is_integer():
+            keywords["max_num_examples"] = int(count)  # (documented as a number: 1e6 is a count)
+        if match is None:
+            match = MatchOptions(**{f: keywords[k] for k, f in _MATCH_KEYWORDS.items()})
+            checked(match, names={f: k for k, f in _MATCH_KEYWORDS.items()})
+        if robust is None:
+            robust = RobustOptions(**{f: keywords[k] for k, f in _ROBUST_KEYWORDS.items()})
+            checked(robust, names={f: k for k, f in _ROBUST_KEYWORDS.items()})
+        mode, iterations, tol, universe_iterations, already_aligned = (
+            getattr(match, field_name) for field_name in _MATCH_KEYWORDS.values())
+        head_weight = match.head_weight if match.head_weight == AUTO else float(match.head_weight)
+        (max_abs_weight, max_num_examples, max_examples_ratio, outlier_threshold, proxy_screening, clip_ratio,
+         aggregator, trim_fraction) = (getattr(robust, field_name) for field_name in _ROBUST_KEYWORDS.values())
         kwargs.setdefault("train_metrics_aggr_fn", weighted_metric_mean)
         kwargs.setdefault("evaluate_metrics_aggr_fn", weighted_metric_mean)
         super().__init__(**kwargs)
@@ -235,42 +238,20 @@ class AlignedFedAvg(FedAvg):
             self.device = None if device is None else torch.device(device)
         except (RuntimeError, TypeError):
             raise ValueError(f"device must be a torch device such as cpu, cuda or cuda:N, got {device!r}") from None
-        if mode not in MODES:
-            raise ValueError(f"symmetry mode must be one of {MODES}, got {mode!r}")
-        if already_aligned not in ALREADY_ALIGNED:
-            raise ValueError(f"already_aligned must be one of {ALREADY_ALIGNED}, got {already_aligned!r}")
         if spec.tied and alignment:
             log(WARNING, "%s: alignment unties %s (the final norm's gain is folded into the head, "
                 "which an orthogonal residual map cannot keep equal to the embedding); from round 2 "
                 "the global model carries both tensors, so clients must build untied models "
                 "(tie_word_embeddings=False / tie_embeddings=False) - replies from tied models "
                 "are excluded", spec.name, ", ".join(f"{b} = {a}" for a, b in spec.tied))
-        for name, value in (("iterations", iterations), ("universe_iterations", universe_iterations)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol >= 0):
-            raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
         if refine is not None and not callable(refine):
             raise ValueError(f"refine must be callable (e.g. a partial of learned_refine), got {refine!r}")
         if refine is not None and not alignment:
             raise ValueError("refine needs alignment: plain FedAvg (alignment=False) would ignore it")
         if distill is not None and not callable(distill):
             raise ValueError(f"distill must be callable, got {distill!r}")
-        if aggregator not in AGGREGATORS:
-            raise ValueError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
-        if not 0 <= trim_fraction < 0.5:
-            raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
-        for name, value in (("max_abs_weight", max_abs_weight),
-                            ("max_num_examples", max_num_examples),
-                            ("max_examples_ratio", max_examples_ratio),
-                            ("outlier_threshold", outlier_threshold), ("clip_ratio", clip_ratio),
-                            ("proxy_screening", proxy_screening)):
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if proxy_screening > 0 and not callable(proxy_loss):
             raise ValueError("proxy_screening needs proxy_loss (a model's loss on the server's proxy split)")
-        if max_abs_weight <= 0:
-            raise ValueError(f"max_abs_weight must be positive, got {max_abs_weight}")
         self.spec = spec
         self.alignment = alignment
         self.mode = mode
