@@ -35,7 +35,7 @@ from fedbasin.commandline import (  # the README's exit-code table and the --hel
     HelpFormatter,
 )
 from fedbasin.data.sources import TOKENIZER_FILES, TOKENIZER_MARKERS
-from fedbasin.options import INT64
+from fedbasin.options import int64_problem
 
 # ------------------------------------------------------------------------------------------------
 # errors (exit codes: fedbasin.commandline, the table in README.md, "Command line")
@@ -117,8 +117,8 @@ def _integer(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not -INT64 <= value < INT64:  # torch and numpy take int64 seeds and sizes
-        raise argparse.ArgumentTypeError(f"expected an integer below 2**63, got {text}")
+    if why := int64_problem(value):
+        raise argparse.ArgumentTypeError(f"{why}, got {text}")
     return value
 
 
@@ -1457,6 +1457,15 @@ def cmd_eval(args) -> int:
                   "seconds": round(time.perf_counter() - t0, 3)})
 
 
+def _out_of_memory(exc: Exception) -> str | None:
+    """For a failed CPU allocation (``MemoryError``, or torch's ``RuntimeError`` "can't allocate memory"): the size
+    asked for, as " (N GiB in one allocation)" when torch names it, else ""; None for any other error."""
+    if not (isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))):
+        return None
+    wanted = re.search(r"allocate (\d+) bytes", str(exc))
+    return f" ({int(wanted.group(1)) / 2**30:,.1f} GiB in one allocation)" if wanted else ""
+
+
 def main(argv=None) -> int:
     """Run one command; every error is one line on stderr and an exit code (see ``EXIT_*``)."""
     parser = build_parser()
@@ -1489,9 +1498,6 @@ def main(argv=None) -> int:
         print(f"{prog}: out of GPU memory ({_one_line(exc)[:160]}); nothing was written; try --device cpu",
               file=sys.stderr)
         return EXIT_FAILED
-    except MemoryError:  # (torch's CPU allocator raises RuntimeError "can't allocate memory": below)
-        print(f"{prog}: out of memory; nothing was written", file=sys.stderr)
-        return EXIT_FAILED
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
             print(f"{prog}: {exc.filename or 'output'}: {exc.strerror}", file=sys.stderr)
@@ -1499,13 +1505,11 @@ def main(argv=None) -> int:
         print(f"{prog}: {exc.filename or ''}: {_one_line(exc.strerror or exc)}", file=sys.stderr)
         return EXIT_FAILED
     except Exception as exc:  # a bug: one line unless asked for the traceback
+        if (shortfall := _out_of_memory(exc)) is not None:  # work too large for this machine: not a bug
+            print(f"{prog}: out of memory{shortfall}; nothing was written", file=sys.stderr)
+            return EXIT_FAILED
         if os.environ.get("FEDBASIN_DEBUG"):
             raise
-        if isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc):  # too large for this machine
-            wanted = re.search(r"allocate (\d+) bytes", str(exc))
-            size = f" ({int(wanted.group(1)) / 2**30:,.1f} GiB in one allocation)" if wanted else ""
-            print(f"{prog}: out of memory{size}; nothing was written", file=sys.stderr)
-            return EXIT_FAILED
         print(f"{prog}: internal error: {type(exc).__name__}: {_one_line(exc)} "
               "(rerun with FEDBASIN_DEBUG=1 for the traceback and please report it)", file=sys.stderr)
         return EXIT_INTERNAL

@@ -27,7 +27,7 @@ from typing import Any
 
 AUTO = "auto"
 CLI, RUN = "cli", "run"  # the surfaces an option appears on
-INT64 = 2**63  # integers are int64 to torch and numpy: larger ones are refused, not overflowed
+INT64 = 2**63  # integers are int64 to torch and numpy: larger ones are refused (int64_problem), not overflowed
 MAX_BUDGET = 1e7  # seconds (about 116 days): a budget beyond it is a typo, and its step count would overflow
 PYTHON = "python"  # the Python API's option objects (every option; named by class and field in messages)
 
@@ -96,12 +96,13 @@ class RefineOptions:
     PREFIX = "refine-"
     budget: float = option(120.0, "seconds the refinement may take (start, labelling, steps and keep-best "
                            "checks; in Flower, per round); the steps follow from timing the first ones (a GPU buys "
-                           "more in the same time); 0 with steps auto: no refinement", low=0, high=MAX_BUDGET, metavar="SECONDS")
+                           "more in the same time); 0 with steps auto: no refinement", low=0, high=MAX_BUDGET,
+                           metavar="SECONDS")
     steps: int | str = option(AUTO, "optimiser steps (auto: as many as the budget allows; 0: no refinement)", low=0,
                               auto=True)
     examples: int | str = option(AUTO, "proxy examples taken from the data's training split (by default 60%% "
-                                 "train the maps, 20%% select the alignment kept, 20%% only report its loss; at least 2: "
-                                 "one trains, one selects)", low=2, auto=True, surfaces=(CLI,))
+                                 "train the maps, 20%% select the alignment kept, 20%% only report its loss; at "
+                                 "least 2: one trains, one selects)", low=2, auto=True, surfaces=(CLI,))
     selection_fraction: float = option(0.2, "share of the proxy examples keep-best scores (exactly) to choose the "
                                        "alignment kept; must be > 0", low=0, high=1.0, surfaces=(CLI,), metavar="F")
     evaluation_fraction: float | str = option(AUTO, "share of the proxy examples whose loss is only reported; 0: "
@@ -167,7 +168,8 @@ class DistillOptions:
                               low=0, auto=True)
     budget: float = option(120.0, "with distill-steps auto: seconds one distillation may take (per round in Flower; "
                            "caching the models' outputs, the steps and keep-best checks); the steps follow from timing "
-                           "one step before the first; 0: no distillation", low=0, high=MAX_BUDGET, metavar="SECONDS")
+                           "one step before the first; 0: no distillation", low=0, high=MAX_BUDGET,
+                           metavar="SECONDS")
     lr: float | str = option(AUTO, "Adam learning rate of the student; auto: for image classifiers sized by the "
                              "run's steps (0.0005 up to 250, rising to 0.002 at 1500 and beyond), 0.001 for language "
                              "models (0.0001 in fedbasin merge of subword LMs)", low=0, open_low=True, auto=True)
@@ -278,6 +280,11 @@ def type_problem(f: dataclasses.Field, opt: Option, value) -> str | None:
     return f"expected {expected}{' or auto' * opt.auto}, got {type(value).__name__}"
 
 
+def int64_problem(value: int) -> str | None:
+    """Why the integer ``value`` is refused (None when it fits): torch and numpy take int64 seeds and sizes."""
+    return None if -INT64 <= value < INT64 else "must be below 2**63"
+
+
 def value_problem(opt: Option, value, surface: str = CLI) -> str | None:
     """Why ``value`` is outside the option's choices or range (None when it is allowed), worded for
     ``surface`` (the run config's wording is the one its keys always had)."""
@@ -289,8 +296,8 @@ def value_problem(opt: Option, value, surface: str = CLI) -> str | None:
         return None
     if not math.isfinite(value):
         return "must be finite"
-    if isinstance(value, int) and not -INT64 <= value < INT64:  # torch's and numpy's seeds and counts
-        return "must be below 2**63"
+    if isinstance(value, int) and (why := int64_problem(value)):
+        return why
     if opt.low is not None and (value < opt.low or (opt.open_low and value == opt.low)):
         return f"must be {'greater than' if opt.open_low else 'at least'} {opt.low}"
     if opt.high is not None and (value > opt.high or (opt.open_high and value == opt.high)):

@@ -286,7 +286,7 @@ class RunFailed(RuntimeError):
     """The run started but did not end as ``finished:completed`` (exit code 1)."""
 
 
-class InputUnusable(FileNotFoundError):
+class InputUnusable(OSError):
     """An input the run config names (data, hf-pretrained, an hf-config file) cannot be found or
     read (exit code 3)."""
 

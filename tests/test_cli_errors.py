@@ -194,7 +194,7 @@ def test_the_smallest_proxy_refines(models, tmp_path, capsys):
 
 
 def test_barrier_points_are_bounded_and_shown(models, tmp_path, capsys):
-    """--points has an upper bound (1e20 points allocated 4 GB before failing), and each path's points
+    """--points has an upper bound (a λ grid of 1e20 points was allocated before anything failed), and each path's points
     draw a progress bar."""
     _usage_fails(capsys, tmp_path, ["barrier", models["a"], models["b"], "--data", "digits", "--points", "1002"],
                  "--points", "from 2 to 1001")
