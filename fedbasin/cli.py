@@ -18,6 +18,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -709,9 +710,13 @@ def _refined_merge(args, checkpoints, states, match) -> tuple[dict, dict]:
 
     weights = args.weights or [1.0] * len(states)
     refine, info, proxy = _refiner(args, checkpoints[0], "merge", match, states)
-    distill = _distiller(args, checkpoints[0], info["kind"], proxy)  # its options checked before any long work
-    merged, result = refined_merge(checkpoints[0].spec, states, weights, 0, refine)
-    summary = {**info, **result.summary()}
+    options = _resolved_distill(args, info["kind"])  # checked before any long work
+    distill = _distiller(checkpoints[0], info["kind"], proxy, options)
+    chosen: dict = {}
+    mix = _mixer(checkpoints[0], proxy, states[0], [args.reference, *args.models], chosen) \
+        if options.mixture == "best" and proxy.split is not None else None
+    merged, result = refined_merge(checkpoints[0].spec, states, weights, 0, refine, mix=mix)
+    summary = {**info, **result.summary(), **chosen}
     if distill is not None:
         merged, summary["distillation"] = distill(merged, [s for s, w in zip(states, weights) if w > 0])
     if proxy.test is not None:
@@ -805,28 +810,73 @@ class _Proxy:
         return rows, cut, list(test.batches(eval_batch_size(test, self.module, most=32)))
 
 
-def _distiller(args, ref, kind: str, proxy: _Proxy):
+# The merge weights are chosen (--distill-mixture best) on at most this many targets of the selection split: the
+# first 128 blocks of 128 tokens of a subword LM's, every image of an image proxy's
+MIXTURE_TARGETS = 16384
+
+
+def _mixer(ref, proxy: _Proxy, like: dict, paths: list[str], chosen: dict):
+    """``mix(weights, merge_of) -> weights`` for :func:`~fedbasin.alignment.refined_merge`:
+    :func:`~fedbasin.alignment.merge.best_mixture` scored by the cross-entropy on the first
+    :data:`MIXTURE_TARGETS` targets of the proxy's selection split (as the refinement cut it; a subword LM
+    over the refinement's vocabulary); what it chose goes into ``chosen["mixture"]`` and one stderr line."""
+    from fedbasin.alignment.merge import MIXTURE_SHARES, best_mixture
+    from fedbasin.alignment.progress import progress_bar
+    from fedbasin.server.distill import StateEnsemble, mean_loss
+    from fedbasin.training import cross_entropy
+    from fedbasin.weights import holding_weights
+
+    def mix(weights: list[float], merge_of) -> list[float]:
+        rows, cut, data = proxy.in_vocabulary(ref.spec, like)
+        per_batch = data.selection[0][1].numel()
+        selection = data.selection[:max(1, MIXTURE_TARGETS // per_batch)]
+        device = next(iter(like.values())).device
+        bar = progress_bar(sum(w > 0 for w in weights) + 1 + len(MIXTURE_SHARES), True,
+                           "choosing the merge weights", "candidate")
+
+        def loss_of(w: list[float]) -> float:
+            state = ref.adapter.from_standard(cut(merge_of(w)))
+            with holding_weights(proxy.module, state, device, reshaped=rows is not None):
+                loss = mean_loss(StateEnsemble(proxy.module, [state]), cross_entropy, selection, device)
+            bar.update()
+            return loss
+
+        start = time.perf_counter()
+        found = best_mixture(weights, loss_of)
+        bar.close()
+        chosen["mixture"] = {**found.summary(), "selection_examples": sum(len(y) for _, y in selection),
+                             "seconds": round(time.perf_counter() - start, 3)}
+        print(f"fedbasin merge: merge weights {', '.join(f'{w:.3g}' for w in found.weights)} "
+              f"(a share {found.share:g} of the way from the given weights to {paths[found.model]}, the lowest "
+              f"selection loss of the line: {dict(found.losses)[found.share]:.4f}, given weights "
+              f"{found.losses[0][1]:.4f})", file=sys.stderr)
+        return found.weights
+
+    return mix
+
+
+def _resolved_distill(args, kind: str):
+    """The schema's :class:`~fedbasin.options.DistillOptions` of ``args``, ``auto`` set for ``kind`` and
+    ``fedbasin merge`` (:func:`~fedbasin.options.resolve_distill`); a bad value is a usage error."""
+    from fedbasin.options import DistillOptions, from_args, resolve_distill
+
+    try:
+        return resolve_distill(from_args(DistillOptions, args), kind, merge=True)
+    except ValueError as error:
+        raise UsageError(str(error).splitlines()[0]) from None
+
+
+def _distiller(ref, kind: str, proxy: _Proxy, options):
     """``distill(merged, teachers) -> (state, summary)``: the teachers' ensemble (their mean logits, or
     probabilities) distilled into ``merged`` on ``proxy``'s split, split as the refinement split it (its
-    selection part keeps the best student, θ₀ included), with the schema's :class:`~fedbasin.options.DistillOptions`
-    (``auto`` set for ``kind``, the steps sized by ``--distill-budget``); None when off (no real proxy data,
-    ``--distill-steps 0`` or a budget of 0)."""
-    from fedbasin.options import (
-        AUTO,
-        MERGE_DISTILL_CHECKS_AT_END,
-        DistillOptions,
-        distill_call,
-        from_args,
-        resolve_distill,
-    )
+    selection part keeps the best student, θ₀ included), with resolved ``options`` (:func:`_resolved_distill`,
+    the steps sized by ``--distill-budget``); None when off (no real proxy data, ``--distill-steps 0`` or a
+    budget of 0)."""
+    from fedbasin.options import AUTO, MERGE_DISTILL_CHECKS_AT_END, distill_call
     from fedbasin.server.distill import EVAL_EVERY, ensemble_distill, named_augment
     from fedbasin.training import cross_entropy
     from fedbasin.weights import holding_weights
 
-    try:
-        options = resolve_distill(from_args(DistillOptions, args), kind, merge=True)
-    except ValueError as error:
-        raise UsageError(str(error).splitlines()[0]) from None
     auto = options.steps == AUTO
     if proxy.split is None or (options.budget <= 0 if auto else options.steps == 0):
         return None

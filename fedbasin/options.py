@@ -184,6 +184,12 @@ class DistillOptions:
                           choices=AUGMENTS, auto=True)
     teacher: str = option("logits", "the ensemble averages the models' logits or probabilities",
                           choices=("logits", "probabilities"))
+    # "best" is not the default: on gpt2-s01 the selection split (training text) chose the better model alone, which
+    # distillation then could not improve (docs/journal/merging-notes.md §34)
+    mixture: str = option("given", "the merge's weights before distillation: given (--weights, else equal) or best "
+                          "(the lowest selection-split loss on the line from the given weights to the best model "
+                          "alone, shares 0, ¼, ½, ¾, 1 of the way: never worse there than the best model)",
+                          choices=("given", "best"), surfaces=(CLI,))
 
 
 @dataclass

@@ -156,6 +156,52 @@ def _normalise_weights(weights, n):
     return weights
 
 
+#: shares α of the way from the given merge weights to the best model alone that :func:`best_mixture` scores
+#: (α = 0: the weights as given, α = 1: the best model; every model alone is scored to find the best)
+MIXTURE_SHARES = (0.25, 0.5, 0.75)
+
+
+def mixture_toward(weights: list[float], k: int, share: float) -> list[float]:
+    """``w(α) = (1 − α)·w/Σw + α·e_k``: the normalised merge weights moved a share α of the way to model k alone."""
+    total = float(sum(weights))
+    return [(1 - share) * w / total + (share if i == k else 0.0) for i, w in enumerate(weights)]
+
+
+@dataclass
+class Mixture:
+    """What :func:`best_mixture` chose: ``weights`` (normalised), the best single ``model``, the ``share`` α
+    of the way to it, and every scored ``(share, loss)`` pair (α = 1: the model alone)."""
+
+    weights: list[float]
+    model: int
+    share: float
+    losses: list[tuple[float, float]]
+
+    def summary(self) -> dict:
+        return {"weights": [round(w, 6) for w in self.weights], "best_model": self.model, "share": self.share,
+                "losses": {f"{a:g}": round(v, 6) for a, v in self.losses}}
+
+
+def best_mixture(weights: list[float], loss_of: Callable[[list[float]], float],
+                 shares: tuple[float, ...] = MIXTURE_SHARES) -> Mixture:
+    """The merge weights of lowest ``loss_of`` on the line from ``weights`` toward the best model alone.
+
+    Each model of positive weight is scored alone (``loss_of(e_k)``), k* = the lowest; then
+    ``w(α) = (1 − α)·w/Σw + α·e_k*`` (:func:`mixture_toward`) for α = 0 and every share in ``shares``.
+    The lowest loss wins, the smaller α on a tie; a non-finite loss never wins (all non-finite: α = 0).
+    ``loss_of(w)`` scores the merge with weights w, e.g. on the proxy's selection split."""
+    weights = _normalise_weights(weights, len(weights))
+    singles = {k: loss_of(mixture_toward(weights, k, 1.0)) for k, w in enumerate(weights) if w > 0}
+    finite = {k: v for k, v in singles.items() if math.isfinite(v)}
+    best = min(finite, key=finite.get) if finite else next(iter(singles))
+    scored = [(a, loss_of(mixture_toward(weights, best, a))) for a in (0.0, *sorted(set(shares) - {0.0, 1.0}))]
+    scored.append((1.0, singles[best]))
+    share, _ = min(scored, key=lambda p: (p[1] if math.isfinite(p[1]) else math.inf, p[0]))
+    if not any(math.isfinite(v) for _, v in scored):
+        share = 0.0
+    return Mixture(mixture_toward(weights, best, share), best, share, scored)
+
+
 def merge(
     spec: SymmetrySpec,
     states: list[dict],

@@ -36,7 +36,7 @@ from .canonical import canonicalize, to_gauge
 from .group import GroupElement, apply_group, compose
 from .keep_best import all_finite, check_step_options, keep_best_record
 from .matching import MODES, kind_of_state, weight_match
-from .merge import Combiner, as_combiner, merge
+from .merge import Combiner, as_combiner, average_states, merge
 from .parametrize import GROUPS, _Delta
 from .progress import progress_bar
 from .proxy import Batch, TrainingStream, _as_batches, examples_between
@@ -590,15 +590,21 @@ def refined_merge(
     reference: int,
     refine: Callable[..., RefineResult],
     combine: Combiner | Callable[[list, list], dict] | None = None,
+    mix: Callable[[list[float], Callable[[list[float]], dict]], list[float]] | None = None,
 ) -> tuple[dict, RefineResult]:
     """``Σ_k w_k g_k·θ_k / Σ_k w_k`` with every g_k from ``refine(θ_ref, others, include_reference=
     w_ref > 0)`` (e.g. a partial of :func:`learned_refine`), in the reference's gauge; returns
     (merged state, refine result). ``combine`` replaces the weighted mean (a
-    :class:`~fedbasin.alignment.merge.Combiner`, called once, or a plain ``(states, weights)`` callable)."""
+    :class:`~fedbasin.alignment.merge.Combiner`, called once, or a plain ``(states, weights)`` callable).
+    ``mix(weights, merge_of) -> weights`` chooses the weights first, ``merge_of(w)`` being the weighted mean
+    of the aligned models in the reference's gauge (e.g. :func:`~fedbasin.alignment.merge.best_mixture`
+    scored on proxy data)."""
     combine = as_combiner(combine)
     others = [s for k, s in enumerate(states) if k != reference]
     result = refine(states[reference], others, include_reference=weights[reference] > 0)
     ref = canonicalize(spec, states[reference])
     aligned = list(result.canonical)
     aligned.insert(reference, ref.state if result.reference_canonical is None else result.reference_canonical)
+    if mix is not None:
+        weights = mix(weights, lambda w: to_gauge(spec, average_states(aligned, w), ref.gains))
     return to_gauge(spec, combine.combine(aligned, weights), ref.gains), result
