@@ -12,7 +12,7 @@ from fedbasin.alignment.merge import best_mixture, mixture_toward
 from fedbasin.checkpoint import load_checkpoint, save_checkpoint
 from fedbasin.cli import main
 from fedbasin.models import build_model
-from tests.helpers import DIGITS_VIT, digits_loss, trained_digits_vit
+from tests.helpers import DIGITS_VIT, cli_error, digits_loss, trained_digits_vit
 
 
 def test_the_line_runs_from_the_normalised_weights_to_one_model():
@@ -101,8 +101,6 @@ def test_merges_keep_the_given_weights_by_default(trained_and_untrained, capsys,
 
 
 def test_the_mixture_needs_proxy_data(trained_and_untrained, capsys, tmp_path):
-    from tests.helpers import cli_error
-
     line = cli_error(capsys, ["merge", *trained_and_untrained, "--out", tmp_path / "o", "--distill-mixture", "best"])
     assert "--distill-mixture has no effect without --refine-data" in line
     assert not (tmp_path / "o").exists()

@@ -196,9 +196,7 @@ def best_mixture(weights: list[float], loss_of: Callable[[list[float]], float],
     best = min(finite, key=finite.get) if finite else next(iter(singles))
     scored = [(a, loss_of(mixture_toward(weights, best, a))) for a in (0.0, *sorted(set(shares) - {0.0, 1.0}))]
     scored.append((1.0, singles[best]))
-    share, _ = min(scored, key=lambda p: (p[1] if math.isfinite(p[1]) else math.inf, p[0]))
-    if not any(math.isfinite(v) for _, v in scored):
-        share = 0.0
+    share, _ = min(scored, key=lambda p: (p[1] if math.isfinite(p[1]) else math.inf, p[0]))  # all non-finite: α = 0
     return Mixture(mixture_toward(weights, best, share), best, share, scored)
 
 
