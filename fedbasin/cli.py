@@ -260,6 +260,11 @@ def _dest_groups():
 
 
 MATCHING_OPTIONS, REFINE_OPTIONS, DISTILL_OPTIONS, STREAM_UNSUPPORTED = _dest_groups()
+# the refinement options that act only through its steps: ignored with --refine-steps 0 (the start, the proxy's size,
+# split, vocabulary, batches and seed still count: the start is written, the distillation reads the same proxy)
+REFINE_STEP_OPTIONS = tuple(f"refine_{name}" for name in (
+    "budget", "lr", "head_lr", "permutations", "group", "lambda", "schedule", "soft_labels", "soft_label_top_k", "dual",
+    "vocabulary_samples", "vocabulary_batch_samples", "eval_every"))
 
 
 def _record_defaults(p: argparse.ArgumentParser) -> None:
@@ -304,6 +309,13 @@ def _refuse_ineffective_options(args) -> None:
             rules.append((("tokenizer",), "has no effect without --seen-tokens text:FILE or --refine-data"))
     elif _unigram_proxy(args):
         rules.append((DISTILL_OPTIONS, "has no effect with --refine-data unigram: distillation needs real proxy data"))
+    if getattr(args, "refine_steps", None) == 0:  # the start and the proxy (also the distillation's) still count
+        rules.append((REFINE_STEP_OPTIONS, "has no effect with --refine-steps 0 (no refinement steps)"))
+    distill_steps = getattr(args, "distill_steps", None)
+    if distill_steps == 0 or (distill_steps in (None, "auto") and getattr(args, "distill_budget", None) == 0):
+        off = "--distill-steps 0" if distill_steps == 0 else "--distill-budget 0"
+        rules.append((tuple(d for d in DISTILL_OPTIONS if d not in ("distill_steps", "distill_budget", "distill_mixture")),
+                      f"has no effect with {off} (no distillation)"))
     text_rows = (args.seen_tokens or "").startswith("text:") or (
         args.seen_tokens is None and (getattr(args, "refine_data", None) or "").startswith("text:"))
     if not text_rows:

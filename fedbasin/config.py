@@ -20,7 +20,8 @@ from fedbasin.alignment.adapters import Adapter, fedbasin_adapter
 from fedbasin.alignment.proxy import split_share_problem
 from fedbasin.data import Task, load_task
 from fedbasin.models import FAMILIES, build_model, family_of
-from fedbasin.options import AUTO, RUN, convert, from_run_config, run_config_choices, run_config_fields, toml_value
+from fedbasin.options import (AUTO, IMAGE, RUN, convert, from_run_config, resolve_refine, run_config_choices,
+                              run_config_fields, toml_value)
 from fedbasin.options import problems as option_problems
 from fedbasin.run_defaults import DEFAULT_RUN_CONFIG
 from fedbasin.training import OUTPUT_BUDGET, device_name_problem
@@ -86,7 +87,7 @@ def _value_problems(config: dict) -> list[str]:
     for key, allowed in RUN_CHOICES.items():
         if config[key] not in allowed:
             problems.append(f"run-config {key}={config[key]!r}; expected one of {allowed}")
-    problems += option_problems(from_run_config(config), RUN)
+    problems += _option_problems(config)
     if 0 < config["proxy-size"] < MIN_PROXY:  # auto refinement and distillation would run on it, to no avail
         problems.append(f"run-config proxy-size={config['proxy-size']} is too small: the server's proxy split needs "
                         f"at least {MIN_PROXY} examples (0 holds none back)")
@@ -118,6 +119,20 @@ def _value_problems(config: dict) -> list[str]:
     if config["resume"] and config["overwrite"]:
         problems.append("run-config resume=true and overwrite=true contradict each other")
     return problems
+
+
+def _option_problems(config: dict) -> list[str]:
+    """The schema's refusals of the run config's options on its ``data``; for image data also with every ``auto``
+    resolved (the CLI checks the resolved options on the data it reads: an option that the resolved ones make
+    meaningless, e.g. a sampled vocabulary with the full softmax of images, is refused, not ignored every round)."""
+    options = from_run_config(config)
+    found = option_problems(options, RUN, data=config["data"])
+    if not found and not str(config["data"]).startswith("text:"):
+        match, refine = options[0], options[1]
+        resolved = resolve_refine(refine, IMAGE, gpu=False).options
+        found = [f"{line} (with the auto values of an image classifier)"
+                 for line in option_problems([resolved, match], RUN, data=config["data"])]
+    return found
 
 
 def model_config(

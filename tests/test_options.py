@@ -81,6 +81,41 @@ def test_combinations_are_refused_naming_both_options(capsys, tmp_path):
     assert "--refine-start activations --symmetry permutation" in line
 
 
+def test_the_run_config_refuses_text_options_on_image_data_before_any_round():
+    """The run config is checked on its ``data`` and, for images, with the ``auto`` values resolved, as the CLI
+    checks what it will run: a sampled vocabulary on digits used to pass here and then fail every round's
+    refinement ("aggregation failed"), or be ignored."""
+    for extra, expected in (({"refine-vocabulary": "seen"}, "refine-vocabulary='seen' needs text data"),
+                            ({"refine-vocabulary-batch-samples": 8},
+                             "refine-vocabulary-batch-samples=8 run-config refine-vocabulary='full' samples"),
+                            ({"refine-vocabulary-samples": 4, "data": "cifar10"}, "with the auto values of an image")):
+        with pytest.raises(RunConfigError) as refused:
+            resolve_run_config({"proxy-size": 60, **extra})
+        assert expected in refused.value.problems[0]
+    # the defaults, and text options on text data, still pass
+    for data in ("digits", "cifar10", "text:input.txt"):
+        assert resolve_run_config({"data": data, "proxy-size": 60})["data"] == data
+    assert resolve_run_config({"data": "text:input.txt", "refine-vocabulary": "seen",
+                               "refine-vocabulary-samples": 4})["refine-vocabulary"] == "seen"
+
+
+def test_options_of_a_switched_off_refinement_or_distillation_are_refused(capsys, tmp_path):
+    """``--refine-steps 0`` takes no step, ``--distill-steps 0`` / ``--distill-budget 0`` no distillation: an
+    option that only acts there is refused naming both, not ignored; what still acts (the proxy, the mixture) passes."""
+    models = _digits_pair(tmp_path)
+    merge = ["merge", *models, "--out", tmp_path / "o", "--refine-data", "digits"]
+    assert cli_error(capsys, [*merge, "--refine-steps", "0", "--refine-lr", "0.5"]) == \
+        "fedbasin merge: --refine-lr has no effect with --refine-steps 0 (no refinement steps)"
+    assert "--distill-lr has no effect with --distill-steps 0" in cli_error(
+        capsys, [*merge, "--distill-steps", "0", "--distill-lr", "0.5"])
+    assert "--distill-temperature has no effect with --distill-budget 0" in cli_error(
+        capsys, [*merge, "--distill-budget", "0", "--distill-temperature", "9"])
+    from fedbasin.cli import main
+
+    assert main([str(a) for a in [*merge, "--refine-steps", "0", "--refine-examples", "100", "--distill-steps", "0",
+                                  "--distill-mixture", "best"]]) == 0
+
+
 def test_the_summary_records_every_refinement_setting_the_run_used(tmp_path, capsys):
     """Given or chosen by auto, each setting is in ``refinement`` (lambda, group, schedule, batch, the
     keep-best interval of a run with --refine-steps), so the summary repeats the run."""
