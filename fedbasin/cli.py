@@ -36,7 +36,7 @@ from fedbasin.commandline import (  # the README's exit-code table and the --hel
     HelpFormatter,
 )
 from fedbasin.data.sources import TOKENIZER_FILES, TOKENIZER_MARKERS
-from fedbasin.options import int64_problem
+from fedbasin.options import AUTO, distillation_off, int64_problem
 
 # ------------------------------------------------------------------------------------------------
 # errors (exit codes: fedbasin.commandline, the table in README.md, "Command line")
@@ -265,6 +265,8 @@ MATCHING_OPTIONS, REFINE_OPTIONS, DISTILL_OPTIONS, STREAM_UNSUPPORTED = _dest_gr
 REFINE_STEP_OPTIONS = tuple(f"refine_{name}" for name in (
     "budget", "lr", "head_lr", "permutations", "group", "lambda", "schedule", "soft_labels", "soft_label_top_k", "dual",
     "vocabulary_samples", "vocabulary_batch_samples", "eval_every"))
+# the distillation options ignored when --distill-steps 0 or --distill-budget 0 turn it off (the mixture still acts)
+DISTILL_STEP_OPTIONS = tuple(d for d in DISTILL_OPTIONS if d not in ("distill_steps", "distill_budget", "distill_mixture"))
 
 
 def _record_defaults(p: argparse.ArgumentParser) -> None:
@@ -311,11 +313,13 @@ def _refuse_ineffective_options(args) -> None:
         rules.append((DISTILL_OPTIONS, "has no effect with --refine-data unigram: distillation needs real proxy data"))
     if getattr(args, "refine_steps", None) == 0:  # the start and the proxy (also the distillation's) still count
         rules.append((REFINE_STEP_OPTIONS, "has no effect with --refine-steps 0 (no refinement steps)"))
-    distill_steps = getattr(args, "distill_steps", None)
-    if distill_steps == 0 or (distill_steps in (None, "auto") and getattr(args, "distill_budget", None) == 0):
-        off = "--distill-steps 0" if distill_steps == 0 else "--distill-budget 0"
-        rules.append((tuple(d for d in DISTILL_OPTIONS if d not in ("distill_steps", "distill_budget", "distill_mixture")),
-                      f"has no effect with {off} (no distillation)"))
+    if hasattr(args, "distill_steps"):
+        defaults = args.option_defaults  # (not given: None)
+        steps = defaults["distill_steps"] if args.distill_steps is None else args.distill_steps
+        budget = defaults["distill_budget"] if args.distill_budget is None else args.distill_budget
+        if distillation_off(steps, budget):
+            off = "--distill-steps 0" if steps == 0 else "--distill-budget 0"
+            rules.append((DISTILL_STEP_OPTIONS, f"has no effect with {off} (no distillation)"))
     text_rows = (args.seen_tokens or "").startswith("text:") or (
         args.seen_tokens is None and (getattr(args, "refine_data", None) or "").startswith("text:"))
     if not text_rows:
@@ -884,13 +888,13 @@ def _distiller(ref, kind: str, proxy: _Proxy, options):
     selection part keeps the best student, θ₀ included), with resolved ``options`` (:func:`_resolved_distill`,
     the steps sized by ``--distill-budget``); None when off (no real proxy data, ``--distill-steps 0`` or a
     budget of 0)."""
-    from fedbasin.options import AUTO, MERGE_DISTILL_CHECKS_AT_END, distill_call
+    from fedbasin.options import MERGE_DISTILL_CHECKS_AT_END, distill_call
     from fedbasin.server.distill import EVAL_EVERY, ensemble_distill, named_augment
     from fedbasin.training import cross_entropy
     from fedbasin.weights import holding_weights
 
     auto = options.steps == AUTO
-    if proxy.split is None or (options.budget <= 0 if auto else options.steps == 0):
+    if proxy.split is None or distillation_off(options.steps, options.budget):
         return None
     try:
         augment = named_augment(options.augment, tuple(proxy.split.inputs.shape[1:]))
@@ -928,7 +932,6 @@ def _refiner(args, ref, command: str, match, states: list[dict]):
     from fedbasin.checkpoint import build_torch_model
     from fedbasin.data import unigram_blocks
     from fedbasin.options import (
-        AUTO,
         CLI,
         WEIGHTS_PROXIES,
         RefineOptions,

@@ -128,8 +128,8 @@ def _option_problems(config: dict) -> list[str]:
     options = from_run_config(config)
     found = option_problems(options, RUN, data=config["data"])
     if not found and not str(config["data"]).startswith("text:"):
-        match, refine = options[0], options[1]
-        resolved = resolve_refine(refine, IMAGE, gpu=False).options
+        match, refine, *_ = options
+        resolved = resolve_refine(refine, IMAGE).options
         found = [f"{line} (with the auto values of an image classifier)"
                  for line in option_problems([resolved, match], RUN, data=config["data"])]
     return found

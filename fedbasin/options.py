@@ -637,6 +637,11 @@ MERGE_DISTILL_SETTINGS = {SUBWORD_LM: dict(lr=1e-4)}
 MERGE_DISTILL_CHECKS_AT_END = {SUBWORD_LM}
 
 
+def distillation_off(steps: int | str, budget: float) -> bool:
+    """Whether the distillation options turn it off: ``steps`` 0, or ``auto`` with a ``budget`` of 0."""
+    return budget <= 0 if steps == AUTO else steps == 0
+
+
 def resolve_distill(distill: DistillOptions, kind: str, merge: bool = False) -> DistillOptions:
     """``distill`` with every ``auto`` set for ``kind`` (:data:`DISTILL_SETTINGS`; for ``fedbasin merge``,
     ``merge``, :data:`MERGE_DISTILL_SETTINGS` first)."""

@@ -42,6 +42,7 @@ from fedbasin.config import (
 from fedbasin.options import (
     AUTO,
     distill_call,
+    distillation_off,
     from_run_config,
     model_kind,
     resolve_distill,
@@ -145,9 +146,7 @@ def distils(config: dict, task) -> bool:
     a proxy split is refused), or ``auto`` with a ``distill-budget`` > 0 and a proxy split (without
     one: no distillation, and no error)."""
     steps = config["distill-steps"]
-    if steps == AUTO:
-        return task.proxy is not None and config["distill-budget"] > 0
-    return steps > 0
+    return not distillation_off(steps, config["distill-budget"]) and (steps != AUTO or task.proxy is not None)
 
 
 def make_distiller(model, task, config: dict, adapter=None, in_place: bool = False):
